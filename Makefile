@@ -1,0 +1,20 @@
+# CPU machines: torch==2.13.0 first (the CPU build), then the rest. On a GPU box install your CUDA
+# torch and `pip install -e ".[gpu]"` instead.
+PYTHON ?= python3
+NPROC ?= 2
+
+.PHONY: install demo test bench
+
+install:
+	$(PYTHON) -m pip install --quiet torch==2.13.0
+	$(PYTHON) -m pip install --quiet -e ".[test]"
+
+demo: install
+	NPROC=$(NPROC) bash recipes/sft_tiny.sh
+
+test: install
+	$(PYTHON) -m pytest tests -q
+
+bench: install
+	$(PYTHON) bench/packing.py
+	$(PYTHON) bench/train_throughput.py

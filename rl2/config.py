@@ -1,0 +1,275 @@
+"""Typed configuration: one dataclass per section, parsed from `key=value` args and YAML.
+
+    torchrun ... -m rl2.trainer.ppo config=recipe.yaml actor.lr=1e-5 data.max_length=null
+"""
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
+
+
+class ConfigError(ValueError):
+    """A bad command-line argument or config file; the message says what to fix."""
+
+
+def _f(default: Any, help: str, choices: Optional[list[str]] = None) -> Any:
+    """A dataclass field carrying its one-line meaning (and allowed values) as metadata."""
+    metadata = {"help": help} if choices is None else {"help": help, "choices": choices}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _section(cls: type, help: str) -> Any:
+    return field(default_factory=cls, metadata={"help": help})
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = _f(None, "HF dataset, save_to_disk dir or json/jsonl/csv/parquet/arrow file; `split@path` picks a split")
+    test_path: Optional[str] = _f(None, "test set, same forms as path")
+    test_ratio: float = _f(0.0, "fraction of training rows held out as the test set when test_path is unset")
+    max_length: Optional[int] = _f(None, "longer sequences are truncated (counted and logged)")
+    batch_size: int = _f(8, "rows per optimizer step (global, across ranks)")
+    prompts_per_rollout: Optional[int] = _f(None, "prompts sampled per rollout")
+    responses_per_prompt: int = _f(1, "responses generated per prompt")
+    shuffle: bool = _f(True, "shuffle the training data every epoch")
+
+
+_DTYPES = ["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class ModelConfig:
+    model_name: Optional[str] = _f(None, "HF model name or local path")
+    tokenizer_name: Optional[str] = _f(None, "HF tokenizer name or local path; defaults to model_name")
+    optimizer_dir: Optional[str] = _f(None, "directory to load the optimizer state from")
+    fsdp_size: int = _f(0, "parameters sharded across every fsdp_size ranks (0 = all ranks; smaller = hybrid sharding)")
+    sp_size: int = _f(1, "sequence-parallel group size")
+    gradient_checkpointing: bool = _f(True, "recompute activations in backward to save memory")
+    max_length_per_device: int = _f(8192, "max tokens in one training micro-batch per device")
+    max_inference_length_per_device: Optional[int] = _f(None, "tokens per no-grad micro-batch; None = max_length_per_device")
+    update_per_rollout: int = _f(1, "optimizer passes over each rollout")
+    clip: float = _f(0.2, "clip range of the policy ratio (value clip for the critic)")
+    clip_high: Optional[float] = _f(None, "DAPO upper clip; None = same as clip")
+    lr: float = _f(1e-6, "learning rate of the optimizer")
+    weight_decay: float = _f(1e-2, "AdamW weight decay")
+    max_grad_norm: float = _f(1.0, "gradient norm clipping threshold")
+    warmup_ratio: float = _f(0.0, "fraction of total steps spent in linear lr warmup")
+    freeze_steps: int = _f(0, "initial steps without updating this model")
+    offload_model: bool = _f(False, "keep parameters on CPU between uses")
+    offload_optimizer: bool = _f(False, "keep optimizer state on CPU between uses")
+    save_dir: str = _f("ckpts", "checkpoint directory")
+    save_freq: Optional[int] = _f(None, "steps between checkpoints; None = only at the end")
+    save_optimizer: bool = _f(True, "include optimizer state in checkpoints")
+    dtype: str = _f("bfloat16", "compute (param) dtype; master weights stay fp32", _DTYPES)
+
+
+@dataclass
+class CriticConfig(ModelConfig):
+    clip: float = _f(0.5, "clip range of the value update")
+    lr: float = _f(5e-6, "learning rate of the optimizer")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = _f("hf", "generation engine", ["hf", "sglang"])
+    tp_size: int = _f(1, "tensor-parallel size of the rollout engine")
+    gpu_memory_utilization: float = _f(0.5, "fraction of GPU memory the rollout engine may use")
+    train_sampling_params: dict[str, Any] = _f({"temperature": 1.0, "max_new_tokens": 512}, "sampling params for training (any keys)")
+    test_sampling_params: dict[str, Any] = _f({"temperature": 0.0, "max_new_tokens": 512}, "sampling params for testing (any keys)")
+    max_turns: int = _f(1, "max assistant turns per episode")
+    env_path: Optional[str] = _f(None, "python file defining the environment (reward / tool steps)")
+
+
+_KL_ESTIMATORS = ["k1", "k2", "k3"]
+
+
+@dataclass
+class KLConfig:
+    coef: float = _f(0.0, "KL penalty coefficient (0 = no reference model)")
+    type: str = _f("reward", "apply KL as a reward penalty or as a loss term", ["reward", "loss"])
+    reward_estimator: str = _f("k1", "KL estimator when type=reward", _KL_ESTIMATORS)
+    loss_estimator: str = _f("k2", "KL estimator when type=loss", _KL_ESTIMATORS)
+
+
+@dataclass
+class AdvConfig:
+    estimator: str = _f("reinforce", "advantage estimator", ["gae", "reinforce"])
+    gamma: float = _f(1.0, "discount factor")
+    lamda: float = _f(1.0, "GAE lambda")
+    norm_var: bool = _f(False, "divide advantages by their standard deviation")
+
+
+@dataclass
+class TrainerConfig:
+    project: str = _f("rl2", "wandb project")
+    experiment_name: str = _f("run", "wandb run name")
+    n_epochs: int = _f(1, "passes over the training data")
+    total_steps: Optional[int] = _f(None, "optimizer steps; None = n_epochs over the data")
+    test_freq: Optional[int] = _f(None, "steps between evaluations; None = no periodic evaluation")
+    disable_wandb: bool = _f(False, "do not log to wandb")
+    load_ckpt_from: Optional[str] = _f(None, "'latest' or a checkpoint dir to resume from")
+    seed: int = _f(42, "random seed")
+
+
+@dataclass
+class Config:
+    data: DataConfig = _section(DataConfig, "dataset")
+    actor: ModelConfig = _section(ModelConfig, "policy model")
+    critic: CriticConfig = _section(CriticConfig, "value model (used with adv.estimator=gae)")
+    rollout: RolloutConfig = _section(RolloutConfig, "generation")
+    kl: KLConfig = _section(KLConfig, "KL regularisation against the reference model")
+    adv: AdvConfig = _section(AdvConfig, "advantage estimation")
+    trainer: TrainerConfig = _section(TrainerConfig, "training loop, logging and checkpoints")
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Union:
+        inner = [a for a in get_args(tp) if a is not type(None)]
+        return f"Optional[{_type_name(inner[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """Field name -> resolved type, in declaration order."""
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def _lookup_type(cls: type, dotted: str) -> Any:
+    """Declared type of a dotted key, or None if it is not a dataclass field (e.g. inside a free-form dict)."""
+    tp: Any = cls
+    for part in dotted.split("."):
+        if not is_dataclass(tp):
+            return None
+        tp = _hints(tp).get(part)
+    return tp
+
+
+def _check_keys(raw: dict, cls: type, prefix: str = "") -> None:
+    """Reject unknown keys at any depth, and sections given a plain value."""
+    hints = _hints(cls)
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if key not in hints:
+            where = f"under '{prefix[:-1]}'" if prefix else "at the top level"
+            raise ConfigError(f"unknown config key '{name}'; valid keys {where}: {', '.join(sorted(hints))}")
+        tp = hints[key]
+        if is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{name}' is a section, not a value; set its keys, e.g. {name}.{next(iter(_hints(tp)))}=...")
+            _check_keys(value, tp, name + ".")
+        elif tp is bool and type(value) is int:
+            # OmegaConf would silently turn any int into a bool (`disable_wandb=2` -> True).
+            raise ConfigError(f"invalid value for '{name}': expected bool (true/false), got {value!r}")
+
+
+def _check_choices(obj: Any, prefix: str = "") -> None:
+    for f in fields(obj):
+        value, name = getattr(obj, f.name), f"{prefix}{f.name}"
+        if is_dataclass(value):
+            _check_choices(value, name + ".")
+        elif "choices" in f.metadata and value not in f.metadata["choices"]:
+            raise ConfigError(f"invalid value for '{name}': {value!r}; choose one of {', '.join(f.metadata['choices'])}")
+
+
+def _translate(e: OmegaConfBaseException) -> ConfigError:
+    """An OmegaConf error rewritten as a message that names the key."""
+    key = getattr(e, "full_key", None) or "?"
+    reason = str(e).splitlines()[0]  # the rest is OmegaConf's full_key/object_type dump
+    if isinstance(e, InterpolationResolutionError):
+        return ConfigError(f"cannot resolve interpolation for '{key}': {reason}")
+    tp = _lookup_type(Config, key)
+    if isinstance(e, ValidationError) and tp is not None:
+        return ConfigError(f"invalid value for '{key}': expected {_type_name(tp)}, got {getattr(e, 'value', None)!r}")
+    return ConfigError(f"invalid value for '{key}': {reason}")
+
+
+def _load_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
+        raise ConfigError(f"cannot parse config file {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must be a mapping of sections, e.g. `actor: {{lr: 1e-5}}`")
+    return raw
+
+
+def load_config(args: Optional[list[str]] = None) -> Config:
+    """Build a Config from defaults, then an optional `config=file.yaml`, then `key=value` overrides.
+
+    `args` is like sys.argv[1:]; None means no overrides. `-h`/`--help` prints the help and exits.
+    """
+    args = list(args or [])
+    if "-h" in args or "--help" in args:
+        print(config_help())
+        raise SystemExit(0)
+    yaml_paths, overrides = [], []
+    for arg in args:
+        key, sep, _ = arg.partition("=")
+        if not sep or not key or key.startswith("-"):
+            raise ConfigError(f"bad argument {arg!r}: expected key=value, e.g. actor.lr=1e-5 or config=path.yaml (see --help)")
+        (yaml_paths if key == "config" else overrides).append(arg)
+    if len(yaml_paths) > 1:
+        raise ConfigError(f"at most one config=file.yaml may be given, got {len(yaml_paths)}")
+
+    layers = []
+    for arg in yaml_paths:
+        path = arg.partition("=")[2]
+        raw = _load_yaml(path)
+        try:
+            _check_keys(raw, Config)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (in {path})") from None
+        layers.append(OmegaConf.create(raw))
+    cli = OmegaConf.create()
+    for arg in overrides:
+        try:
+            cli.merge_with_dotlist([arg])
+        except Exception as e:  # yaml or grammar errors from the value
+            raise ConfigError(f"cannot parse {arg!r}: {str(e).splitlines()[0]}") from None
+    _check_keys(OmegaConf.to_container(cli, resolve=False), Config)
+    layers.append(cli)
+
+    try:
+        config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *layers))
+    except OmegaConfBaseException as e:
+        raise _translate(e) from None
+    _check_choices(config)
+    for model in (config.actor, config.critic):
+        if model.tokenizer_name is None:
+            model.tokenizer_name = model.model_name
+    return config
+
+
+def _help_lines(cls: type, prefix: str = "") -> list[str]:
+    lines = []
+    for f, tp in zip(fields(cls), _hints(cls).values()):
+        name = f"{prefix}{f.name}"
+        if is_dataclass(tp):
+            lines += ["", f"{name}: {f.metadata['help']}"] + _help_lines(tp, name + ".")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        line = f"  {name}: {_type_name(tp)} = {default!r}  — {f.metadata['help']}"
+        if "choices" in f.metadata:
+            line += f" (choices: {', '.join(f.metadata['choices'])})"
+        lines.append(line)
+    return lines
+
+
+def config_help(config_cls: type = Config) -> str:
+    """Every config key, dotted, with its type, default, meaning and choices, grouped by section."""
+    usage = "usage: [config=file.yaml] [section.key=value ...]   (values use YAML syntax; null = None)"
+    return "\n".join([usage] + _help_lines(config_cls))
+
+
+def config_to_dict(config: Config) -> dict:
+    """The config as a plain nested dict (for logging and checkpoints)."""
+    return dataclasses.asdict(config)

@@ -1,0 +1,82 @@
+"""Process group, device and DeviceMesh set-up: NCCL on CUDA, gloo on CPU, world size 1 without torchrun."""
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+logger = logging.getLogger(__name__)
+
+
+def init_distributed(timeout_minutes: int = 30) -> None:
+    """Join the torchrun process group, or make a one-process group when not launched by torchrun.
+
+    A group that already exists (a second trainer in the same notebook) is reused.
+    """
+    if dist.is_initialized():
+        return
+    timeout = timedelta(minutes=timeout_minutes)
+    cuda = torch.cuda.is_available()
+    # gloo alongside NCCL so CPU tensors (object gathers, counts) can be reduced too.
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        if cuda:
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def device() -> torch.device:
+    """The device this rank computes on."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_rank0() -> bool:
+    return rank() == 0
+
+
+def build_fsdp_mesh(fsdp_size: int) -> DeviceMesh:
+    """A mesh over all ranks for FSDP: 1-D (full sharding) or 2-D (`ddp`, `fsdp`) for hybrid sharding.
+
+    `fsdp_size` 0 or the world size shards every parameter across all ranks; a smaller divisor
+    shards within groups of `fsdp_size` ranks and replicates across groups (HSDP).
+    """
+    world = world_size()
+    fsdp_size = fsdp_size or world
+    if fsdp_size < 1 or world % fsdp_size != 0:
+        raise ValueError(f"fsdp_size={fsdp_size} must divide the world size {world} (0 means all ranks)")
+    device_type = device().type
+    if fsdp_size == world:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(device_type, (world // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
+
+
+def all_reduce_sum(value: float | torch.Tensor) -> float | torch.Tensor:
+    """Sum a number or tensor over all ranks (a new value; the input is left as it was)."""
+    is_tensor = isinstance(value, torch.Tensor)
+    tensor = value.detach().clone() if is_tensor else torch.tensor(float(value), dtype=torch.float64)
+    if world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor if is_tensor else tensor.item()
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+

@@ -1,0 +1,88 @@
+"""FSDP2 models: meta-device init, weights loaded once and broadcast, full state dicts, offloading."""
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rl2.distributed import is_rank0
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_fsdp_model(
+    model_name: str,
+    mesh: DeviceMesh,
+    device: torch.device,
+    dtype: str = "bfloat16",
+    gradient_checkpointing: bool = False,
+    model_cls: type = AutoModelForCausalLM,
+    **config_overrides,
+) -> nn.Module:
+    """A transformers model sharded with `fully_shard` per decoder layer and at the root.
+
+    Master weights are fp32 shards; forward and backward run in `dtype`; gradients are reduced
+    in fp32. Rank 0 reads the checkpoint once and broadcasts it; the other ranks never hold a
+    full copy. `config_overrides` go to the model config (e.g. `num_labels=1` for a critic).
+    """
+    config = AutoConfig.from_pretrained(model_name, **config_overrides)
+    full_state_dict = {}
+    if is_rank0():
+        full_state_dict = model_cls.from_pretrained(model_name, config=config, dtype=torch.float32).state_dict()
+    with torch.device("meta"):
+        model = model_cls.from_config(config, dtype=torch.float32)
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+    mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    if not blocks:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (no _no_split_modules)")
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+
+    model.to_empty(device=device)
+    # broadcast_from_rank0 consumes the dict it is given: nothing else reads full_state_dict after.
+    set_model_state_dict(
+        model, full_state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    _recompute_rotary_buffers(model, device)
+    model.config.use_cache = False
+    return model
+
+
+def _recompute_rotary_buffers(model: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (RoPE `inv_freq`) are garbage after `to_empty`: rebuild them."""
+    for module in model.modules():
+        buffers = dict(module.named_buffers(recurse=False))
+        if "inv_freq" not in buffers:
+            continue
+        fresh = type(module)(module.config)
+        for name, buffer in fresh.named_buffers(recurse=False):
+            buffers[name].copy_(buffer.to(device))
+
+
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded fp32 state dict on CPU, on rank 0 only (empty on the other ranks)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def move_model(model: nn.Module, device: torch.device | str) -> None:
+    """Move the model's parameter shards and buffers (offloading to CPU, or back)."""
+    model.to(device)
+
+
+def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move the optimizer's state tensors (offloading to CPU, or back)."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)

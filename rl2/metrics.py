@@ -1,0 +1,90 @@
+"""Metrics to `<save_dir>/metrics.jsonl` (always) and to wandb (online, offline or disabled), on rank 0."""
+
+import json
+import logging
+import netrc
+import os
+
+logger = logging.getLogger(__name__)
+
+
+def wandb_mode(disable_wandb: bool) -> str:
+    """`disabled` when asked; the user's WANDB_MODE if set; `offline` when no account is configured."""
+    if disable_wandb:
+        return "disabled"
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return "online"
+    except (FileNotFoundError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+class MetricsLogger:
+    """Writes one JSON object per step (`step` plus every metric) and mirrors it to wandb.
+
+    Only rank 0 writes; on other ranks every method is a no-op. Resuming from step N first drops
+    lines for steps after N that an interrupted run wrote after its last checkpoint, so the file
+    never holds a step twice.
+    """
+
+    def __init__(
+        self,
+        save_dir: str,
+        project: str,
+        experiment_name: str,
+        config: dict,
+        disable_wandb: bool,
+        enabled: bool,
+        resume_step: int = 0,
+    ):
+        self.enabled = enabled
+        self.run = None
+        if not enabled:
+            return
+        os.makedirs(save_dir, exist_ok=True)
+        self.path = os.path.join(save_dir, "metrics.jsonl")
+        self._truncate_after(resume_step)
+        mode = wandb_mode(disable_wandb)
+        if mode != "disabled":
+            import wandb  # slow to import; only when used
+
+            if mode == "offline" and not os.environ.get("WANDB_MODE"):
+                logger.info("no wandb account configured: logging to wandb offline (sync later with `wandb sync`)")
+            self.run = wandb.init(
+                project=project, name=experiment_name, config=config, dir=save_dir, mode=mode, resume="allow"
+            )
+
+    def _truncate_after(self, step: int) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            lines = [line for line in f if line.strip()]
+        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        if len(kept) != len(lines):
+            logger.info(f"dropping {len(lines) - len(kept)} metric lines after step {step} from {self.path}")
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The JSON objects of a metrics.jsonl file, in order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

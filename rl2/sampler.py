@@ -1,0 +1,48 @@
+"""Deterministic, resumable batches of dataset indices: a fresh seeded shuffle every epoch."""
+
+import torch
+
+
+class BatchSampler:
+    """Yields global batches of `batch_size` indices, the same on every rank.
+
+    The last incomplete batch of an epoch is dropped so every step sees a full batch. The
+    position (epoch, batch in epoch) is the whole state, so a resumed run continues with exactly
+    the batches an uninterrupted run would have seen.
+    """
+
+    def __init__(self, num_rows: int, batch_size: int, shuffle: bool = True, seed: int = 0):
+        if batch_size > num_rows:
+            raise ValueError(f"data.batch_size={batch_size} is larger than the dataset ({num_rows} rows)")
+        self.num_rows = num_rows
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.batch_in_epoch = 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_rows // self.batch_size
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_rows))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_rows, generator=generator).tolist()
+
+    def next_batch(self) -> list[int]:
+        """The next batch's indices; rolls over to a new epoch when one ends."""
+        if self.batch_in_epoch >= self.batches_per_epoch:
+            self.epoch += 1
+            self.batch_in_epoch = 0
+        start = self.batch_in_epoch * self.batch_size
+        self.batch_in_epoch += 1
+        return self._order(self.epoch)[start : start + self.batch_size]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = state["epoch"]
+        self.batch_in_epoch = state["batch_in_epoch"]

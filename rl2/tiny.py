@@ -1,0 +1,149 @@
+"""Tiny Qwen2-architecture models and byte-level BPE tokenizers, built offline from a config.
+
+`python -m rl2.tiny OUT_DIR` writes a folder usable as `actor.model_name=OUT_DIR`: random-init
+weights, a tokenizer trained locally with `tokenizers`, and a ChatML chat template. Nothing is
+downloaded. Used by the tests, the benchmarks and the CPU demos.
+"""
+
+import argparse
+import random
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Qwen's pre-tokenisation regex: transformers rebuilds a `qwen2` folder's tokenizer as
+# Qwen2Tokenizer with this split + ByteLevel(use_regex=False) + NFC, so training with the same
+# pipeline keeps token ids identical whether the folder is read back as Qwen2Tokenizer or not.
+QWEN_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# ChatML, as Qwen2.5 renders it, minus the default system prompt: every prefix of a conversation
+# renders as a prefix of the whole, which the data pipeline relies on for per-turn loss masks.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_WORDS = (
+    "the a an of to and in is it you that he was for on are with as I his they be at one have this "
+    "from or had by hot word but what some we can out other were all there when up use your how said "
+    "each she which do their time if will way about many then them write would like so these her long "
+    "make thing see him two has look more day could go come did number sound no most people my over "
+    "know water than call first who may down side been now find answer question think step solve code "
+    "python print return def import search tool result information capital city country math sum "
+    "product equals true false yes none list reverse sort count letter copy repeat"
+).split()
+
+
+def _training_corpus(n_lines: int, seed: int) -> list[str]:
+    """Synthetic text: words, numbers, arithmetic, code-ish lines and chat markup."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        kind = rng.randrange(4)
+        if kind == 0:
+            lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12))) + ".")
+        elif kind == 1:
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            lines.append(f"What is {a} + {b}? The answer is {a + b}. \\boxed{{{a + b}}}")
+        elif kind == 2:
+            name = rng.choice(_WORDS)
+            lines.append(f"def {name}(x):\n    return x * {rng.randint(1, 9)}\nprint({name}({rng.randint(0, 99)}))")
+        else:
+            word = rng.choice(_WORDS)
+            lines.append(f"<think>{word}</think> <answer>{word[::-1]}</answer> <search>{word}</search>")
+    return lines
+
+
+def build_tiny_tokenizer(vocab_size: int = 1024, seed: int = 0) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer with ChatML special tokens on a synthetic corpus."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_training_corpus(4000, seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 4096,
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """A random-init Qwen2 causal LM sized to `tokenizer`'s vocabulary."""
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).float()
+
+
+def save_tiny(out_dir: str, vocab_size: int = 1024, seed: int = 0, **model_kwargs) -> str:
+    """Build a tiny tokenizer and model and save both to `out_dir`; returns `out_dir`."""
+    tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, seed=seed)
+    model = build_tiny_model(tokenizer, seed=seed, **model_kwargs)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write a tiny random-init Qwen2 model and tokenizer to a folder.")
+    parser.add_argument("out_dir")
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    save_tiny(
+        args.out_dir,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+        hidden_size=args.hidden_size,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+    )
+    print(f"tiny model written to {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""What every trainer shares: process group, logging, metrics, checkpoint save and resume."""
+
+import logging
+import os
+
+import torch
+from transformers import AutoTokenizer
+
+from rl2.checkpoint import checkpoint_dir, load_checkpoint, resolve_checkpoint, save_checkpoint, save_hf_model
+from rl2.config import Config, ConfigError, config_to_dict
+from rl2.distributed import init_distributed, is_rank0, world_size
+from rl2.metrics import MetricsLogger
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logging() -> None:
+    """Info logs from rank 0, warnings and errors from every rank, on the `rl2` logger only."""
+    rl2_logger = logging.getLogger("rl2")
+    rl2_logger.setLevel(logging.INFO if is_rank0() else logging.WARNING)
+    if not rl2_logger.handlers:
+        handler = logging.StreamHandler()
+        prefix = "" if world_size() == 1 else f"[rank{torch.distributed.get_rank()}] "
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(name)s: %(message)s", "%H:%M:%S"))
+        rl2_logger.addHandler(handler)
+        rl2_logger.propagate = False
+
+
+def require(config: Config, *keys: str) -> None:
+    """Fail before anything starts when a key the trainer cannot run without is unset."""
+    for key in keys:
+        section, name = key.split(".")
+        if getattr(getattr(config, section), name) is None:
+            raise ConfigError(f"{key} is required (pass {key}=...)")
+
+
+class Trainer:
+    """Base of the trainers: holds the config, the tokenizer and the metrics logger; saves and resumes.
+
+    Subclasses build their models, set `self.total_steps`, list what a checkpoint holds in
+    `checkpointed_models()`, and call `resume()` once their models and sampler exist.
+    """
+
+    def __init__(self, config: Config):
+        init_distributed()
+        setup_logging()
+        torch.manual_seed(config.trainer.seed)
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer_name or config.actor.model_name)
+        self.step = 0
+        self.metrics: MetricsLogger | None = None
+
+    # subclasses override
+    def checkpointed_models(self) -> dict:
+        raise NotImplementedError
+
+    def extra_state(self) -> dict:
+        """Trainer state besides the models (data position, schedulers)."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        pass
+
+    def resume(self) -> None:
+        """Restore from `trainer.load_ckpt_from` if set, then open the metrics log at that step."""
+        path = resolve_checkpoint(self.config.trainer.load_ckpt_from, self.config.actor.save_dir)
+        if path is not None:
+            state = load_checkpoint(path, self.checkpointed_models())
+            self.step = state["step"]
+            self.load_extra_state(state)
+            logger.info(f"resumed from {path} at step {self.step}")
+        elif self.config.trainer.load_ckpt_from == "latest":
+            logger.info(f"no checkpoint under {self.config.actor.save_dir} yet: starting from scratch")
+        self.metrics = MetricsLogger(
+            save_dir=self.config.actor.save_dir,
+            project=self.config.trainer.project,
+            experiment_name=self.config.trainer.experiment_name,
+            config=config_to_dict(self.config),
+            disable_wandb=self.config.trainer.disable_wandb,
+            enabled=is_rank0(),
+            resume_step=self.step,
+        )
+
+    def save(self, step: int) -> str:
+        """Write the checkpoint of `step`: HF folders for users, sharded state to resume from."""
+        path = checkpoint_dir(self.config.actor.save_dir, step)
+        models = self.checkpointed_models()
+        for name, (model, _) in models.items():
+            model_path = path if name == "actor" else os.path.join(path, name)
+            save_hf_model(model, model_path, getattr(self.config, name).dtype, self.tokenizer)
+        if not self.config.actor.save_optimizer:
+            models = {name: (model, None) for name, (model, _) in models.items()}
+        save_checkpoint(path, models, {"step": step, **self.extra_state()})
+        return path
+
+    def should_save(self, step: int) -> bool:
+        freq = self.config.actor.save_freq
+        return step == self.total_steps or (freq is not None and step % freq == 0)

@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="rl2",
+    version="0.1.0",
+    description="Ray-less, torchrun-native reinforcement learning for LLMs (PPO, GRPO, SFT, RM, DPO)",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["rl2", "rl2.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=5.0",
+        "tokenizers",
+        "datasets",
+        "math-verify",
+        "sympy",
+        "pylatexenc",
+        "aiohttp",
+        "wandb",
+        "tqdm",
+        "omegaconf",
+        "pyyaml",
+    ],
+    extras_require={
+        "gpu": ["sglang", "flash-attn", "ring-flash-attn"],
+        "test": ["pytest", "pytest-timeout"],
+    },
+)

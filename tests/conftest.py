@@ -1,0 +1,38 @@
+"""Shared fixtures: a tiny offline model folder and a helper to launch torchrun workers."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rl2.tiny import save_tiny
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random-init 2-layer Qwen2 model with a locally trained tokenizer."""
+    return save_tiny(str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def run_torchrun(args: list[str], nproc: int = 2, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=nproc ARGS` on CPU; the output is shown when it fails."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-5000:]}\n{result.stderr[-8000:]}")
+    return result
+
+
+def run_python(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """A single-process run (world size 1, no torchrun)."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    if result.returncode != 0:
+        raise AssertionError(f"{args} failed ({result.returncode}):\n{result.stdout[-5000:]}\n{result.stderr[-8000:]}")
+    return result

@@ -1,0 +1,215 @@
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from rl2.config import (
+    Config,
+    ConfigError,
+    CriticConfig,
+    ModelConfig,
+    config_help,
+    config_to_dict,
+    load_config,
+)
+
+
+def test_defaults():
+    c = load_config()
+    assert isinstance(c, Config) and type(c.actor) is ModelConfig and type(c.critic) is CriticConfig
+    assert c.data.batch_size == 8 and c.data.path is None and c.data.shuffle is True
+    assert c.actor.lr == 1e-6 and c.actor.clip == 0.2 and c.actor.dtype == "bfloat16"
+    assert c.critic.lr == 5e-6 and c.critic.clip == 0.5
+    assert c.rollout.engine == "hf"
+    assert c.rollout.train_sampling_params == {"temperature": 1.0, "max_new_tokens": 512}
+    assert c.rollout.test_sampling_params == {"temperature": 0.0, "max_new_tokens": 512}
+    assert c.kl.type == "reward" and c.adv.estimator == "reinforce" and c.trainer.seed == 42
+    assert load_config([]) == c
+
+
+def test_default_dicts_are_not_shared():
+    a, b = load_config(), load_config()
+    a.rollout.train_sampling_params["x"] = 1
+    assert "x" not in b.rollout.train_sampling_params
+    assert "x" not in Config().rollout.train_sampling_params
+
+
+def test_overrides_of_each_type():
+    c = load_config([
+        "data.batch_size=32",
+        "actor.lr=1e-5",
+        "critic.clip=0.3",
+        "trainer.disable_wandb=true",
+        "data.shuffle=false",
+        "actor.model_name=Qwen/Qwen2.5-0.5B",
+        "trainer.experiment_name='my run'",
+        "data.max_length=null",
+        "rollout.train_sampling_params.stop=['</answer>']",
+        "rollout.test_sampling_params.extra={a: {b: 2}}",
+        "rollout.test_sampling_params.max_new_tokens=64",
+    ])
+    assert c.data.batch_size == 32 and type(c.data.batch_size) is int
+    assert c.actor.lr == 1e-5 and type(c.actor.lr) is float
+    assert c.critic.clip == 0.3
+    assert c.trainer.disable_wandb is True and c.data.shuffle is False
+    assert c.actor.model_name == "Qwen/Qwen2.5-0.5B"
+    assert c.trainer.experiment_name == "my run"
+    assert c.data.max_length is None
+    stop = c.rollout.train_sampling_params["stop"]
+    assert type(stop) is list and stop == ["</answer>"]
+    assert c.rollout.train_sampling_params["temperature"] == 1.0  # merged, not replaced
+    assert c.rollout.test_sampling_params == {"temperature": 0.0, "max_new_tokens": 64, "extra": {"a": {"b": 2}}}
+    assert type(c.rollout.test_sampling_params["extra"]) is dict
+
+
+def test_int_given_to_float_field_is_converted():
+    assert type(load_config(["actor.lr=1"]).actor.lr) is float
+
+
+def test_yaml_then_cli(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(
+        "actor:\n  lr: 1e-5\n  model_name: m\n"
+        "data:\n  batch_size: 16\n"
+        "rollout:\n  train_sampling_params:\n    stop: ['</answer>']\n"
+    )
+    c = load_config([f"config={path}", "data.batch_size=4"])
+    assert c.actor.lr == 1e-5 and c.actor.model_name == "m"
+    assert c.data.batch_size == 4  # CLI wins over YAML
+    assert c.rollout.train_sampling_params["stop"] == ["</answer>"]
+    # order on the command line does not matter: YAML is always applied first
+    assert load_config(["data.batch_size=4", f"config={path}"]) == c
+
+
+def test_interpolation():
+    c = load_config(["actor.model_name=m", "critic.model_name=${actor.model_name}", "critic.lr=${actor.lr}"])
+    assert c.critic.model_name == "m" and c.critic.lr == 1e-6
+
+
+def test_tokenizer_defaults_to_model():
+    c = load_config(["actor.model_name=m", "critic.model_name=v"])
+    assert c.actor.tokenizer_name == "m" and c.critic.tokenizer_name == "v"
+    c = load_config(["actor.model_name=m", "actor.tokenizer_name=t"])
+    assert c.actor.tokenizer_name == "t"
+
+
+def test_unknown_section():
+    with pytest.raises(ConfigError) as e:
+        load_config(["foo.bar=1"])
+    msg = str(e.value)
+    assert "'foo'" in msg and "actor, adv, critic, data, kl, rollout, trainer" in msg
+
+
+def test_unknown_nested_key():
+    with pytest.raises(ConfigError) as e:
+        load_config(["actor.lrr=1e-5"])
+    msg = str(e.value)
+    assert "'actor.lrr'" in msg and "under 'actor'" in msg
+    assert "clip, clip_high, dtype" in msg and "lr" in msg
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout:\n  enigne: sglang\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([f"config={path}"])
+    msg = str(e.value)
+    assert "'rollout.enigne'" in msg and "engine" in msg and str(path) in msg
+
+
+def test_section_given_a_value():
+    with pytest.raises(ConfigError, match="'actor' is a section"):
+        load_config(["actor=3"])
+
+
+@pytest.mark.parametrize("arg, key, expected, given", [
+    ("actor.lr=abc", "actor.lr", "float", "'abc'"),
+    ("data.batch_size=1.5", "data.batch_size", "int", "1.5"),
+    ("trainer.disable_wandb=maybe", "trainer.disable_wandb", "bool", "'maybe'"),
+    ("trainer.disable_wandb=2", "trainer.disable_wandb", "bool", "2"),
+    ("data.batch_size=null", "data.batch_size", "int", "None"),
+    ("rollout.train_sampling_params=5", "rollout.train_sampling_params", "dict", "5"),
+])
+def test_wrong_type(arg, key, expected, given):
+    with pytest.raises(ConfigError) as e:
+        load_config([arg])
+    msg = str(e.value)
+    assert f"'{key}'" in msg and f"expected {expected}" in msg and given in msg
+    assert "full_key" not in msg and "object_type" not in msg
+
+
+def test_bad_interpolation():
+    with pytest.raises(ConfigError, match="data.batch_size.*nope.x"):
+        load_config(["data.batch_size=${nope.x}"])
+
+
+def test_bad_choice():
+    with pytest.raises(ConfigError) as e:
+        load_config(["rollout.engine=vllm"])
+    msg = str(e.value)
+    assert "'rollout.engine'" in msg and "'vllm'" in msg and "hf, sglang" in msg
+    with pytest.raises(ConfigError, match="k1, k2, k3"):
+        load_config(["kl.loss_estimator=k4"])
+
+
+@pytest.mark.parametrize("arg", ["actor.lr", "--actor.lr=1e-5", "=3"])
+def test_bad_arg_form(arg):
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config([arg])
+
+
+def test_unparsable_value():
+    with pytest.raises(ConfigError, match="actor.lr=\\[1"):
+        load_config(["actor.lr=[1"])
+
+
+def test_missing_yaml(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config([f"config={path}"])
+
+
+def test_yaml_not_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config([f"config={path}"])
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        load_config(["actor.lr=1", flag])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.strip() == config_help().strip()
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.type):
+            assert f"  {section.name}.{f.name}: " in out
+    assert "  actor.lr: float = 1e-06  — learning rate of the optimizer" in out
+    assert "critic.lr: float = 5e-06" in out
+    assert "data.max_length: Optional[int] = None" in out
+    assert "choices: hf, sglang" in out
+
+
+def test_every_field_has_help():
+    def check(cls):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+            if dataclasses.is_dataclass(f.type):
+                check(f.type)
+    check(Config)
+
+
+def test_config_to_dict_roundtrip(tmp_path):
+    c = load_config(["actor.model_name=m", "rollout.train_sampling_params.stop=['</answer>']", "kl.coef=0.1"])
+    d = config_to_dict(c)
+    assert type(d) is dict and type(d["actor"]) is dict and d["actor"]["model_name"] == "m"
+    assert d["rollout"]["train_sampling_params"]["stop"] == ["</answer>"]
+    path = tmp_path / "saved.yaml"
+    OmegaConf.save(d, path)
+    assert load_config([f"config={path}"]) == c

@@ -1,0 +1,56 @@
+"""One actor update on a fixed random global batch; rank 0 saves gradients, parameters and metrics.
+
+Usage: fsdp_step.py MODEL_DIR OUT_FILE MAX_TOKENS FSDP_SIZE [HF_SAVE_DIR]
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from rl2.actor import Actor, sft_loss
+from rl2.checkpoint import save_hf_model
+from rl2.config import ModelConfig
+from rl2.distributed import init_distributed, is_rank0
+from rl2.fsdp import gather_full_state_dict
+
+
+def random_batch(vocab_size: int, n: int = 13, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    batch = []
+    for _ in range(n):
+        length = int(torch.randint(2, 60, (1,), generator=generator))
+        loss_mask = (torch.rand(length, generator=generator) < 0.7).long()
+        loss_mask[0] = 0
+        batch.append({"input_ids": torch.randint(0, vocab_size, (length,), generator=generator), "loss_mask": loss_mask})
+    return batch
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.full_tensor().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def main() -> None:
+    model_dir, out_file, max_tokens, fsdp_size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    init_distributed()
+    config = ModelConfig(
+        model_name=model_dir, dtype="float32", gradient_checkpointing=True, max_length_per_device=max_tokens,
+        lr=1e-4, weight_decay=0.1, max_grad_norm=1e9, fsdp_size=fsdp_size,
+    )
+    torch.manual_seed(0)
+    actor = Actor(config, total_steps=10)
+    batch = random_batch(actor.model.config.vocab_size)
+    metrics = actor.accumulate_gradients(batch, sft_loss)
+    grads = full_grads(actor.model)
+    metrics["grad_norm"] = actor.optimizer_step()
+    logps = actor.compute_logps(batch)
+    params = gather_full_state_dict(actor.model)
+    if len(sys.argv) > 5:
+        save_hf_model(actor.model, sys.argv[5], "float32")
+    if is_rank0():
+        torch.save({"grads": grads, "params": params, "metrics": metrics, "logps": logps, "batch": batch}, out_file)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
