@@ -27,9 +27,10 @@ def run_torchrun(args: list[str], nproc: int = 2, timeout: int = 300, check: boo
     return result
 
 
-def run_python(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    """A single-process run (world size 1, no torchrun)."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO}
+def run_python(args: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A single-process run (world size 1, no torchrun); `env` entries override (None removes)."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO, **(env or {})}
+    env = {key: value for key, value in env.items() if value is not None}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)

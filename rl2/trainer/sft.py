@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from rl2.actor import Actor, sft_loss
 from rl2.config import Config, load_config
-from rl2.data import SFTDataset, load_rows, split_rows
+from rl2.data import SFTDataset, load_rows, split_rows, validate_rows
 from rl2.distributed import is_rank0
 from rl2.sampler import BatchSampler
 from rl2.trainer.base import Trainer, require
@@ -41,7 +41,9 @@ class SFTTrainer(Trainer):
         if data.test_path is not None:
             return SFTDataset(data.path, tokenizer, max_length), SFTDataset(data.test_path, tokenizer, max_length)
         if data.test_ratio > 0:
-            train_rows, test_rows = split_rows(load_rows(data.path), data.test_ratio, self.config.trainer.seed)
+            rows = load_rows(data.path)
+            validate_rows(rows, "sft", data.path)  # before the split, so errors name the file's row numbers
+            train_rows, test_rows = split_rows(rows, data.test_ratio, self.config.trainer.seed)
             return (
                 SFTDataset(train_rows, tokenizer, max_length, source=data.path),
                 SFTDataset(test_rows, tokenizer, max_length, source=f"{data.path} (test split)"),

@@ -1,0 +1,450 @@
+"""Conversation data for RL, SFT and pair (reward model / DPO) training.
+
+Row formats (one JSON object per row, or the same columns in CSV / parquet / arrow / a saved dataset):
+
+    RL:   {"messages": [{"role": ..., "content": ...}, ...], "answer": <any JSON value>}
+    SFT:  {"messages": [...]}                                  (at least one assistant message)
+    pair: {"messages": [...], "chosen": str, "rejected": str}  (messages are the prompt)
+
+Rows are loaded with `datasets`, validated eagerly (so bad data fails before training starts, with
+the file, row and field in the message) and tokenized lazily. Loss masks come from the chat
+template: the conversation is rendered once, tokenized once, and each token whose first character
+lies in an assistant message's content or end-of-turn token is in the loss.
+"""
+
+import json
+import logging
+import math
+import os
+import random
+from typing import Any
+
+import datasets
+import torch
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+REQUIRED_COLUMNS = {"rl": ("messages", "answer"), "sft": ("messages",), "pair": ("messages", "chosen", "rejected")}
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+class DataError(ValueError):
+    """Unreadable or invalid training data; the message names the file and, where it can, the row and field."""
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+
+
+def load_rows(path: str) -> datasets.Dataset:
+    """Load rows from `[split@]path`: a file (.json, .jsonl, .csv, .parquet, .arrow), a directory
+    written by `save_to_disk`, or a Hugging Face hub dataset name. The split defaults to "train"."""
+    split, location = "train", path
+    if "@" in path and not os.path.exists(path):
+        split, location = path.split("@", 1)
+    location = os.path.expanduser(location)
+
+    if os.path.isdir(location):
+        rows = _load_saved(location, split)
+    elif os.path.isfile(location):
+        rows = _load_file(location, split)
+    elif _looks_local(location):
+        raise DataError(f"{location}: file not found")
+    else:
+        rows = _load_hub(location, split)
+
+    if len(rows) == 0:
+        raise DataError(f"no rows in {location}")
+    logger.info("loaded %d rows from %s (split %s)", len(rows), location, split)
+    return rows
+
+
+def _looks_local(location: str) -> bool:
+    # Hub names are "name" or "org/name"; anything else that does not exist is a missing local path.
+    if os.path.splitext(location)[1].lower() in FILE_BUILDERS or location.startswith((".", "/", "~")):
+        return True
+    parts = location.split("/")
+    return len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
+
+
+def _load_saved(location: str, split: str) -> datasets.Dataset:
+    try:
+        saved = datasets.load_from_disk(location)
+    except FileNotFoundError as e:
+        raise DataError(f"{location}: not a dataset directory written by save_to_disk ({e})") from e
+    except IndexError as e:
+        # save_to_disk writes an empty dataset as zero shards, which load_from_disk cannot concatenate.
+        raise DataError(f"no rows in {location}") from e
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise DataError(f"{location}: unknown split {split!r}; available splits: {sorted(saved)}")
+        return saved[split]
+    if split != "train":
+        raise DataError(f"{location}: unknown split {split!r}; it holds a single dataset (split 'train')")
+    return saved
+
+
+def _load_file(location: str, split: str) -> datasets.Dataset:
+    suffix = os.path.splitext(location)[1].lower()
+    if suffix not in FILE_BUILDERS:
+        raise DataError(f"{location}: unsupported file type {suffix!r}; expected one of {sorted(FILE_BUILDERS)}")
+    if split != "train":
+        raise DataError(f"{location}: unknown split {split!r}; a single file has only split 'train'")
+    if _is_blank(location):
+        raise DataError(f"no rows in {location}: the file is empty")
+    builder = FILE_BUILDERS[suffix]
+    # By default the json builder stores mixed-type fields as JSON text and decodes any string that
+    # parses as JSON on the way back (the answer "3" comes back as the number 3). Failing on mixed
+    # types instead lets us point at the offending row.
+    options = {"on_mixed_types": None, "parse_agent_traces": False} if builder == "json" else {}
+    try:
+        return datasets.load_dataset(builder, data_files=location, split="train", **options)
+    except Exception as e:
+        if "corresponds to no data" in str(e):
+            raise DataError(f"no rows in {location}") from e
+        if builder == "json":
+            _raise_json_problem(location)
+        raise DataError(f"{location}: could not be read as {builder}: {e.__cause__ or e}") from e
+
+
+def _load_hub(name: str, split: str) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as e:
+        raise DataError(f"{name}: not a local file and could not be loaded from the Hugging Face hub: {e}") from e
+
+
+def _is_blank(location: str) -> bool:
+    with open(location, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+class _TypeConflict(Exception):
+    pass
+
+
+def _raise_json_problem(location: str) -> None:
+    """Re-read a JSON / JSON lines file that `datasets` rejected and raise a DataError naming the
+    malformed line or the first row whose field type differs from earlier rows. Returns if neither."""
+    with open(location, encoding="utf-8") as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{location}, line {e.lineno}: malformed JSON: {e.msg}") from None
+    else:
+        rows = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{location}, line {lineno}: malformed JSON: {e.msg}") from None
+    if not rows:
+        raise DataError(f"no rows in {location}")
+
+    types: dict[str, Any] = {}
+    for row_number, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise DataError(f"{location}, row {row_number}: expected a JSON object, got {_type_name(row)}")
+        for field, value in row.items():
+            try:
+                types[field] = _merge_types(types.get(field), _json_type(value, field), field)
+            except _TypeConflict as e:
+                raise DataError(
+                    f"{location}, row {row_number}, field {field!r}: {e}; "
+                    "a field must hold the same JSON type in every row"
+                ) from None
+
+
+def _json_type(value: Any, path: str) -> Any:
+    """The arrow-relevant type of a JSON value: a name, ("list", item type) or ("object", {key: type});
+    None for null, which fits any type."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        item_type = None
+        for item in value:
+            item_type = _merge_types(item_type, _json_type(item, f"{path}[]"), f"{path}[]")
+        return ("list", item_type)
+    return ("object", {key: _json_type(item, f"{path}.{key}") for key, item in value.items()})
+
+
+def _merge_types(a: Any, b: Any, path: str) -> Any:
+    if a is None or b is None:
+        return b if a is None else a
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0] == "list":
+        return ("list", _merge_types(a[1], b[1], f"{path}[]"))
+    if isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0] == "object":
+        merged = dict(a[1])
+        for key, item_type in b[1].items():
+            merged[key] = _merge_types(merged.get(key), item_type, f"{path}.{key}")
+        return ("object", merged)
+    if a != b:
+        raise _TypeConflict(f"{path} is {_type_label(b)} here but {_type_label(a)} before")
+    return a
+
+
+def _type_label(t: Any) -> str:
+    name = t[0] if isinstance(t, tuple) else t
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def validate_rows(rows: datasets.Dataset, kind: str, source: str) -> None:
+    """Check every row for `kind` ("rl", "sft" or "pair"); raise DataError naming `source`, the
+    1-based row number and the field of the first problem."""
+    if kind not in REQUIRED_COLUMNS:
+        raise ValueError(f"unknown data kind {kind!r}; expected one of {sorted(REQUIRED_COLUMNS)}")
+    for column in REQUIRED_COLUMNS[kind]:
+        if column not in rows.column_names:
+            raise DataError(
+                f"{source}: missing column {column!r} needed for {kind} data; columns present: {rows.column_names}"
+            )
+    for row_number, row in enumerate(rows, 1):
+        _validate_row(row, kind, f"{source}, row {row_number}")
+
+
+def _validate_row(row: dict, kind: str, where: str) -> None:
+    messages = parse_messages(row["messages"], where)
+    if kind == "sft" and not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}, field 'messages': SFT rows need at least one assistant message")
+    if kind == "rl":
+        answer = row["answer"]
+        if answer is None or (isinstance(answer, float) and math.isnan(answer)):
+            raise DataError(f"{where}, field 'answer': missing (null); RL rows need an answer for the reward")
+    if kind == "pair":
+        for field in ("chosen", "rejected"):
+            value = row[field]
+            if not isinstance(value, str) or not value.strip():
+                got = "an empty string" if isinstance(value, str) else _type_name(value)
+                raise DataError(f"{where}, field {field!r}: expected a non-empty string, got {got}")
+        if messages[-1]["role"] == "assistant":
+            raise DataError(
+                f"{where}, field 'messages': pair rows hold the prompt in 'messages', which must not end with "
+                "an assistant message; the responses go in 'chosen' and 'rejected'"
+            )
+
+
+def parse_messages(value: Any, where: str) -> list[dict]:
+    """The messages of a row as a list of dicts, decoding a JSON string (CSV / parquet cells) and
+    dropping null keys that arrow adds when messages have different keys; DataError if malformed."""
+    expected = 'expected a non-empty list of {"role", "content"} messages'
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}, field 'messages': {expected}, got a string that is not JSON ({e.msg})") from None
+    if not isinstance(value, list) or not value:
+        got = "an empty list" if isinstance(value, list) else _type_name(value)
+        raise DataError(f"{where}, field 'messages': {expected}, got {got}")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}, field 'messages': messages[{i}] should be a dict, got {_type_name(message)}")
+        message = {key: item for key, item in message.items() if item is not None}
+        role = message.get("role")
+        if role is None:
+            raise DataError(f"{where}, field 'messages': messages[{i}] has no 'role'")
+        if role not in ROLES:
+            raise DataError(f"{where}, field 'messages': messages[{i}] has role {role!r}; expected one of {ROLES}")
+        if not isinstance(message.get("content"), str):
+            raise DataError(
+                f"{where}, field 'messages': messages[{i}] 'content' should be a string, "
+                f"got {_type_name(message.get('content'))}"
+            )
+        messages.append(message)
+    return messages
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenization
+
+
+def tokenize_conversation(messages: list[dict], tokenizer, max_length: int | None) -> dict:
+    """Tokenize a conversation with the tokenizer's chat template. Returns `input_ids`, `loss_mask`
+    (1 on every assistant message's content and end-of-turn token, 0 elsewhere) and `truncated`
+    (whether it was cut to `max_length` tokens, keeping the start). Needs a fast tokenizer."""
+    return _tokenize_conversation(messages, tokenizer, max_length, loss_from=0)
+
+
+def _tokenize_conversation(messages: list[dict], tokenizer, max_length: int | None, loss_from: int) -> dict:
+    """As tokenize_conversation, with only assistant messages at index >= `loss_from` in the loss."""
+    text = _render(messages, tokenizer, add_generation_prompt=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or i < loss_from:
+            continue
+        start = len(_render_prefix(messages[:i], tokenizer, text, add_generation_prompt=True))
+        end = len(_render_prefix(messages[: i + 1], tokenizer, text, add_generation_prompt=False))
+        # The turn's rendering may end with separators after the end-of-turn token ("<|im_end|>\n");
+        # the model should learn to stop, not to emit the separator.
+        eos = text.rfind(tokenizer.eos_token, start, end) if tokenizer.eos_token else -1
+        if eos != -1:
+            end = eos + len(tokenizer.eos_token)
+        spans.append((start, end))
+
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(encoding["input_ids"])
+    loss_mask = [int(any(start <= char < end for start, end in spans)) for char, _ in encoding["offset_mapping"]]
+    truncated = max_length is not None and len(input_ids) > max_length
+    if truncated:
+        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "truncated": truncated}
+
+
+def tokenize_prompt(messages: list[dict], tokenizer) -> list[int]:
+    """Token ids of `messages` rendered with the chat template and the generation prompt."""
+    text = _render(messages, tokenizer, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _render(messages: list[dict], tokenizer, add_generation_prompt: bool) -> str:
+    # tokenize=False: in transformers 5 tokenize=True returns a BatchEncoding, and tokenizing the
+    # rendered text ourselves keeps input_ids identical to a plain tokenization of the text.
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _render_prefix(messages: list[dict], tokenizer, full_text: str, add_generation_prompt: bool) -> str:
+    """Render the first messages of a conversation, checking that this is a prefix of `full_text`."""
+    prefix = _render(messages, tokenizer, add_generation_prompt=add_generation_prompt)
+    if not full_text.startswith(prefix):
+        raise DataError(
+            f"the chat template is not prefix-consistent: rendering the first {len(messages)} messages "
+            f"(add_generation_prompt={add_generation_prompt}) does not give a prefix of the whole conversation, "
+            "so assistant turns cannot be located for the loss mask; use a chat template that renders earlier "
+            "turns the same way whatever follows (e.g. one that does not strip earlier reasoning)"
+        )
+    return prefix
+
+
+# ----------------------------------------------------------------------------------------------
+# datasets
+
+
+class _ConversationDataset(torch.utils.data.Dataset):
+    """Rows loaded from a path (or given), validated eagerly for `kind`, tokenized lazily."""
+
+    kind: str
+
+    def __init__(
+        self, path_or_rows: str | datasets.Dataset, tokenizer, max_length: int | None, source: str | None = None
+    ):
+        if isinstance(path_or_rows, str):
+            self.rows = load_rows(path_or_rows)
+            self.source = source or path_or_rows
+        else:
+            self.rows = path_or_rows
+            self.source = source or "<rows>"
+        validate_rows(self.rows, self.kind, self.source)
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        # Counted in the process that calls __getitem__ (a DataLoader worker's count stays there).
+        self.num_truncated = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _messages(self, i: int) -> list[dict]:
+        return parse_messages(self.rows[i]["messages"], f"{self.source}, row {i + 1}")
+
+
+class SFTDataset(_ConversationDataset):
+    """SFT conversations; item: {"input_ids", "loss_mask"} as LongTensors of at most max_length tokens."""
+
+    kind = "sft"
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        tokens = tokenize_conversation(self._messages(i), self.tokenizer, self.max_length)
+        self.num_truncated += tokens["truncated"]
+        return {"input_ids": torch.tensor(tokens["input_ids"]), "loss_mask": torch.tensor(tokens["loss_mask"])}
+
+
+class PairDataset(_ConversationDataset):
+    """Preference pairs; item: {"chosen": {"input_ids", "loss_mask"}, "rejected": {...}} as LongTensors.
+    Only the chosen / rejected response (with its end-of-turn token) is in the loss mask."""
+
+    kind = "pair"
+
+    def __getitem__(self, i: int) -> dict[str, dict[str, torch.Tensor]]:
+        row = self.rows[i]
+        messages = self._messages(i)
+        item, truncated = {}, False
+        for field in ("chosen", "rejected"):
+            conversation = messages + [{"role": "assistant", "content": row[field]}]
+            tokens = _tokenize_conversation(conversation, self.tokenizer, self.max_length, loss_from=len(messages))
+            truncated |= tokens["truncated"]
+            item[field] = {
+                "input_ids": torch.tensor(tokens["input_ids"]),
+                "loss_mask": torch.tensor(tokens["loss_mask"]),
+            }
+        self.num_truncated += truncated
+        return item
+
+
+class RLDataset(_ConversationDataset):
+    """RL prompts; item: {"prompt_ids": list[int], "messages": list[dict], "answer": ...}. Prompts
+    longer than max_length tokens are dropped at construction and counted in `num_skipped`."""
+
+    kind = "rl"
+
+    def __init__(
+        self, path_or_rows: str | datasets.Dataset, tokenizer, max_length: int | None, source: str | None = None
+    ):
+        super().__init__(path_or_rows, tokenizer, max_length, source)
+        texts = [_render(self._messages(i), tokenizer, add_generation_prompt=True) for i in range(len(self.rows))]
+        prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        self.indices = [i for i, ids in enumerate(prompt_ids) if max_length is None or len(ids) <= max_length]
+        self.prompt_ids = [list(prompt_ids[i]) for i in self.indices]
+        self.num_skipped = len(self.rows) - len(self.indices)
+        if self.num_skipped:
+            first = next(i for i, ids in enumerate(prompt_ids) if len(ids) > max_length)
+            logger.warning(
+                "%s: dropped %d of %d prompts longer than max_length=%d tokens (first: row %d)",
+                self.source, self.num_skipped, len(self.rows), max_length, first + 1,
+            )
+        if not self.indices:
+            raise DataError(f"{self.source}: every prompt is longer than max_length={max_length} tokens")
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row_index = self.indices[i]
+        return {
+            "prompt_ids": self.prompt_ids[i],
+            "messages": self._messages(row_index),
+            "answer": self.rows[row_index]["answer"],
+        }
+
+
+def split_rows(rows: datasets.Dataset, test_ratio: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """A deterministic (train, test) split of `rows`, each keeping the original row order. The test
+    split has round(len * test_ratio) rows, at least one when test_ratio > 0."""
+    if not 0 <= test_ratio < 1:
+        raise ValueError(f"test_ratio should be in [0, 1), got {test_ratio}")
+    num_test = max(1, round(len(rows) * test_ratio)) if test_ratio > 0 else 0
+    if num_test >= len(rows):
+        raise DataError(f"test_ratio={test_ratio} leaves no training rows out of {len(rows)}")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    return rows.select(sorted(order[num_test:])), rows.select(sorted(order[:num_test]))

@@ -1,0 +1,123 @@
+"""SFT end to end: 2 ranks learn a memorisable set, checkpoint, get killed, and resume exactly."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import REPO, run_python, run_torchrun
+from rl2.actor import token_logps
+from rl2.data import SFTDataset
+from rl2.metrics import read_metrics
+
+TIMING_KEYS = {"step_time", "tokens_per_second"}
+
+
+def write_rows(path, n: int, seed: int) -> str:
+    words = "apple river stone cloud green tiger music paper light ocean".split()
+    with open(path, "w") as f:
+        for i in range(n):
+            word = words[(i * 7 + seed) % len(words)]
+            row = {"messages": [{"role": "user", "content": f"Reverse {word} {i}"}, {"role": "assistant", "content": word[::-1]}]}
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sft_data")
+    return write_rows(folder / "train.jsonl", 16, 0), write_rows(folder / "test.jsonl", 4, 3)
+
+
+def sft_args(model_dir, data, save_dir, total_steps, *extra):
+    train, test = data
+    return [
+        "-m", "rl2.trainer.sft", f"data.path={train}", f"data.test_path={test}", "data.batch_size=8",
+        f"actor.model_name={model_dir}", "actor.dtype=float32", "actor.lr=1e-2", "actor.max_length_per_device=96",
+        "actor.gradient_checkpointing=false", f"actor.save_dir={save_dir}", f"trainer.total_steps={total_steps}",
+        "trainer.test_freq=5", "trainer.disable_wandb=true", *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_model_dir, sft_data, tmp_path_factory):
+    save_dir = str(tmp_path_factory.mktemp("reference"))
+    run_torchrun(sft_args(tiny_model_dir, sft_data, save_dir, 30, "actor.save_freq=5"))
+    return save_dir
+
+
+def test_loss_falls_and_checkpoint_reloads(reference_run, tiny_model_dir, sft_data):
+    metrics = read_metrics(os.path.join(reference_run, "metrics.jsonl"))
+    assert [m["step"] for m in metrics] == list(range(1, 31))
+    assert metrics[-1]["loss"] < 0.3 * metrics[0]["loss"]
+    tests = [m["test/loss"] for m in metrics if "test/loss" in m]
+    assert len(tests) == 6 and tests[-1] < tests[0]
+    assert all(m["loss_tokens"] > 0 and m["grad_norm"] > 0 for m in metrics)
+
+    # The final HF folder reloads with the Auto classes and reproduces the logged test loss.
+    final = os.path.join(reference_run, "step30")
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    test_set = SFTDataset(sft_data[1], tokenizer, None)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(test_set)):
+            ids, mask = test_set[i]["input_ids"].unsqueeze(0), test_set[i]["loss_mask"]
+            positions = torch.arange(ids.shape[1]).unsqueeze(0)
+            logps = token_logps(model(input_ids=ids, use_cache=False).logits, ids, positions)[0]
+            total -= (logps * mask).sum().item()
+            tokens += mask.sum().item()
+    assert abs(total / tokens - metrics[-1]["test/loss"]) < 1e-4
+
+
+def test_kill_and_resume_continues_exactly(reference_run, tiny_model_dir, sft_data, tmp_path):
+    save_dir = str(tmp_path / "interrupted")
+    args = sft_args(tiny_model_dir, sft_data, save_dir, 30, "actor.save_freq=5", "trainer.load_ckpt_from=latest")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    env = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled"}
+    process = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first_checkpoint = os.path.join(save_dir, "step5", "trainer_state.json")
+    deadline = time.time() + 240
+    while not os.path.exists(first_checkpoint) and process.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)  # the whole torchrun group, mid-run
+    process.wait()
+    assert os.path.exists(first_checkpoint)
+    assert not os.path.exists(os.path.join(save_dir, "step30", "trainer_state.json")), "run finished before the kill"
+
+    resumed = run_torchrun(args)
+    assert "resumed from" in resumed.stderr + resumed.stdout
+
+    reference = read_metrics(os.path.join(reference_run, "metrics.jsonl"))
+    metrics = read_metrics(os.path.join(save_dir, "metrics.jsonl"))
+    assert [m["step"] for m in metrics] == list(range(1, 31)), "a step was repeated or lost"
+    for ours, theirs in zip(metrics, reference):
+        assert ours.keys() == theirs.keys()
+        for key in ours.keys() - TIMING_KEYS:
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (ours["step"], key)
+
+
+def test_notebook_run_in_one_process_with_wandb_offline(tiny_model_dir, sft_data, tmp_path):
+    save_dir = str(tmp_path / "notebook")
+    script = f"""
+from rl2 import SFTTrainer, load_config
+config = load_config(["data.path={sft_data[0]}", "data.batch_size=4", "actor.model_name={tiny_model_dir}",
+                      "actor.dtype=float32", "actor.lr=3e-3", "actor.save_dir={save_dir}", "trainer.total_steps=3",
+                      "trainer.project=rl2-test"])
+SFTTrainer(config).train()
+print("done")
+"""
+    no_account = {"WANDB_MODE": None, "WANDB_API_KEY": None, "HOME": str(tmp_path), "WANDB_SILENT": "true"}
+    result = run_python(["-c", script], env=no_account)
+    assert "done" in result.stdout
+    assert [m["step"] for m in read_metrics(os.path.join(save_dir, "metrics.jsonl"))] == [1, 2, 3]
+    assert glob.glob(os.path.join(save_dir, "wandb", "offline-run-*")), "wandb did not log offline"
+    assert os.path.exists(os.path.join(save_dir, "step3", "model.safetensors"))
