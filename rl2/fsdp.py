@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rl2.attention import packed_attention_implementation
 from rl2.distributed import is_rank0
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,9 @@ def load_fsdp_model(
     if is_rank0():
         full_state_dict = model_cls.from_pretrained(model_name, config=config, dtype=torch.float32).state_dict()
     with torch.device("meta"):
-        model = model_cls.from_config(config, dtype=torch.float32)
+        model = model_cls.from_config(
+            config, dtype=torch.float32, attn_implementation=packed_attention_implementation(device)
+        )
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 

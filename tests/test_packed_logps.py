@@ -1,14 +1,21 @@
 """A forward over a packed row gives the same per-token log-probs as separate forwards."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from rl2.actor import token_logps
+from rl2.attention import cu_seqlens_from_position_ids, packed_attention_implementation
 from rl2.packing import pack_micro_batch, unpack_row
 
 
-def test_packed_logps_equal_unpacked(tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+@pytest.mark.parametrize("attention", ["sdpa", "rl2_varlen"])
+def test_packed_logps_equal_unpacked(tiny_model_dir, attention):
+    if attention == "rl2_varlen":
+        attention = packed_attention_implementation(torch.device("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation=attention
+    ).eval()
     generator = torch.Generator().manual_seed(0)
     lengths = [1, 7, 33, 2, 19, 64]
     sequences = [{"input_ids": torch.randint(0, 1000, (n,), generator=generator)} for n in lengths]
@@ -41,3 +48,28 @@ def test_token_logps_match_log_softmax():
     for t in range(6):
         expected = 0.0 if positions[0, t] == 0 else reference[t - 1, ids[0, t]].item()
         assert abs(logps[t].item() - expected) < 1e-6
+
+
+def test_packed_gradients_equal_unpacked(tiny_model_dir):
+    """The variable-length path also gives the gradients of separate forwards."""
+    attention = packed_attention_implementation(torch.device("cpu"))
+    packed_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=attention)
+    plain_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    generator = torch.Generator().manual_seed(2)
+    sequences = [{"input_ids": torch.randint(0, 1000, (n,), generator=generator)} for n in (5, 1, 40, 17)]
+
+    row = pack_micro_batch(sequences)
+    logits = packed_model(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False).logits
+    token_logps(logits, row["input_ids"], row["position_ids"]).sum().backward()
+    for seq in sequences:
+        ids = seq["input_ids"].unsqueeze(0)
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        token_logps(plain_model(input_ids=ids, use_cache=False).logits, ids, positions).sum().backward()
+    plain = dict(plain_model.named_parameters())
+    for name, param in packed_model.named_parameters():
+        torch.testing.assert_close(param.grad, plain[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_cu_seqlens_from_position_ids():
+    positions = torch.tensor([[0, 1, 2, 0, 0, 1, 0, 1, 2, 3]])
+    assert cu_seqlens_from_position_ids(positions).tolist() == [0, 3, 4, 6, 10]
