@@ -11,7 +11,7 @@ torchrun --nproc_per_node="$NPROC" -m rl2.trainer.sft \
     data.path="$OUT/data.jsonl" data.test_ratio=0.05 data.batch_size=32 \
     actor.model_name="$OUT/model" actor.dtype=float32 actor.gradient_checkpointing=false \
     actor.lr=3e-3 actor.warmup_ratio=0.05 actor.max_length_per_device=1024 \
-    actor.save_dir="$OUT/ckpt" trainer.n_epochs=4 trainer.test_freq=10 trainer.disable_wandb=true "$@"
+    actor.save_dir="$OUT/ckpt" trainer.n_epochs=10 trainer.test_freq=20 trainer.disable_wandb=true "$@"
 python - "$OUT/ckpt/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]

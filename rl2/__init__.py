@@ -1,6 +1,18 @@
 """rl2: Ray-less, torchrun-native RL (PPO, GRPO), SFT, reward modelling and DPO for LLMs."""
 
-from rl2.config import Config, load_config
-from rl2.trainer.sft import SFTTrainer
+import importlib
 
-__all__ = ["Config", "SFTTrainer", "load_config"]
+# name -> module; imported on first use so `python -m rl2.trainer.sft` does not import itself twice.
+_EXPORTS = {
+    "Config": "rl2.config",
+    "load_config": "rl2.config",
+    "SFTTrainer": "rl2.trainer.sft",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'rl2' has no attribute {name!r}")

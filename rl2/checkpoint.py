@@ -109,3 +109,16 @@ def load_checkpoint(path: str, models: dict[str, tuple[nn.Module, torch.optim.Op
             set_optimizer_state_dict(model, optimizer, state[f"{name}.optimizer"])
     with open(os.path.join(path, STATE_FILE)) as f:
         return json.load(f)
+
+
+def load_optimizer_state(path: str, name: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load only `name`'s optimizer state from the checkpoint folder `path` (`actor.optimizer_dir`)."""
+    dcp_dir = os.path.join(path, "dcp")
+    if not os.path.isdir(dcp_dir):
+        raise FileNotFoundError(f"optimizer_dir={path}: no dcp/ folder (expected an rl2 checkpoint step folder)")
+    saved_keys = dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata
+    if not any(k.startswith(f"{name}.optimizer.") for k in saved_keys):
+        raise ValueError(f"optimizer_dir={path} holds no optimizer state for {name} (saved with save_optimizer=false?)")
+    state = {f"{name}.optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=dcp_dir)
+    set_optimizer_state_dict(model, optimizer, state[f"{name}.optimizer"])

@@ -6,7 +6,14 @@ import os
 import torch
 from transformers import AutoTokenizer
 
-from rl2.checkpoint import checkpoint_dir, load_checkpoint, resolve_checkpoint, save_checkpoint, save_hf_model
+from rl2.checkpoint import (
+    checkpoint_dir,
+    load_checkpoint,
+    load_optimizer_state,
+    resolve_checkpoint,
+    save_checkpoint,
+    save_hf_model,
+)
 from rl2.config import Config, ConfigError, config_to_dict
 from rl2.distributed import init_distributed, is_rank0, world_size
 from rl2.metrics import MetricsLogger
@@ -69,8 +76,14 @@ class Trainer:
             self.step = state["step"]
             self.load_extra_state(state)
             logger.info(f"resumed from {path} at step {self.step}")
-        elif self.config.trainer.load_ckpt_from == "latest":
-            logger.info(f"no checkpoint under {self.config.actor.save_dir} yet: starting from scratch")
+        else:
+            if self.config.trainer.load_ckpt_from == "latest":
+                logger.info(f"no checkpoint under {self.config.actor.save_dir} yet: starting from scratch")
+            for name, (model, optimizer) in self.checkpointed_models().items():
+                optimizer_dir = getattr(self.config, name).optimizer_dir
+                if optimizer_dir is not None:
+                    load_optimizer_state(optimizer_dir, name, model, optimizer)
+                    logger.info(f"{name} optimizer state loaded from {optimizer_dir}")
         self.metrics = MetricsLogger(
             save_dir=self.config.actor.save_dir,
             project=self.config.trainer.project,
