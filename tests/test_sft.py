@@ -141,3 +141,27 @@ def test_continue_from_exported_model_with_optimizer_dir(reference_run, sft_data
 
     with pytest.raises(AssertionError, match="no dcp/ folder"):
         run_torchrun(sft_args(step30, sft_data, str(tmp_path / "bad"), 2, f"actor.optimizer_dir={tmp_path}"))
+
+
+def test_command_line_errors_are_one_clear_line(tiny_model_dir, tmp_path):
+    bad_key = run_python_raw(["-m", "rl2.trainer.sft", "actor.lrr=1"])
+    assert bad_key.returncode == 2 and "Traceback" not in bad_key.stderr
+    assert "unknown config key 'actor.lrr'" in bad_key.stderr and "valid keys under 'actor'" in bad_key.stderr
+
+    bad_rows = tmp_path / "bad.jsonl"
+    bad_rows.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                        '{"messages": "not a list"}\n')
+    bad_data = run_python_raw(["-m", "rl2.trainer.sft", f"data.path={bad_rows}", f"actor.model_name={tiny_model_dir}",
+                               f"actor.save_dir={tmp_path / 'out'}", "trainer.disable_wandb=true"])
+    assert bad_data.returncode == 2 and "Traceback" not in bad_data.stderr
+    assert "bad.jsonl" in bad_data.stderr and "row 2" in bad_data.stderr and "'messages'" in bad_data.stderr
+
+    missing = run_python_raw(["-m", "rl2.trainer.sft", f"actor.model_name={tiny_model_dir}"])
+    assert missing.returncode == 2 and "data.path is required" in missing.stderr
+
+
+def run_python_raw(args):
+    env = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)

@@ -1,7 +1,9 @@
 """What every trainer shares: process group, logging, metrics, checkpoint save and resume."""
 
+import contextlib
 import logging
 import os
+import sys
 
 import torch
 from transformers import AutoTokenizer
@@ -15,6 +17,7 @@ from rl2.checkpoint import (
     save_hf_model,
 )
 from rl2.config import Config, ConfigError, config_to_dict
+from rl2.data import DataError
 from rl2.distributed import init_distributed, is_rank0, world_size
 from rl2.metrics import MetricsLogger
 
@@ -31,6 +34,16 @@ def setup_logging() -> None:
         handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(name)s: %(message)s", "%H:%M:%S"))
         rl2_logger.addHandler(handler)
         rl2_logger.propagate = False
+
+
+@contextlib.contextmanager
+def user_errors_reported():
+    """Command-line entry points: a bad config or data file ends the run with its message, not a traceback."""
+    try:
+        yield
+    except (ConfigError, DataError) as error:
+        print(f"rl2: error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 def require(config: Config, *keys: str) -> None:

@@ -12,7 +12,7 @@ from rl2.config import Config, load_config
 from rl2.data import SFTDataset, load_rows, split_rows, validate_rows
 from rl2.distributed import is_rank0
 from rl2.sampler import BatchSampler
-from rl2.trainer.base import Trainer, require
+from rl2.trainer.base import Trainer, require, user_errors_reported
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ class SFTTrainer(Trainer):
 
 
 def main() -> None:
-    SFTTrainer(load_config(sys.argv[1:])).train()
+    with user_errors_reported():
+        SFTTrainer(load_config(sys.argv[1:])).train()
 
 
 if __name__ == "__main__":
