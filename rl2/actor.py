@@ -141,11 +141,19 @@ class Actor:
         return self.config.max_inference_length_per_device or self.config.max_length_per_device
 
     def optimizer_step(self) -> float:
-        """Clip, step and schedule; a non-finite gradient norm skips the update (logged)."""
+        """Clip, step and schedule; a non-finite gradient norm skips the update (logged).
+
+        With `offload_optimizer` on GPU the optimizer state lives on CPU between steps.
+        """
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        offload_optimizer = self.config.offload_optimizer and self.device.type == "cuda"
         if torch.isfinite(grad_norm):
+            if offload_optimizer:
+                move_optimizer(self.optimizer, self.device)
             self.optimizer.step()
+            if offload_optimizer:
+                move_optimizer(self.optimizer, "cpu")
         else:
             logger.warning(f"non-finite gradient norm {grad_norm.item()}: update skipped")
         self.optimizer.zero_grad(set_to_none=True)
