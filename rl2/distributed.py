@@ -80,3 +80,31 @@ def barrier() -> None:
     if world_size() > 1:
         dist.barrier()
 
+
+
+
+def shutdown_distributed() -> None:
+    """Wait until every rank is done, so none exits while a peer still needs it.
+
+    The process group is left to process exit: on torch 2.13 with gloo, `destroy_process_group`
+    intermittently aborts a rank at interpreter shutdown ("terminate called without an active
+    exception").
+    """
+    barrier()
+
+
+def exit_process(code: int = 0) -> None:
+    """End a command-line run once all ranks are done, skipping interpreter teardown.
+
+    With torch 2.13 + gloo a rank intermittently aborts during teardown ("terminate called without
+    an active exception": a C++ thread still joinable at exit) after all its work is done, which
+    would turn a finished run into a failed one. Callers finish their own output first.
+    """
+    import logging
+    import sys
+
+    shutdown_distributed()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

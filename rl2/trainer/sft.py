@@ -10,7 +10,7 @@ from tqdm import tqdm
 from rl2.actor import Actor, sft_loss
 from rl2.config import Config, load_config
 from rl2.data import SFTDataset, load_rows, split_rows, validate_rows
-from rl2.distributed import is_rank0
+from rl2.distributed import exit_process, is_rank0
 from rl2.sampler import BatchSampler
 from rl2.trainer.base import Trainer, require, user_errors_reported
 
@@ -95,6 +95,7 @@ class SFTTrainer(Trainer):
 def main() -> None:
     with user_errors_reported():
         SFTTrainer(load_config(sys.argv[1:])).train()
+    exit_process(0)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,11 @@ Usage: fsdp_step.py MODEL_DIR OUT_FILE MAX_TOKENS FSDP_SIZE [HF_SAVE_DIR]
 import sys
 
 import torch
-import torch.distributed as dist
 
 from rl2.actor import Actor, sft_loss
 from rl2.checkpoint import save_hf_model
 from rl2.config import ModelConfig
-from rl2.distributed import init_distributed, is_rank0
+from rl2.distributed import exit_process, init_distributed, is_rank0
 from rl2.fsdp import gather_full_state_dict
 
 
@@ -49,8 +48,8 @@ def main() -> None:
         save_hf_model(actor.model, sys.argv[5], "float32")
     if is_rank0():
         torch.save({"grads": grads, "params": params, "metrics": metrics, "logps": logps, "batch": batch}, out_file)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # see its docstring: gloo can abort a finished rank during interpreter teardown
