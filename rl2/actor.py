@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from rl2.config import ModelConfig
 from rl2.distributed import all_reduce_sum, build_fsdp_mesh, device, rank, world_size
-from rl2.fsdp import load_fsdp_model, move_model, move_optimizer
+from rl2.fsdp import load_fsdp_model, move_optimizer
 from rl2.optim import build_optimizer
 from rl2.packing import pack_micro_batch, plan_micro_batches, unpack_row
 
@@ -159,27 +159,6 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return grad_norm.item()
-
-    # ---- offloading (GPU only) ----------------------------------------------------------------
-
-    def offload(self) -> None:
-        """Release GPU memory between uses, as configured (no-op on CPU)."""
-        if self.device.type != "cuda":
-            return
-        if self.config.offload_model:
-            move_model(self.model, "cpu")
-        if self.config.offload_optimizer:
-            move_optimizer(self.optimizer, "cpu")
-        torch.cuda.empty_cache()
-
-    def reload(self) -> None:
-        """Bring offloaded weights / optimizer state back to the GPU (no-op on CPU)."""
-        if self.device.type != "cuda":
-            return
-        if self.config.offload_model:
-            move_model(self.model, self.device)
-        if self.config.offload_optimizer:
-            move_optimizer(self.optimizer, self.device)
 
 
 def _placeholder_like(sequence: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -78,11 +78,6 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def move_model(model: nn.Module, device: torch.device | str) -> None:
-    """Move the model's parameter shards and buffers (offloading to CPU, or back)."""
-    model.to(device)
-
-
 def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
     """Move the optimizer's state tensors (offloading to CPU, or back)."""
     for state in optimizer.state.values():
