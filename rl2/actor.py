@@ -104,7 +104,7 @@ class Actor:
         """`loss_fn`'s loss and metrics over `sequences`, per loss token, without updating."""
         self.model.eval()
         _, rows = self.pack(sequences, self._inference_max_tokens())
-        return self._per_token({"loss": 0.0}, rows, loss_fn, backward=False)
+        return self._per_token(rows, loss_fn, backward=False)
 
     def train_step(self, sequences: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over all `sequences` (see `accumulate_gradients`)."""
@@ -122,9 +122,10 @@ class Actor:
         """
         self.model.train()
         _, rows = self.pack(sequences, self.config.max_length_per_device)
-        return self._per_token({"loss": 0.0}, rows, loss_fn, backward=True)
+        return self._per_token(rows, loss_fn, backward=True)
 
-    def _per_token(self, totals: dict, rows: list[dict], loss_fn: LossFn, backward: bool) -> dict[str, float]:
+    def _per_token(self, rows: list[dict], loss_fn: LossFn, backward: bool) -> dict[str, float]:
+        totals: dict[str, float] = {}
         global_tokens = max(all_reduce_sum(float(sum(row["loss_mask"].sum().item() for row in rows))), 1.0)
         for row in rows:
             loss_sum, metric_sums = loss_fn(self.forward_logps(row), row)

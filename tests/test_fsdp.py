@@ -13,16 +13,30 @@ WORKER = "tests/workers/fsdp_step.py"
 
 @pytest.fixture(scope="module")
 def single_rank(tiny_model_dir, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("fsdp") / "one.pt")
-    run_python([WORKER, tiny_model_dir, out, "100000", "0"])  # everything in one micro-batch
-    return torch.load(out)
+    """The 1-rank reference, everything in one micro-batch, per batch size."""
+    results = {}
+
+    def result(n_sequences: int) -> dict:
+        if n_sequences not in results:
+            out = str(tmp_path_factory.mktemp("fsdp") / "one.pt")
+            run_python([WORKER, tiny_model_dir, out, "100000", "0", str(n_sequences)])
+            results[n_sequences] = torch.load(out)
+        return results[n_sequences]
+
+    return result
 
 
-@pytest.mark.parametrize("max_tokens,fsdp_size", [(64, 0), (200, 0), (64, 1)], ids=["full-64", "full-200", "hybrid-64"])
-def test_two_ranks_match_one(single_rank, tiny_model_dir, tmp_path, max_tokens, fsdp_size):
+@pytest.mark.parametrize(
+    "max_tokens,fsdp_size,n_sequences",
+    [(64, 0, 13), (200, 0, 13), (64, 1, 13), (64, 0, 1)],
+    ids=["full-64", "full-200", "hybrid-64", "one-sequence-two-ranks"],
+)
+def test_two_ranks_match_one(single_rank, tiny_model_dir, tmp_path, max_tokens, fsdp_size, n_sequences):
+    """With one sequence, rank 1 has nothing to train on and runs a placeholder row to join FSDP's collectives."""
+    single_rank = single_rank(n_sequences)
     out = str(tmp_path / "two.pt")
     hf_dir = str(tmp_path / "hf")
-    run_torchrun([WORKER, tiny_model_dir, out, str(max_tokens), str(fsdp_size), hf_dir])
+    run_torchrun([WORKER, tiny_model_dir, out, str(max_tokens), str(fsdp_size), str(n_sequences), hf_dir])
     two = torch.load(out)
 
     assert two["metrics"]["loss_tokens"] == single_rank["metrics"]["loss_tokens"]

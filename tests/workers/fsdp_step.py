@@ -1,6 +1,6 @@
 """One actor update on a fixed random global batch; rank 0 saves gradients, parameters and metrics.
 
-Usage: fsdp_step.py MODEL_DIR OUT_FILE MAX_TOKENS FSDP_SIZE [HF_SAVE_DIR]
+Usage: fsdp_step.py MODEL_DIR OUT_FILE MAX_TOKENS FSDP_SIZE N_SEQUENCES [HF_SAVE_DIR]
 """
 
 import sys
@@ -30,7 +30,7 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    model_dir, out_file, max_tokens, fsdp_size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    model_dir, out_file, max_tokens, fsdp_size, n_sequences = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     init_distributed()
     config = ModelConfig(
         model_name=model_dir, dtype="float32", gradient_checkpointing=True, max_length_per_device=max_tokens,
@@ -38,14 +38,14 @@ def main() -> None:
     )
     torch.manual_seed(0)
     actor = Actor(config, total_steps=10)
-    batch = random_batch(actor.model.config.vocab_size)
+    batch = random_batch(actor.model.config.vocab_size, n_sequences)
     metrics = actor.accumulate_gradients(batch, sft_loss)
     grads = full_grads(actor.model)
     metrics["grad_norm"] = actor.optimizer_step()
     logps = actor.compute_logps(batch)
     params = gather_full_state_dict(actor.model)
-    if len(sys.argv) > 5:
-        save_hf_model(actor.model, sys.argv[5], "float32")
+    if len(sys.argv) > 6:
+        save_hf_model(actor.model, sys.argv[6], "float32")
     if is_rank0():
         torch.save({"grads": grads, "params": params, "metrics": metrics, "logps": logps, "batch": batch}, out_file)
 
