@@ -1,11 +1,12 @@
-"""The FSDP2 policy model: log-probs on packed micro-batches and globally normalised updates."""
+"""FSDP2 models on packed micro-batches: the policy (log-probs) and the critic (values), with
+globally normalised updates."""
 
 import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from rl2.config import ModelConfig
 from rl2.distributed import all_reduce_sum, build_fsdp_mesh, device, rank, world_size
@@ -15,18 +16,31 @@ from rl2.packing import pack_micro_batch, plan_micro_batches, unpack_row
 
 logger = logging.getLogger(__name__)
 
-# loss_fn(logps, micro_batch) -> (sum of per-token losses over the micro-batch, metrics summed likewise)
-LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# loss_fn(outputs, micro_batch) -> (loss summed over the micro-batch's tokens, metrics summed likewise);
+# outputs holds the model's per-token tensors [1, T]: "logps" (and "entropy") or "values".
+LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def token_logps(logits: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """log p(token t | tokens before t in its sequence), aligned with `input_ids`; 0 at sequence starts."""
-    logps = -F.cross_entropy(
-        logits[0, :-1].float(), input_ids[0, 1:], reduction="none"
-    )
+def token_logps(
+    logits: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(token t | tokens before t in its sequence) under softmax(logits / temperature),
+    aligned with `input_ids`; 0 at sequence starts."""
+    logits = logits[0, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logps = -F.cross_entropy(logits, input_ids[0, 1:], reduction="none")
     logps = F.pad(logps, (1, 0)).unsqueeze(0)
     # A sequence's first token is "predicted" by the previous packed sequence: meaningless.
     return logps.masked_fill(position_ids == 0, 0.0)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, position_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the distribution each token was drawn from, aligned like `token_logps`."""
+    logps = torch.log_softmax(logits[0, :-1].float() / temperature, dim=-1)
+    entropy = -(logps.exp() * logps).sum(-1)
+    return F.pad(entropy, (1, 0)).unsqueeze(0).masked_fill(position_ids == 0, 0.0)
 
 
 class Actor:
@@ -34,11 +48,19 @@ class Actor:
 
     Every rank sees the whole list of sequences of a step (or its lengths); `plan_micro_batches`
     gives each rank a balanced share in packed micro-batches of at most `max_length_per_device`
-    tokens, the same number on every rank.
+    tokens, the same number on every rank. `temperature` is the sampling temperature the
+    log-probs are taken at (the policy that generated the tokens). With `trainable=False` (the
+    reference model) no optimizer is built.
     """
 
-    def __init__(self, config: ModelConfig, total_steps: int, model_cls: type = AutoModelForCausalLM):
+    model_cls: type = AutoModelForCausalLM
+    config_overrides: dict = {}
+
+    def __init__(
+        self, config: ModelConfig, total_steps: int, temperature: float = 1.0, trainable: bool = True
+    ):
         self.config = config
+        self.temperature = temperature
         self.device = device()
         self.dp_rank, self.dp_size = rank(), world_size()
         if config.sp_size != 1:
@@ -49,12 +71,17 @@ class Actor:
             self.mesh,
             self.device,
             dtype=config.dtype,
-            gradient_checkpointing=config.gradient_checkpointing,
-            model_cls=model_cls,
+            gradient_checkpointing=config.gradient_checkpointing and trainable,
+            model_cls=self.model_cls,
+            **self.config_overrides,
         )
-        self.optimizer, self.scheduler = build_optimizer(
-            self.model, config.lr, config.weight_decay, total_steps, config.warmup_ratio
-        )
+        self.optimizer = self.scheduler = None
+        if trainable:
+            self.optimizer, self.scheduler = build_optimizer(
+                self.model, config.lr, config.weight_decay, total_steps, config.warmup_ratio
+            )
+        else:
+            self.model.requires_grad_(False)
         if self.device.type != "cuda" and (config.offload_model or config.offload_optimizer):
             logger.info("offload_model / offload_optimizer have no effect on CPU: the model already lives there")
 
@@ -78,64 +105,80 @@ class Actor:
 
     # ---- forward / backward ----------------------------------------------------------------
 
-    def forward_logps(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-token log-probs [1, T] of a packed row."""
+    def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        """Per-token outputs [1, T] of a packed row: "logps" (and "entropy")."""
         logits = self.model(
             input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
         ).logits
-        return token_logps(logits, micro_batch["input_ids"], micro_batch["position_ids"])
+        position_ids = micro_batch["position_ids"]
+        outputs = {"logps": token_logps(logits, micro_batch["input_ids"], position_ids, self.temperature)}
+        if with_entropy:
+            outputs["entropy"] = token_entropy(logits, position_ids, self.temperature)
+        return outputs
 
     @torch.no_grad()
-    def compute_logps(self, sequences: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Log-probs of every sequence as 1-D tensors: each rank computes its share, all ranks get all."""
+    def compute(self, sequences: list[dict[str, torch.Tensor]], output: str = "logps") -> list[torch.Tensor]:
+        """One per-token output of every sequence as 1-D tensors: each rank computes its share,
+        all ranks get all."""
         self.model.eval()
         lengths = [len(seq["input_ids"]) for seq in sequences]
         result = [torch.zeros(n) for n in lengths]
         plan, rows = self.pack(sequences, self._inference_max_tokens())
         for indices, row in zip(plan, rows):
-            per_sequence = unpack_row(self.forward_logps(row).cpu(), row["cu_seqlens"].cpu())
-            for i, logps in zip(indices, per_sequence):
-                result[i] = logps
+            per_sequence = unpack_row(self.forward(row)[output].float().cpu(), row["cu_seqlens"].cpu())
+            for i, values in zip(indices, per_sequence):
+                result[i] = values
         # Each sequence was computed on exactly one rank, zeros elsewhere: a sum gathers them all.
         return list(all_reduce_sum(torch.cat(result)).split(lengths))
+
+    def compute_logps(self, sequences: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        return self.compute(sequences, "logps")
 
     @torch.no_grad()
     def evaluate(self, sequences: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
         """`loss_fn`'s loss and metrics over `sequences`, per loss token, without updating."""
         self.model.eval()
         _, rows = self.pack(sequences, self._inference_max_tokens())
-        return self._per_token(rows, loss_fn, backward=False)
+        return self._accumulate(rows, loss_fn, backward=False)
 
-    def train_step(self, sequences: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(
+        self, sequences: list[dict[str, torch.Tensor]], loss_fn: LossFn, loss_total: float | None = None
+    ) -> dict[str, float]:
         """One optimizer step over all `sequences` (see `accumulate_gradients`)."""
-        metrics = self.accumulate_gradients(sequences, loss_fn)
+        metrics = self.accumulate_gradients(sequences, loss_fn, loss_total)
         metrics["grad_norm"] = self.optimizer_step()
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
-    def accumulate_gradients(self, sequences: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
+    def accumulate_gradients(
+        self, sequences: list[dict[str, torch.Tensor]], loss_fn: LossFn, loss_total: float | None = None
+    ) -> dict[str, float]:
         """Backward over this rank's micro-batches of `sequences`.
 
-        The loss is the sum of per-token losses divided by the number of loss tokens in the whole
-        global batch, so gradients do not depend on the world size, the packing or the number of
-        micro-batches.
+        The loss is the sum of `loss_fn`'s per-micro-batch sums divided by `loss_total`: by
+        default the number of loss tokens in the whole global batch (a per-token mean); pass 1.0
+        when `loss_fn` already weighs tokens by weights summing to 1. Either way gradients do not
+        depend on the world size, the packing or the number of micro-batches.
         """
         self.model.train()
         _, rows = self.pack(sequences, self.config.max_length_per_device)
-        return self._per_token(rows, loss_fn, backward=True)
+        return self._accumulate(rows, loss_fn, backward=True, loss_total=loss_total)
 
-    def _per_token(self, rows: list[dict], loss_fn: LossFn, backward: bool) -> dict[str, float]:
+    def _accumulate(
+        self, rows: list[dict], loss_fn: LossFn, backward: bool, loss_total: float | None = None
+    ) -> dict[str, float]:
         totals: dict[str, float] = {}
-        global_tokens = max(all_reduce_sum(float(sum(row["loss_mask"].sum().item() for row in rows))), 1.0)
+        if loss_total is None:
+            loss_total = max(all_reduce_sum(float(sum(row["loss_mask"].sum().item() for row in rows))), 1.0)
         for row in rows:
-            loss_sum, metric_sums = loss_fn(self.forward_logps(row), row)
+            loss_sum, metric_sums = loss_fn(self.forward(row, with_entropy=backward), row)
             if backward:
                 # FSDP averages gradients over the data-parallel ranks; undo that: we want the sum.
-                (loss_sum * self.dp_size / global_tokens).backward()
+                (loss_sum * self.dp_size / loss_total).backward()
             for name, value in {"loss": loss_sum, **metric_sums}.items():
                 totals[name] = totals.get(name, 0.0) + float(value.detach())
-        metrics = {name: all_reduce_sum(value) / global_tokens for name, value in totals.items()}
-        metrics["loss_tokens"] = global_tokens
+        metrics = {name: all_reduce_sum(value) / loss_total for name, value in sorted(totals.items())}
+        metrics["loss_tokens"] = all_reduce_sum(float(sum(row["loss_mask"].sum().item() for row in rows)))
         return metrics
 
     def _inference_max_tokens(self) -> int:
@@ -162,11 +205,29 @@ class Actor:
         return grad_norm.item()
 
 
+class Critic(Actor):
+    """A value model: the causal LM's body with a scalar head per token (token classification).
+
+    `values[t]` is the value of the state before token t (the prefix that token t was drawn
+    from), aligned with the policy's log-probs; 0 at sequence starts.
+    """
+
+    model_cls = AutoModelForTokenClassification
+    config_overrides = {"num_labels": 1}
+
+    def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        scores = self.model(
+            input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
+        ).logits[..., 0].float()
+        values = F.pad(scores[:, :-1], (1, 0))
+        return {"values": values.masked_fill(micro_batch["position_ids"] == 0, 0.0)}
+
+
 def _placeholder_like(sequence: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A one-token sequence with the same keys and dtypes and nothing in the loss."""
     return {key: torch.zeros(1, dtype=value.dtype) for key, value in sequence.items()}
 
 
-def sft_loss(logps: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+def sft_loss(outputs: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
     """Negative log-likelihood summed over the loss-masked tokens."""
-    return -(logps * micro_batch["loss_mask"]).sum(), {}
+    return -(outputs["logps"] * micro_batch["loss_mask"]).sum(), {}

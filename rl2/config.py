@@ -33,7 +33,7 @@ class DataConfig:
     path: Optional[str] = _f(None, "HF dataset, save_to_disk dir or json/jsonl/csv/parquet/arrow file; `split@path` picks a split")
     test_path: Optional[str] = _f(None, "test set, same forms as path")
     test_ratio: float = _f(0.0, "fraction of training rows held out as the test set when test_path is unset")
-    max_length: Optional[int] = _f(None, "longer sequences are truncated (counted and logged)")
+    max_length: Optional[int] = _f(None, "SFT: longer sequences are truncated; RL: longest trajectory (prompt + all turns; longer prompts are dropped), default actor.max_length_per_device")
     batch_size: int = _f(8, "rows per optimizer step (global, across ranks)")
     prompts_per_rollout: Optional[int] = _f(None, "prompts sampled per rollout")
     responses_per_prompt: int = _f(1, "responses generated per prompt")
@@ -53,7 +53,8 @@ class ModelConfig:
     gradient_checkpointing: bool = _f(True, "recompute activations in backward to save memory")
     max_length_per_device: int = _f(8192, "max tokens in one training micro-batch per device")
     max_inference_length_per_device: Optional[int] = _f(None, "tokens per no-grad micro-batch; None = max_length_per_device")
-    update_per_rollout: int = _f(1, "optimizer passes over each rollout")
+    update_per_rollout: int = _f(1, "optimizer steps per rollout: the rollout is split into this many minibatches")
+    loss_level: str = _f("token", "loss averaging: mean over all tokens of the minibatch, or mean of per-sequence means", ["token", "sequence"])
     clip: float = _f(0.2, "clip range of the policy ratio (value clip for the critic)")
     clip_high: Optional[float] = _f(None, "DAPO upper clip; None = same as clip")
     lr: float = _f(1e-6, "learning rate of the optimizer")
@@ -84,6 +85,11 @@ class RolloutConfig:
     test_sampling_params: dict[str, Any] = _f({"temperature": 0.0, "max_new_tokens": 512}, "sampling params for testing (any keys)")
     max_turns: int = _f(1, "max assistant turns per episode")
     env_path: Optional[str] = _f(None, "python file defining the environment (reward / tool steps)")
+    env_timeout: float = _f(60.0, "seconds one reward_fn / interact call may take; then reward 0 / trajectory ends")
+    env_concurrency: int = _f(64, "env calls running at once (threads for sync functions)")
+    dynamic_filtering: bool = _f(False, "drop groups whose rewards are all equal (zero advantage; DAPO)")
+    test_responses_per_prompt: int = _f(1, "responses per test prompt; pass@k uses k = this")
+    sync_bucket_mb: int = _f(512, "weights are sent to the engine in buckets of about this many MB")
 
 
 _KL_ESTIMATORS = ["k1", "k2", "k3"]
@@ -115,6 +121,7 @@ class TrainerConfig:
     disable_wandb: bool = _f(False, "do not log to wandb")
     load_ckpt_from: Optional[str] = _f(None, "'latest' or a checkpoint dir to resume from")
     seed: int = _f(42, "random seed")
+    dump_trajectories: bool = _f(True, "write each step's trajectories to <save_dir>/trajectories/step_N.jsonl")
 
 
 @dataclass

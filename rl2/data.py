@@ -289,7 +289,7 @@ def tokenize_conversation(messages: list[dict], tokenizer, max_length: int | Non
 
 def _tokenize_conversation(messages: list[dict], tokenizer, max_length: int | None, loss_from: int) -> dict:
     """As tokenize_conversation, with only assistant messages at index >= `loss_from` in the loss."""
-    text = _render(messages, tokenizer, add_generation_prompt=False)
+    text = render_chat(messages, tokenizer, add_generation_prompt=False)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or i < loss_from:
@@ -314,11 +314,12 @@ def _tokenize_conversation(messages: list[dict], tokenizer, max_length: int | No
 
 def tokenize_prompt(messages: list[dict], tokenizer) -> list[int]:
     """Token ids of `messages` rendered with the chat template and the generation prompt."""
-    text = _render(messages, tokenizer, add_generation_prompt=True)
+    text = render_chat(messages, tokenizer, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _render(messages: list[dict], tokenizer, add_generation_prompt: bool) -> str:
+def render_chat(messages: list[dict], tokenizer, add_generation_prompt: bool) -> str:
+    """`messages` as text through the tokenizer's chat template."""
     # tokenize=False: in transformers 5 tokenize=True returns a BatchEncoding, and tokenizing the
     # rendered text ourselves keeps input_ids identical to a plain tokenization of the text.
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
@@ -326,7 +327,7 @@ def _render(messages: list[dict], tokenizer, add_generation_prompt: bool) -> str
 
 def _render_prefix(messages: list[dict], tokenizer, full_text: str, add_generation_prompt: bool) -> str:
     """Render the first messages of a conversation, checking that this is a prefix of `full_text`."""
-    prefix = _render(messages, tokenizer, add_generation_prompt=add_generation_prompt)
+    prefix = render_chat(messages, tokenizer, add_generation_prompt=add_generation_prompt)
     if not full_text.startswith(prefix):
         raise DataError(
             f"the chat template is not prefix-consistent: rendering the first {len(messages)} messages "
@@ -411,7 +412,7 @@ class RLDataset(_ConversationDataset):
         self, path_or_rows: str | datasets.Dataset, tokenizer, max_length: int | None, source: str | None = None
     ):
         super().__init__(path_or_rows, tokenizer, max_length, source)
-        texts = [_render(self._messages(i), tokenizer, add_generation_prompt=True) for i in range(len(self.rows))]
+        texts = [render_chat(self._messages(i), tokenizer, add_generation_prompt=True) for i in range(len(self.rows))]
         prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         self.indices = [i for i, ids in enumerate(prompt_ids) if max_length is None or len(ids) <= max_length]
         self.prompt_ids = [list(prompt_ids[i]) for i in self.indices]

@@ -76,6 +76,15 @@ def all_reduce_sum(value: float | torch.Tensor) -> float | torch.Tensor:
     return tensor if is_tensor else tensor.item()
 
 
+def all_gather_objects(items: list) -> list:
+    """Every rank's list concatenated in rank order (picklable items), on every rank."""
+    if world_size() == 1:
+        return list(items)
+    gathered: list = [None] * world_size()
+    dist.all_gather_object(gathered, items)
+    return [item for part in gathered for item in part]
+
+
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()

@@ -1,9 +1,11 @@
 """Metrics to `<save_dir>/metrics.jsonl` (always) and to wandb (online, offline or disabled), on rank 0."""
 
+import contextlib
 import json
 import logging
 import netrc
 import os
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -88,3 +90,35 @@ def read_metrics(path: str) -> list[dict]:
     """The JSON objects of a metrics.jsonl file, in order."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase of a step: `with timer("rollout"): ...`, then `timer.times`."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+
+
+def curve_summary(rows: list[dict], key: str, buckets: int = 10) -> str:
+    """A few lines showing how `key` moved over the steps of `rows` (mean per bucket of steps,
+    with a bar for values in [0, 1])."""
+    points = [(row["step"], row[key]) for row in rows if key in row]
+    if not points:
+        return f"{key}: no values"
+    size = max(1, -(-len(points) // buckets))
+    lines = [f"{key} by step:"]
+    for start in range(0, len(points), size):
+        chunk = points[start : start + size]
+        mean = sum(value for _, value in chunk) / len(chunk)
+        first, last = chunk[0][0], chunk[-1][0]
+        span = f"{first}" if first == last else f"{first}-{last}"
+        lines.append(f"  steps {span:>9}  {mean:7.3f}  {'#' * round(min(max(mean, 0.0), 1.0) * 40)}")
+    return "\n".join(lines)

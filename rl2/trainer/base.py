@@ -17,7 +17,8 @@ from rl2.checkpoint import (
     save_hf_model,
 )
 from rl2.config import Config, ConfigError, config_to_dict
-from rl2.data import DataError
+from rl2.data import DataError, load_rows, split_rows, validate_rows
+from rl2.env import EnvError
 from rl2.distributed import init_distributed, is_rank0, world_size
 from rl2.metrics import MetricsLogger
 
@@ -41,7 +42,7 @@ def user_errors_reported():
     """Command-line entry points: a bad config or data file ends the run with its message, not a traceback."""
     try:
         yield
-    except (ConfigError, DataError) as error:
+    except (ConfigError, DataError, EnvError) as error:
         print(f"rl2: error: {error}", file=sys.stderr)
         sys.exit(2)
 
@@ -69,6 +70,25 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer_name or config.actor.model_name)
         self.step = 0
         self.metrics: MetricsLogger | None = None
+
+    def load_datasets(self, dataset_cls: type, max_length: int | None) -> tuple:
+        """(train, test or None) from `data.path`, `data.test_path` or a `data.test_ratio` split."""
+        data, tokenizer = self.config.data, self.tokenizer
+        if data.test_path is not None:
+            return dataset_cls(data.path, tokenizer, max_length), dataset_cls(data.test_path, tokenizer, max_length)
+        if data.test_ratio > 0:
+            rows = load_rows(data.path)
+            validate_rows(rows, dataset_cls.kind, data.path)  # before the split, so errors name the file's rows
+            train_rows, test_rows = split_rows(rows, data.test_ratio, self.config.trainer.seed)
+            return (
+                dataset_cls(train_rows, tokenizer, max_length, source=data.path),
+                dataset_cls(test_rows, tokenizer, max_length, source=f"{data.path} (test split)"),
+            )
+        return dataset_cls(data.path, tokenizer, max_length), None
+
+    def is_test_step(self, step: int) -> bool:
+        freq = self.config.trainer.test_freq
+        return step == self.total_steps or (freq is not None and step % freq == 0)
 
     # subclasses override
     def checkpointed_models(self) -> dict:

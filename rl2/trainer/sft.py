@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from rl2.actor import Actor, sft_loss
 from rl2.config import Config, load_config
-from rl2.data import SFTDataset, load_rows, split_rows, validate_rows
+from rl2.data import SFTDataset
 from rl2.distributed import exit_process, is_rank0
 from rl2.sampler import BatchSampler
 from rl2.trainer.base import Trainer, require, user_errors_reported
@@ -23,7 +23,7 @@ class SFTTrainer(Trainer):
     def __init__(self, config: Config):
         require(config, "data.path", "actor.model_name")
         super().__init__(config)
-        self.train_data, self.test_data = self._load_data()
+        self.train_data, self.test_data = self.load_datasets(SFTDataset, config.data.max_length)
         self.sampler = BatchSampler(
             len(self.train_data), config.data.batch_size, config.data.shuffle, config.trainer.seed
         )
@@ -35,20 +35,6 @@ class SFTTrainer(Trainer):
             f"SFT: {len(self.train_data)} training rows, {len(self.test_data) if self.test_data else 0} test rows, "
             f"{self.total_steps} steps of {config.data.batch_size} rows"
         )
-
-    def _load_data(self) -> tuple[SFTDataset, SFTDataset | None]:
-        data, tokenizer, max_length = self.config.data, self.tokenizer, self.config.data.max_length
-        if data.test_path is not None:
-            return SFTDataset(data.path, tokenizer, max_length), SFTDataset(data.test_path, tokenizer, max_length)
-        if data.test_ratio > 0:
-            rows = load_rows(data.path)
-            validate_rows(rows, "sft", data.path)  # before the split, so errors name the file's row numbers
-            train_rows, test_rows = split_rows(rows, data.test_ratio, self.config.trainer.seed)
-            return (
-                SFTDataset(train_rows, tokenizer, max_length, source=data.path),
-                SFTDataset(test_rows, tokenizer, max_length, source=f"{data.path} (test split)"),
-            )
-        return SFTDataset(data.path, tokenizer, max_length), None
 
     def checkpointed_models(self) -> dict:
         return {"actor": (self.actor.model, self.actor.optimizer)}
@@ -77,7 +63,7 @@ class SFTTrainer(Trainer):
             metrics["truncated"] = self.train_data.num_truncated - truncated_before
             metrics["step_time"] = time.perf_counter() - start
             metrics["tokens_per_second"] = sum(len(s["input_ids"]) for s in sequences) / metrics["step_time"]
-            if self.test_data is not None and self._is_test_step(self.step):
+            if self.test_data is not None and self.is_test_step(self.step):
                 metrics["test/loss"] = self.evaluate()
             self.metrics.log(metrics, self.step)
             progress.update(1)
@@ -86,10 +72,6 @@ class SFTTrainer(Trainer):
                 self.save(self.step)
         progress.close()
         self.metrics.finish()
-
-    def _is_test_step(self, step: int) -> bool:
-        freq = self.config.trainer.test_freq
-        return step == self.total_steps or (freq is not None and step % freq == 0)
 
 
 def main() -> None:

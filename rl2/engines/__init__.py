@@ -1,0 +1,21 @@
+"""Rollout engines: generate completions with exact log-probs and take weight updates."""
+
+import torch
+
+from rl2.engines.base import Engine, Generation, SamplingParams
+from rl2.engines.hf import HFEngine
+
+__all__ = ["Engine", "Generation", "HFEngine", "SamplingParams", "build_engine"]
+
+
+def build_engine(
+    name: str, model_path: str, tokenizer, device: torch.device, dtype: str, seed: int, **kwargs
+) -> Engine:
+    """The rollout engine called `name` ("hf" or "sglang"); `kwargs` go to its constructor."""
+    if name == "hf":
+        return HFEngine(model_path, tokenizer, device, dtype=dtype, seed=seed, **kwargs)
+    if name == "sglang":
+        raise NotImplementedError(
+            "rollout.engine=sglang is not available yet; use rollout.engine=hf (the built-in engine)"
+        )
+    raise ValueError(f"unknown rollout engine {name!r}; choose 'hf' or 'sglang'")

@@ -1,0 +1,82 @@
+"""The rollout engine interface: sampling parameters, generations, and the `Engine` contract."""
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample a completion; names and conventions follow SGLang (`top_k=-1` is off)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 512
+    stop: list[str] = field(default_factory=list)  # stop strings; a single str is wrapped in a list
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the tokenizer's eos
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = [int(token) for token in self.stop_token_ids]
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+
+    @classmethod
+    def from_dict(cls, params: dict) -> "SamplingParams":
+        """Sampling parameters from a dict (e.g. a config section); unknown keys are an error."""
+        valid = [f.name for f in fields(cls)]
+        for key in params:
+            if key not in valid:
+                raise ValueError(f"unknown sampling parameter {key!r}; valid ones: {', '.join(valid)}")
+        return cls(**params)
+
+
+@dataclass
+class Generation:
+    """One completion.
+
+    `token_ids` include the token that stopped it (eos, a stop token id, or the token that
+    completed a stop string). `logprobs[i]` is log p(token_ids[i]) under softmax(logits / T),
+    T the temperature (T = 1 when greedy); top_p / top_k filtering does not change them.
+    `finish_reason` is "stop" or "length".
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class Engine(ABC):
+    """Generates completions of tokenized prompts and takes weight updates from the trainer."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """One generation per prompt, in the order of `prompts`."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) tensors by state-dict name, consuming the stream one item at a time."""
+
+    def reseed(self, seed: int) -> None:
+        """Restart the engine's sampling random stream from `seed`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be reseeded")
+
+    def sleep(self) -> None:
+        """Release accelerator memory until `wake` (no-op by default)."""
+
+    def wake(self) -> None:
+        """Undo `sleep` (no-op by default)."""

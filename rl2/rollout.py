@@ -1,0 +1,200 @@
+"""Multi-turn rollouts: generate → interact → append the tool's tokens → generate again.
+
+Trajectories are kept as token ids (token-in, token-out): the model's tokens are never
+re-tokenised. Tool messages are rendered by the chat template as the text the template adds
+after the conversation so far, so the trajectory equals the templated conversation.
+"""
+
+import copy
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from rl2.data import render_chat
+from rl2.engines import Engine, Generation, SamplingParams
+from rl2.env import Env
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Trajectory:
+    """One episode: the conversation, its token ids, which tokens the policy generated, and its reward."""
+
+    messages: list[dict]
+    answer: Any
+    group: int  # index of the prompt: trajectories of one prompt form a group
+    token_ids: list[int]
+    action_mask: list[int]  # 1 on generated tokens, 0 on prompt and tool tokens
+    logprobs: list[float]  # the engine's log-probs of generated tokens, 0 elsewhere
+    prompt_length: int
+    turns: int = 0
+    truncated: bool = False  # cut at the length limit
+    done: bool = False
+    reward: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def response_length(self) -> int:
+        return sum(self.action_mask)
+
+    def to_json(self) -> dict:
+        """What a trajectory dump shows: the conversation and its outcome."""
+        return {
+            "group": self.group,
+            "messages": self.messages,
+            "answer": self.answer,
+            "reward": self.reward,
+            "turns": self.turns,
+            "response_length": self.response_length,
+            "truncated": self.truncated,
+            "errors": self.errors,
+        }
+
+
+def rollout(
+    engine: Engine,
+    env: Env | None,
+    tokenizer,
+    prompts: list[dict],
+    responses_per_prompt: int,
+    params: SamplingParams,
+    max_turns: int = 1,
+    max_length: int | None = None,
+    first_group: int = 0,
+) -> list[Trajectory]:
+    """`responses_per_prompt` trajectories for each prompt ({"prompt_ids", "messages", "answer"}),
+    grouped by prompt, of at most `max_turns` generations and `max_length` tokens in all."""
+    trajectories = [
+        Trajectory(
+            messages=copy.deepcopy(prompt["messages"]),
+            answer=prompt["answer"],
+            group=first_group + g,
+            token_ids=list(prompt["prompt_ids"]),
+            action_mask=[0] * len(prompt["prompt_ids"]),
+            logprobs=[0.0] * len(prompt["prompt_ids"]),
+            prompt_length=len(prompt["prompt_ids"]),
+        )
+        for g, prompt in enumerate(prompts)
+        for _ in range(responses_per_prompt)
+    ]
+    stop_ids = set(params.stop_token_ids)
+    if not params.ignore_eos and tokenizer.eos_token_id is not None:
+        stop_ids.add(tokenizer.eos_token_id)
+    for turn in range(max_turns):
+        for trajectory in trajectories:
+            if not trajectory.done and _room(trajectory, max_length) <= 0:
+                trajectory.truncated = trajectory.done = True  # a prompt that fills the limit
+        active = [t for t in trajectories if not t.done]
+        if not active:
+            break
+        room = max(_room(t, max_length) for t in active)
+        generations = engine.generate(
+            [t.token_ids for t in active], dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+        )
+        for trajectory, generation in zip(active, generations):
+            _append_generation(trajectory, generation, tokenizer, stop_ids, max_length)
+            if turn == max_turns - 1:
+                trajectory.done = True
+        waiting = [t for t in active if not t.done]
+        if not waiting:
+            break
+        if env is None or not env.has_interact:
+            raise ValueError("rollout.max_turns > 1 needs an env file that defines interact(messages)")
+        for trajectory, result in zip(waiting, env.interact([t.messages for t in waiting])):
+            if result.error is not None:
+                trajectory.errors.append(result.error)
+            if result.error is not None or not result.value:
+                trajectory.done = True
+                continue
+            _append_observation(trajectory, result.value, tokenizer, max_length)
+    return trajectories
+
+
+def _room(trajectory: Trajectory, max_length: int | None) -> int:
+    return 2**62 if max_length is None else max_length - len(trajectory.token_ids)
+
+
+def _append_generation(
+    trajectory: Trajectory, generation: Generation, tokenizer, stop_ids: set[int], max_length: int | None
+) -> None:
+    tokens, logprobs = list(generation.token_ids), list(generation.logprobs)
+    room = _room(trajectory, max_length)
+    cut = len(tokens) > room
+    tokens, logprobs = tokens[:room], logprobs[:room]
+    trajectory.token_ids += tokens
+    trajectory.action_mask += [1] * len(tokens)
+    trajectory.logprobs += logprobs
+    trajectory.turns += 1
+    # The message holds what the model said; the template adds the end-of-turn token again.
+    ends_with_stop = generation.finish_reason == "stop" and not cut and tokens and tokens[-1] in stop_ids
+    content_tokens = tokens[:-1] if ends_with_stop else tokens
+    content = tokenizer.decode(content_tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    trajectory.messages.append({"role": "assistant", "content": content})
+    if cut or generation.finish_reason == "length" or _room(trajectory, max_length) <= 0:
+        trajectory.truncated = True
+        trajectory.done = True
+
+
+def _append_observation(trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None) -> None:
+    tokens = observation_tokens(tokenizer, trajectory.token_ids, trajectory.messages, new_messages)
+    trajectory.messages.extend(new_messages)
+    room = _room(trajectory, max_length)
+    if len(tokens) >= room:
+        # No room left to answer after the tool output: the episode ends at the limit.
+        tokens = tokens[: max(room, 0)]
+        trajectory.truncated = True
+        trajectory.done = True
+    trajectory.token_ids += tokens
+    trajectory.action_mask += [0] * len(tokens)
+    trajectory.logprobs += [0.0] * len(tokens)
+
+
+def observation_tokens(tokenizer, token_ids: list[int], messages: list[dict], new_messages: list[dict]) -> list[int]:
+    """Token ids to append after `token_ids` (the trajectory so far, which renders `messages`)
+    so that it renders `messages + new_messages` followed by the generation prompt.
+
+    The text is what the chat template adds after the trajectory's text: the end of the
+    assistant turn the model did not generate (e.g. the newline after `<|im_end|>`, or the whole
+    end-of-turn marker when a stop string ended the turn), the new messages and the next
+    assistant header.
+    """
+    after = render_chat(messages + new_messages, tokenizer, add_generation_prompt=True)
+    so_far = tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if after.startswith(so_far):
+        text = after[len(so_far) :]
+    else:
+        text = _observation_text_by_template(tokenizer, token_ids[-1], messages, after)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _observation_text_by_template(tokenizer, last_token: int, messages: list[dict], after: str) -> str:
+    """Fallback when the trajectory's text is not a prefix of the template's rendering (a
+    template that rewrites assistant content, or generated bytes that do not decode cleanly):
+    the template's text after the last assistant content, less an end-of-turn token the model
+    already generated."""
+    before = render_chat(messages, tokenizer, add_generation_prompt=False)
+    if not after.startswith(before):
+        raise ValueError(
+            "the chat template renders the conversation differently once tool messages follow "
+            "(not prefix-stable), so the tool's tokens cannot be appended token-exactly"
+        )
+    content = messages[-1]["content"]
+    tail = before[before.rfind(content) + len(content) :] if content else ""
+    if last_token in tokenizer.all_special_ids:
+        generated_end = tokenizer.decode([last_token], skip_special_tokens=False)
+        if tail.startswith(generated_end):
+            tail = tail[len(generated_end) :]
+    logger.warning("trajectory text differs from the chat template's rendering; tool tokens follow the template")
+    return tail + after[len(before) :]
+
+
+def assign_rewards(env: Env, trajectories: list[Trajectory]) -> None:
+    """Score every trajectory with the env's `reward_fn` (concurrently); a failed call scores 0
+    and its error is kept on the trajectory."""
+    results = env.rewards([t.messages for t in trajectories], [t.answer for t in trajectories])
+    for trajectory, result in zip(trajectories, results):
+        trajectory.reward = result.value
+        if result.error is not None:
+            trajectory.errors.append(result.error)

@@ -1,0 +1,363 @@
+"""PPO / GRPO / Dr. GRPO: `torchrun --nproc_per_node=N -m rl2.trainer.ppo key=value ...`.
+
+One step: rollout (each rank its share of prompts) → reward (env file) → old / reference
+log-probs and values on packed micro-batches → advantages → `actor.update_per_rollout`
+minibatch updates → weight sync to the engine.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+from rl2.actor import Actor, Critic
+from rl2.algorithms import (
+    gae,
+    group_advantages,
+    kl_penalty,
+    loss_weights,
+    masked_mean,
+    policy_loss,
+    uniform_groups,
+    value_loss,
+)
+from rl2.config import Config, ConfigError, load_config
+from rl2.data import RLDataset
+from rl2.distributed import all_gather_objects, device, exit_process, is_rank0, rank, world_size
+from rl2.engines import SamplingParams, build_engine
+from rl2.env import Env
+from rl2.metrics import PhaseTimer, curve_summary, read_metrics
+from rl2.rollout import Trajectory, assign_rewards, rollout
+from rl2.sampler import BatchSampler
+from rl2.trainer.base import Trainer, require, user_errors_reported
+from rl2.weight_sync import iter_full_weights
+
+logger = logging.getLogger(__name__)
+
+
+class PPOTrainer(Trainer):
+    """Policy-gradient RL on `{"messages", "answer"}` prompts scored by an env file's `reward_fn`."""
+
+    def __init__(self, config: Config):
+        require(config, "data.path", "actor.model_name", "rollout.env_path")
+        _check_config(config)
+        super().__init__(config)
+        # The env file first: a broken one fails before any model is loaded.
+        self.env = Env(
+            config.rollout.env_path,
+            timeout=config.rollout.env_timeout,
+            concurrency=config.rollout.env_concurrency,
+            need_interact=config.rollout.max_turns > 1,
+        )
+        self.max_length = config.data.max_length or config.actor.max_length_per_device * config.actor.sp_size
+        self.train_data, self.test_data = self.load_datasets(RLDataset, self.max_length)
+        prompts_per_rollout = config.data.prompts_per_rollout or config.data.batch_size
+        self.sampler = BatchSampler(len(self.train_data), prompts_per_rollout, config.data.shuffle, config.trainer.seed)
+        self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
+        self.train_params = SamplingParams.from_dict(config.rollout.train_sampling_params)
+        self.test_params = SamplingParams.from_dict(config.rollout.test_sampling_params)
+        # The engine before the actor's optimizer: a GPU engine sizes its KV cache from free memory.
+        self.engine = build_engine(
+            config.rollout.engine,
+            config.actor.model_name,
+            self.tokenizer,
+            device(),
+            config.actor.dtype,
+            seed=config.trainer.seed,
+        )
+        temperature = self.train_params.temperature or 1.0
+        optimizer_steps = self.total_steps * config.actor.update_per_rollout
+        self.actor = Actor(config.actor, optimizer_steps, temperature)
+        self.reference = Actor(config.actor, 0, temperature, trainable=False) if config.kl.coef > 0 else None
+        self.critic = None
+        if config.adv.estimator == "gae":
+            critic_config = dataclasses.replace(
+                config.critic, model_name=config.critic.model_name or config.actor.model_name
+            )
+            self.critic = Critic(critic_config, self.total_steps * config.critic.update_per_rollout)
+        self.resume()
+        if self.step > 0:
+            self.sync_weights()
+        logger.info(
+            f"PPO: {len(self.train_data)} prompts, {self.total_steps} steps of {prompts_per_rollout} prompts x "
+            f"{config.data.responses_per_prompt} responses, up to {config.rollout.max_turns} turns, "
+            f"estimator={config.adv.estimator}, env={config.rollout.env_path}"
+        )
+
+    # ---- checkpointing ----------------------------------------------------------------------
+
+    def checkpointed_models(self) -> dict:
+        models = {"actor": (self.actor.model, self.actor.optimizer)}
+        if self.critic is not None:
+            models["critic"] = (self.critic.model, self.critic.optimizer)
+        return models
+
+    def extra_state(self) -> dict:
+        state = {"sampler": self.sampler.state_dict(), "scheduler": self.actor.scheduler.state_dict()}
+        if self.critic is not None:
+            state["critic_scheduler"] = self.critic.scheduler.state_dict()
+        return state
+
+    def load_extra_state(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.actor.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None:
+            self.critic.scheduler.load_state_dict(state["critic_scheduler"])
+
+    # ---- the phases of a step --------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[dict], params: SamplingParams, responses_per_prompt: int, seed: int
+    ) -> list[Trajectory]:
+        """Roll out this rank's share of `prompts` (whole groups), score it, and gather every
+        rank's trajectories on every rank, in prompt order."""
+        start, end = _share(len(prompts), rank(), world_size())
+        self.engine.wake()
+        self.engine.reseed(seed * 1_000_003 + rank())
+        trajectories = rollout(
+            self.engine,
+            self.env,
+            self.tokenizer,
+            prompts[start:end],
+            responses_per_prompt,
+            params,
+            self.config.rollout.max_turns,
+            self.max_length,
+            first_group=start,
+        )
+        self.engine.sleep()
+        assign_rewards(self.env, trajectories)
+        return all_gather_objects(trajectories)
+
+    def sync_weights(self) -> None:
+        """Push the actor's new weights into the engine, bucket by bucket."""
+        self.engine.wake()
+        self.engine.update_weights(
+            iter_full_weights(self.actor.model, self.config.actor.dtype, self.config.rollout.sync_bucket_mb)
+        )
+
+    def prepare(self, trajectories: list[Trajectory]) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
+        """Per-sequence tensors for the updates: old / reference log-probs, values, advantages."""
+        config = self.config
+        sequences = [
+            {
+                "input_ids": torch.tensor(t.token_ids),
+                "loss_mask": torch.tensor(t.action_mask, dtype=torch.float32),
+                "engine_logps": torch.tensor(t.logprobs, dtype=torch.float32),
+            }
+            for t in trajectories
+        ]
+        metrics = {}
+        old_logps = self.actor.compute(sequences, "logps")
+        masks = [seq["loss_mask"] for seq in sequences]
+        all_masks = torch.cat(masks)
+        mismatch = (torch.cat(old_logps) - torch.cat([s["engine_logps"] for s in sequences])).abs()
+        metrics["logp_mismatch/mean"] = masked_mean(mismatch, all_masks).item()
+        metrics["logp_mismatch/max"] = (mismatch * all_masks).max().item()
+        ref_logps = self.reference.compute(sequences, "logps") if self.reference is not None else None
+        if ref_logps is not None:
+            kl = [kl_penalty(o, r, config.kl.reward_estimator) for o, r in zip(old_logps, ref_logps)]
+            metrics["kl"] = masked_mean(torch.cat(kl), all_masks).item()
+        values = self.critic.compute(sequences, "values") if self.critic is not None else None
+
+        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+        kl_in_reward = ref_logps is not None and config.kl.type == "reward"
+        if config.adv.estimator == "reinforce":
+            scores = rewards.clone()
+            if kl_in_reward:
+                scores -= config.kl.coef * torch.stack([(k * m).sum() for k, m in zip(kl, masks)])
+            advantages = group_advantages(scores, config.data.responses_per_prompt, config.adv.norm_var)
+            per_token_advantages = [a * m for a, m in zip(advantages, masks)]
+        else:
+            per_token_advantages, returns = [], []
+            for i, mask in enumerate(masks):
+                token_rewards = -config.kl.coef * kl[i] * mask if kl_in_reward else torch.zeros_like(mask)
+                last_action = int(mask.nonzero().max()) if mask.any() else len(mask) - 1
+                token_rewards[last_action] += rewards[i]
+                advantage, ret = gae(token_rewards, values[i], mask, config.adv.gamma, config.adv.lamda)
+                per_token_advantages.append(advantage)
+                returns.append(ret)
+        for i, seq in enumerate(sequences):
+            seq["old_logps"] = old_logps[i]
+            seq["advantages"] = per_token_advantages[i]
+            if ref_logps is not None:
+                seq["ref_logps"] = ref_logps[i]
+            if values is not None:
+                seq["old_values"] = values[i]
+                seq["returns"] = returns[i]
+        metrics["advantage/mean"] = masked_mean(torch.cat(per_token_advantages), all_masks).item()
+        return sequences, metrics
+
+    def update(self, sequences: list[dict[str, torch.Tensor]], step: int) -> dict[str, float]:
+        """`update_per_rollout` optimizer steps, each on a minibatch of whole groups; the critic
+        first, the actor after its `freeze_steps`."""
+        config = self.config
+        metrics: dict[str, list[float]] = {}
+        models = [("critic", self.critic, self.critic_loss), ("actor", self.actor, self.actor_loss)]
+        for name, model, loss_fn in models:
+            if model is None or step <= model.config.freeze_steps:
+                continue
+            for minibatch in self._minibatches(sequences, model.config.update_per_rollout, step):
+                weights = loss_weights([seq["loss_mask"] for seq in minibatch], model.config.loss_level)
+                minibatch = [{**seq, "loss_weight": w} for seq, w in zip(minibatch, weights)]
+                for key, value in model.train_step(minibatch, loss_fn, loss_total=1.0).items():
+                    metrics.setdefault(f"{name}/{key}", []).append(value)
+        return {key: sum(values) / len(values) for key, values in metrics.items()}
+
+    def _minibatches(self, sequences: list[dict], n: int, step: int) -> list[list[dict]]:
+        """`n` minibatches of whole groups, shuffled the same way on every rank."""
+        group_size = self.config.data.responses_per_prompt
+        n_groups = len(sequences) // group_size
+        order = torch.randperm(n_groups, generator=torch.Generator().manual_seed(self.config.trainer.seed + step))
+        chunks = [chunk.tolist() for chunk in order.chunk(min(n, n_groups))]
+        return [[sequences[g * group_size + i] for g in sorted(chunk) for i in range(group_size)] for chunk in chunks]
+
+    def actor_loss(self, outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]):
+        """PPO's clipped surrogate (plus the KL loss with kl.type=loss), weighted per token."""
+        config, weight = self.config, batch["loss_weight"]
+        loss, clipped = policy_loss(
+            outputs["logps"], batch["old_logps"], batch["advantages"], config.actor.clip, config.actor.clip_high
+        )
+        metrics = {"clip_ratio": (clipped * weight).sum(), "entropy": (outputs["entropy"] * weight).sum()}
+        if self.reference is not None and config.kl.type == "loss":
+            kl = kl_penalty(outputs["logps"], batch["ref_logps"], config.kl.loss_estimator)
+            loss = loss + config.kl.coef * kl
+            metrics["kl_loss"] = (kl * weight).sum()
+        return (loss * weight).sum(), metrics
+
+    def critic_loss(self, outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]):
+        """Clipped value loss, weighted per token."""
+        weight = batch["loss_weight"]
+        loss, clipped = value_loss(outputs["values"], batch["old_values"], batch["returns"], self.config.critic.clip)
+        return (loss * weight).sum(), {"clip_ratio": (clipped * weight).sum()}
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, float]:
+        """One PPO step; returns its metrics."""
+        config, timer = self.config, PhaseTimer()
+        prompts = [self.train_data[i] for i in self.sampler.next_batch()]
+        with timer("rollout"):
+            trajectories = self.generate(
+                prompts, self.train_params, config.data.responses_per_prompt, seed=config.trainer.seed + self.step
+            )
+        metrics = rollout_metrics(trajectories)
+        self.dump(trajectories, f"step_{self.step}")
+        if config.rollout.dynamic_filtering:
+            trajectories, metrics["dynamic_filter/dropped_ratio"] = self.filter_groups(trajectories)
+        if not trajectories:
+            logger.info(f"step {self.step}: every group has equal rewards; no update")
+            return {**metrics, **{f"time/{k}": v for k, v in timer.times.items()}}
+        with timer("logps"):
+            sequences, prepared = self.prepare(trajectories)
+        with timer("update"):
+            updated = self.update(sequences, self.step)
+        with timer("sync"):
+            if self.step > config.actor.freeze_steps:
+                self.sync_weights()
+        total = sum(timer.times.values())
+        return {
+            **metrics,
+            **prepared,
+            **updated,
+            **{f"time/{k}": v for k, v in timer.times.items()},
+            "time/step": total,
+            "tokens_per_second": sum(len(t.token_ids) for t in trajectories) / total,
+        }
+
+    def filter_groups(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], float]:
+        """Drop groups whose rewards are all equal (no advantage signal); returns the dropped ratio."""
+        size = self.config.data.responses_per_prompt
+        dropped = set(uniform_groups([t.reward for t in trajectories], size))
+        kept = [t for i, t in enumerate(trajectories) if i // size not in dropped]
+        return kept, len(dropped) / max(len(trajectories) // size, 1)
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean reward and pass@k (k = rollout.test_responses_per_prompt) on the test set."""
+        k = self.config.rollout.test_responses_per_prompt
+        prompts = [self.test_data[i] for i in range(len(self.test_data))]
+        trajectories = self.generate(prompts, self.test_params, k, seed=self.config.trainer.seed - 1 - self.step)
+        self.dump(trajectories, f"test_step_{self.step}")
+        rewards = torch.tensor([t.reward for t in trajectories]).view(-1, k)
+        return {
+            "test/reward_mean": rewards.mean().item(),
+            f"test/pass@{k}": (rewards > 0).any(dim=1).float().mean().item(),
+            "test/response_length": sum(t.response_length for t in trajectories) / len(trajectories),
+        }
+
+    def dump(self, trajectories: list[Trajectory], name: str) -> None:
+        if not (self.config.trainer.dump_trajectories and is_rank0()):
+            return
+        folder = os.path.join(self.config.actor.save_dir, "trajectories")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
+            for trajectory in trajectories:
+                f.write(json.dumps(trajectory.to_json(), default=str) + "\n")
+
+    def train(self) -> None:
+        progress = tqdm(total=self.total_steps, initial=self.step, desc="PPO", disable=not is_rank0())
+        while self.step < self.total_steps:
+            self.step += 1
+            metrics = self.train_step()
+            if self.test_data is not None and self.is_test_step(self.step):
+                metrics.update(self.evaluate())
+            self.metrics.log(metrics, self.step)
+            progress.update(1)
+            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+            if self.should_save(self.step):
+                self.save(self.step)
+        progress.close()
+        self.metrics.finish()
+        self.env.close()
+        if is_rank0():
+            rows = read_metrics(os.path.join(self.config.actor.save_dir, "metrics.jsonl"))
+            logger.info("\n" + curve_summary(rows, "reward/mean"))
+
+
+def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Reward, length, turn and error statistics of a rollout."""
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
+    lengths = torch.tensor([t.response_length for t in trajectories], dtype=torch.float64)
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "turns/mean": sum(t.turns for t in trajectories) / len(trajectories),
+        "truncated_ratio": sum(t.truncated for t in trajectories) / len(trajectories),
+        "env_errors": float(sum(len(t.errors) for t in trajectories)),
+        "trajectories": float(len(trajectories)),
+    }
+
+
+def _share(n: int, rank: int, world: int) -> tuple[int, int]:
+    """The contiguous slice of n items that `rank` handles (sizes differ by at most one)."""
+    return n * rank // world, n * (rank + 1) // world
+
+
+def _check_config(config: Config) -> None:
+    if config.rollout.max_turns < 1:
+        raise ConfigError(f"rollout.max_turns must be >= 1, got {config.rollout.max_turns}")
+    if config.data.responses_per_prompt < 1:
+        raise ConfigError(f"data.responses_per_prompt must be >= 1, got {config.data.responses_per_prompt}")
+    if config.actor.update_per_rollout < 1 or config.critic.update_per_rollout < 1:
+        raise ConfigError("actor.update_per_rollout and critic.update_per_rollout must be >= 1")
+    if config.adv.estimator == "reinforce" and config.data.responses_per_prompt == 1:
+        raise ConfigError(
+            "adv.estimator=reinforce uses the group mean as baseline: set data.responses_per_prompt >= 2 "
+            "(or use adv.estimator=gae)"
+        )
+
+
+def main() -> None:
+    with user_errors_reported():
+        PPOTrainer(load_config(sys.argv[1:])).train()
+    exit_process(0)
+
+
+if __name__ == "__main__":
+    main()

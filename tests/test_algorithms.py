@@ -1,0 +1,352 @@
+import math
+
+import pytest
+import torch
+
+from rl2.algorithms import (
+    gae,
+    group_advantages,
+    kl_penalty,
+    loss_weights,
+    masked_mean,
+    policy_loss,
+    uniform_groups,
+    value_loss,
+)
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(n: int, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(n, generator=g, dtype=torch.float64) * scale
+
+
+# ---------------------------------------------------------------- kl_penalty
+
+
+def test_kl_estimators_match_formulas():
+    g = gen(0)
+    logps, ref = -randn(50, g).abs(), -randn(50, g).abs()
+    for name in ("k1", "k2", "k3"):
+        out = kl_penalty(logps, ref, name)
+        for i in range(50):
+            d = logps[i].item() - ref[i].item()
+            expected = {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) - 1 + d}[name]
+            assert out[i].item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_k1_k3_unbiased_and_k3_nonnegative():
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05], dtype=torch.float64)
+    q = torch.tensor([0.2, 0.3, 0.2, 0.2, 0.1], dtype=torch.float64)
+    true_kl = sum(p[i].item() * math.log(p[i].item() / q[i].item()) for i in range(5))
+    n = 200_000
+    x = torch.multinomial(p, n, replacement=True, generator=gen(1))
+    logps, ref = p.log()[x], q.log()[x]
+    for name in ("k1", "k3"):
+        est = kl_penalty(logps, ref, name)
+        stderr = est.std().item() / math.sqrt(n)
+        assert abs(est.mean().item() - true_kl) < 4 * stderr, name
+    # k3 has lower variance than k1 here, and is never negative.
+    assert kl_penalty(logps, ref, "k3").std() < kl_penalty(logps, ref, "k1").std()
+    wide = randn(10_000, gen(2), scale=3.0)
+    assert (kl_penalty(wide, torch.zeros_like(wide), "k3") >= 0).all()
+
+
+def test_kl_gradients_flow():
+    g = gen(3)
+    logps, ref = randn(20, g).requires_grad_(), randn(20, g)
+    kl_penalty(logps, ref, "k2").sum().backward()
+    assert torch.allclose(logps.grad, (logps - ref).detach())
+    logps.grad = None
+    kl_penalty(logps, ref, "k3").sum().backward()
+    assert torch.allclose(logps.grad, (1 - torch.exp(-(logps - ref))).detach())
+
+
+def test_kl_bad_name():
+    with pytest.raises(ValueError, match="k4.*k1"):
+        kl_penalty(torch.zeros(3), torch.zeros(3), "k4")
+
+
+# ---------------------------------------------------------------- gae
+
+
+def gae_reference(rewards, values, mask, gamma, lamda):
+    """Backward loop over the list of action positions, skipping masked ones."""
+    n = len(rewards)
+    adv, ret = [0.0] * n, [0.0] * n
+    steps = [t for t in range(n) if mask[t]]
+    last_adv = 0.0
+    for j in reversed(range(len(steps))):
+        t = steps[j]
+        next_value = values[steps[j + 1]] if j + 1 < len(steps) else 0.0
+        delta = rewards[t] + gamma * next_value - values[t]
+        last_adv = delta + gamma * lamda * last_adv
+        adv[t] = last_adv
+        ret[t] = last_adv + values[t]
+    return adv, ret
+
+
+def check_gae(rewards, values, mask, gamma, lamda):
+    adv, ret = gae(rewards, values, mask, gamma, lamda)
+    ref_adv, ref_ret = gae_reference(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lamda)
+    assert adv.shape == rewards.shape and ret.shape == rewards.shape
+    assert torch.allclose(adv, torch.tensor(ref_adv, dtype=adv.dtype), atol=1e-10)
+    assert torch.allclose(ret, torch.tensor(ref_ret, dtype=ret.dtype), atol=1e-10)
+    return adv, ret
+
+
+def test_gae_no_mask():
+    g = gen(4)
+    rewards, values = randn(30, g), randn(30, g)
+    check_gae(rewards, values, torch.ones(30), 0.99, 0.95)
+
+
+def test_gae_tool_tokens_are_skipped():
+    g = gen(5)
+    rewards, values = randn(40, g), randn(40, g)
+    mask = torch.zeros(40, dtype=torch.bool)
+    mask[5:15] = True  # first turn
+    mask[22:30] = True  # second turn, after a tool output at 15:22
+    mask[33:37] = True
+    adv, ret = check_gae(rewards, values, mask, 0.9, 0.8)
+    # Equal to GAE on the action-only subsequence, scattered back; zeros elsewhere.
+    sub_adv, sub_ret = gae(rewards[mask], values[mask], torch.ones(int(mask.sum())), 0.9, 0.8)
+    assert torch.allclose(adv[mask], sub_adv) and torch.allclose(ret[mask], sub_ret)
+    assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
+    # Garbage at masked positions must not matter.
+    noisy_r, noisy_v = rewards.clone(), values.clone()
+    noisy_r[~mask], noisy_v[~mask] = 1e6, -1e6
+    adv2, ret2 = gae(noisy_r, noisy_v, mask.float(), 0.9, 0.8)
+    assert torch.equal(adv, adv2) and torch.equal(ret, ret2)
+
+
+def test_gae_monte_carlo_when_gamma_lamda_one():
+    g = gen(6)
+    rewards, values = randn(12, g), randn(12, g)
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 0, 0, 1, 0])
+    adv, ret = check_gae(rewards, values, mask, 1.0, 1.0)
+    steps = [t for t in range(12) if mask[t]]
+    for j, t in enumerate(steps):
+        future = sum(rewards[s].item() for s in steps[j:])
+        assert ret[t].item() == pytest.approx(future, abs=1e-10)
+        assert adv[t].item() == pytest.approx(future - values[t].item(), abs=1e-10)
+
+
+def test_gae_lamda_zero_is_one_step_td():
+    g = gen(7)
+    rewards, values = randn(10, g), randn(10, g)
+    mask = torch.tensor([1, 1, 0, 0, 1, 1, 1, 0, 1, 0])
+    adv, _ = check_gae(rewards, values, mask, 0.7, 0.0)
+    steps = [t for t in range(10) if mask[t]]
+    for j, t in enumerate(steps):
+        next_value = values[steps[j + 1]].item() if j + 1 < len(steps) else 0.0
+        assert adv[t].item() == pytest.approx(rewards[t].item() + 0.7 * next_value - values[t].item(), abs=1e-12)
+
+
+def test_gae_all_masked_and_no_grad():
+    adv, ret = gae(torch.ones(5), torch.ones(5), torch.zeros(5), 0.99, 0.95)
+    assert torch.equal(adv, torch.zeros(5)) and torch.equal(ret, torch.zeros(5))
+    values = torch.randn(6, generator=gen(8), requires_grad=True)
+    adv, ret = gae(torch.ones(6), values, torch.ones(6), 1.0, 0.9)
+    assert not adv.requires_grad and not ret.requires_grad
+
+
+# ---------------------------------------------------------------- group_advantages
+
+
+def group_reference(rewards, group_size, norm_var, eps):
+    out = []
+    for start in range(0, len(rewards), group_size):
+        group = rewards[start : start + group_size]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (len(group) - 1)) if len(group) > 1 else 0.0
+        for r in group:
+            if len(group) == 1:
+                out.append(0.0)
+            else:
+                out.append((r - mean) / (std + eps) if norm_var else r - mean)
+    return out
+
+
+@pytest.mark.parametrize("norm_var", [True, False])
+@pytest.mark.parametrize("group_size", [1, 2, 4, 8])
+def test_group_advantages_vs_loops(norm_var, group_size):
+    rewards = randn(32, gen(9))
+    out = group_advantages(rewards, group_size, norm_var)
+    ref = group_reference(rewards.tolist(), group_size, norm_var, 1e-6)
+    assert torch.allclose(out, torch.tensor(ref, dtype=out.dtype), atol=1e-10)
+    assert not out.isnan().any()
+
+
+def test_group_advantages_known_values():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    out = group_advantages(rewards, 4, norm_var=True, eps=0.0)
+    std = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
+    assert torch.allclose(out[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / std)
+    assert torch.equal(out[4:], torch.zeros(4))  # equal rewards: zero advantage, not NaN
+    assert torch.equal(group_advantages(rewards, 4, norm_var=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    assert torch.equal(group_advantages(rewards, 1, norm_var=True), torch.zeros(8))
+
+
+@pytest.mark.parametrize("norm_var", [True, False])
+def test_group_advantages_equal_rewards_exactly_zero(norm_var):
+    # float32 mean of seven 0.7s is off by an ulp; dividing by the std would blow it up.
+    rewards = torch.tensor([0.7] * 7 + [0.1] * 7 + [0.3] * 6 + [1.0], dtype=torch.float32)
+    out = group_advantages(rewards, 7, norm_var)
+    assert torch.equal(out[:14], torch.zeros(14))
+    assert (out[14:] != 0).all()
+
+
+def test_group_advantages_bad_length():
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(7), 4, norm_var=True)
+
+
+# ---------------------------------------------------------------- policy_loss
+
+
+def policy_reference(logps, old_logps, advantages, clip, clip_high):
+    losses, clipped = [], []
+    for lp, old, a in zip(logps, old_logps, advantages):
+        ratio = math.exp(lp - old)
+        unclipped = ratio * a
+        clipped_term = min(max(ratio, 1 - clip), 1 + clip_high) * a
+        losses.append(-min(unclipped, clipped_term))
+        clipped.append(1.0 if clipped_term < unclipped else 0.0)
+    return losses, clipped
+
+
+@pytest.mark.parametrize("clip_high", [None, 0.28])
+def test_policy_loss_vs_reference_and_gradients(clip_high):
+    g = gen(10)
+    n = 200
+    old = randn(n, g) - 2
+    logps = (old + randn(n, g, scale=0.3)).requires_grad_()
+    advantages = randn(n, g)
+    loss, clipped = policy_loss(logps, old, advantages, 0.2, clip_high)
+    ref_loss, ref_clipped = policy_reference(
+        logps.tolist(), old.tolist(), advantages.tolist(), 0.2, 0.2 if clip_high is None else clip_high
+    )
+    assert torch.allclose(loss, torch.tensor(ref_loss, dtype=loss.dtype), atol=1e-12)
+    assert clipped.tolist() == ref_clipped
+    assert clipped.dtype.is_floating_point
+    assert 20 < clipped.sum() < n - 20  # both regimes are exercised
+    loss.sum().backward()
+    on = clipped.bool()
+    assert (logps.grad[on] == 0).all()
+    assert (logps.grad[~on] != 0).all()
+    # Where not clipped the gradient is that of -ratio * A.
+    ratio = torch.exp(logps - old).detach()
+    assert torch.allclose(logps.grad[~on], (-ratio * advantages)[~on])
+
+
+def test_policy_loss_clip_higher():
+    old = torch.zeros(1)
+    up = torch.tensor([math.log(1.25)])
+    pos = torch.ones(1)
+    loss, clipped = policy_loss(up, old, pos, clip=0.2)
+    assert clipped.item() == 1.0 and loss.item() == pytest.approx(-1.2)
+    loss, clipped = policy_loss(up, old, pos, clip=0.2, clip_high=0.28)
+    assert clipped.item() == 0.0 and loss.item() == pytest.approx(-1.25)
+    # The lower bound stays at 1 - clip: ratio 0.7 with A < 0 is clipped either way.
+    down = torch.tensor([math.log(0.7)])
+    for clip_high in (None, 0.28):
+        loss, clipped = policy_loss(down, old, -pos, clip=0.2, clip_high=clip_high)
+        assert clipped.item() == 1.0 and loss.item() == pytest.approx(0.8)
+    # ...but not with A > 0 (the unclipped term is the smaller one: moving up is not held back).
+    loss, clipped = policy_loss(down, old, pos, clip=0.2)
+    assert clipped.item() == 0.0 and loss.item() == pytest.approx(-0.7)
+
+
+# ---------------------------------------------------------------- value_loss
+
+
+def test_value_loss_vs_reference():
+    g = gen(11)
+    n = 200
+    old, returns = randn(n, g), randn(n, g)
+    values = old + randn(n, g, scale=0.5)
+    loss, clipped = value_loss(values, old, returns, 0.2)
+    for i in range(n):
+        v, o, r = values[i].item(), old[i].item(), returns[i].item()
+        vc = o + min(max(v - o, -0.2), 0.2)
+        assert loss[i].item() == pytest.approx(0.5 * max((v - r) ** 2, (vc - r) ** 2), abs=1e-12)
+        assert clipped[i].item() == (1.0 if (vc - r) ** 2 > (v - r) ** 2 else 0.0)
+    assert 20 < clipped.sum() < n - 20
+
+
+def test_value_loss_clipped_indicator():
+    # Moved 0.5 towards the return from 0 to 0.5 (target 1): clipped to 0.2, which is worse.
+    loss, clipped = value_loss(torch.tensor([0.5]), torch.tensor([0.0]), torch.tensor([1.0]), 0.2)
+    assert clipped.item() == 1.0 and loss.item() == pytest.approx(0.5 * 0.8**2)
+    # Moved away from the return: the unclipped error is larger, no clipping.
+    loss, clipped = value_loss(torch.tensor([-0.5]), torch.tensor([0.0]), torch.tensor([1.0]), 0.2)
+    assert clipped.item() == 0.0 and loss.item() == pytest.approx(0.5 * 1.5**2)
+
+
+# ---------------------------------------------------------------- loss_weights
+
+
+def test_loss_weights_hand_made():
+    masks = [torch.tensor([0, 1, 0]), torch.tensor([0, 0, 1, 1, 1]), torch.tensor([0, 0])]
+    token = loss_weights(masks, "token")
+    assert [w.tolist() for w in token] == [[0, 0.25, 0], [0, 0, 0.25, 0.25, 0.25], [0, 0]]
+    seq = loss_weights(masks, "sequence")
+    assert torch.allclose(seq[0], torch.tensor([0, 1 / 2, 0]))
+    assert torch.allclose(seq[1], torch.tensor([0, 0, 1 / 6, 1 / 6, 1 / 6]))
+    assert torch.equal(seq[2], torch.zeros(2))
+    for weights in (token, seq):
+        assert all(w.dtype == torch.float32 for w in weights)
+        assert sum(w.sum().item() for w in weights) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_loss_weights_random_batch(level):
+    g = gen(12)
+    masks = [torch.rand(int(torch.randint(1, 40, (1,), generator=g)), generator=g) < 0.6 for _ in range(9)]
+    weights = loss_weights(masks, level)
+    assert sum(w.sum().item() for w in weights) == pytest.approx(1.0, abs=1e-6)
+    total = sum(int(m.sum()) for m in masks)
+    active = sum(1 for m in masks if m.any())
+    for mask, w in zip(masks, weights):
+        for t in range(len(mask)):
+            if not mask[t]:
+                expected = 0.0
+            elif level == "token":
+                expected = 1 / total
+            else:
+                expected = 1 / (int(mask.sum()) * active)
+            assert w[t].item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_loss_weights_empty_and_bad_level():
+    for level in ("token", "sequence"):
+        weights = loss_weights([torch.zeros(3), torch.zeros(2, dtype=torch.bool)], level)
+        assert all(torch.equal(w, torch.zeros_like(w)) and w.dtype == torch.float32 for w in weights)
+    with pytest.raises(ValueError, match="batch"):
+        loss_weights([torch.ones(2)], "batch")
+
+
+# ---------------------------------------------------------------- uniform_groups, masked_mean
+
+
+def test_uniform_groups():
+    rewards = [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.5, 0.5, 0.5 + 1e-12, 0.0, 0.0, 0.0]
+    assert uniform_groups(rewards, 3) == [0, 2, 3]
+    assert uniform_groups(rewards, 1) == list(range(12))
+    assert uniform_groups([0.0, 1.0], 2) == []
+    with pytest.raises(ValueError):
+        uniform_groups(rewards, 5)
+
+
+def test_masked_mean():
+    values = torch.tensor([1.0, 2.0, 3.0, float("nan")])
+    assert masked_mean(values, torch.tensor([1, 0, 1, 0])).item() == pytest.approx(2.0)
+    assert masked_mean(values, torch.tensor([False, True, False, False])).item() == pytest.approx(2.0)
+    assert masked_mean(values, torch.zeros(4)).item() == 0.0
+    g = gen(13)
+    x, m = randn(50, g), torch.rand(50, generator=g) < 0.5
+    ref = sum(x[i].item() for i in range(50) if m[i]) / int(m.sum())
+    assert masked_mean(x, m).item() == pytest.approx(ref, abs=1e-12)

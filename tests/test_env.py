@@ -1,0 +1,280 @@
+"""Env files: loading errors at start-up, concurrent calls, and run-time errors that do not stop a run."""
+
+import asyncio
+import logging
+import os
+import sys
+import time
+
+import pytest
+
+from rl2.env import Env, EnvError, EnvResult
+
+ENVS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "envs")
+
+
+def env_path(name: str) -> str:
+    return os.path.join(ENVS, name)
+
+
+def chat(last: str, role: str = "assistant") -> list[dict]:
+    return [{"role": "user", "content": "question"}, {"role": role, "content": last}]
+
+
+def write_env(tmp_path, source: str, name: str = "env.py") -> str:
+    path = tmp_path / name
+    path.write_text(source)
+    return str(path)
+
+
+def env_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "rl2.env" and r.levelno == logging.WARNING]
+
+
+# ----------------------------------------------------------------------------------------------
+# working envs
+
+
+@pytest.mark.parametrize("name", ["good_sync.py", "good_async.py"])
+def test_rewards_in_input_order(name):
+    with Env(env_path(name)) as env:
+        results = env.rewards([chat("4"), chat("5"), chat("x"), chat("7")], ["4", 4, "y", 7])
+    assert results == [EnvResult(1.0, None), EnvResult(0.0, None), EnvResult(0.0, None), EnvResult(1.0, None)]
+    assert all(type(r.value) is float for r in results)
+
+
+@pytest.mark.parametrize("name", ["good_sync.py", "good_async.py"])
+def test_interact_in_input_order(name):
+    with Env(env_path(name), need_interact=True) as env:
+        assert env.has_interact
+        results = env.interact([chat("a"), chat("bye"), chat("c")])
+    assert [r.error for r in results] == [None, None, None]
+    assert [[m["content"] for m in r.value] for r in results] == [["echo: a"], [], ["echo: c"]]
+    assert results[0].value[0]["role"] == "tool"
+
+
+def test_extra_message_keys_kept():
+    with Env(env_path("good_sync.py")) as env:
+        [result] = env.interact([chat("a")])
+    assert result.value == [{"role": "tool", "content": "echo: a", "tool_call_id": "call-1"}]
+
+
+@pytest.mark.parametrize("name", ["slow_sync.py", "slow_async.py"])
+def test_calls_run_concurrently(name):
+    # 8 calls of 0.3 s each: one after another would take 2.4 s.
+    with Env(env_path(name), concurrency=8) as env:
+        start = time.perf_counter()
+        rewards = env.rewards([chat("a")] * 8, [None] * 8)
+        reward_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        steps = env.interact([chat("a")] * 8)
+        interact_seconds = time.perf_counter() - start
+    assert [r.value for r in rewards] == [1.0] * 8
+    assert [r.value for r in steps] == [[{"role": "tool", "content": "done"}]] * 8
+    assert reward_seconds < 1.0 and interact_seconds < 1.0
+
+
+def test_concurrency_is_bounded():
+    # concurrency=2: 4 calls of 0.3 s need two rounds.
+    with Env(env_path("slow_async.py"), concurrency=2) as env:
+        start = time.perf_counter()
+        env.rewards([chat("a")] * 4, [None] * 4)
+        assert time.perf_counter() - start >= 0.55
+
+
+def test_reward_types_converted(tmp_path):
+    numpy = pytest.importorskip("numpy")
+    path = write_env(tmp_path, "import numpy\n\ndef reward_fn(messages, answer):\n    return eval(answer)\n")
+    with Env(path) as env:
+        results = env.rewards([chat("a")] * 5, ["True", "3", "numpy.float32(0.5)", "numpy.int64(-2)", "0.25"])
+    assert [r.value for r in results] == [1.0, 3.0, 0.5, -2.0, 0.25]
+    assert all(type(r.value) is float and r.error is None for r in results)
+    assert numpy  # used by the env file
+
+
+def test_helper_module_in_env_directory():
+    path_before = list(sys.path)
+    with Env(env_path("uses_helper.py")) as env:
+        results = env.rewards([chat("so the answer is 42"), chat("it is 41")], [42, 42])
+    assert [r.value for r in results] == [1.0, 0.0]
+    assert sys.path == path_before
+
+
+def test_each_env_is_a_fresh_module(tmp_path):
+    source = "CALLS = []\n\ndef reward_fn(messages, answer):\n    CALLS.append(1)\n    return float(len(CALLS))\n"
+    path = write_env(tmp_path, source)
+    with Env(path) as first, Env(path) as second:
+        assert first.rewards([chat("a")], [None])[0].value == 1.0
+        assert first.rewards([chat("a")], [None])[0].value == 2.0
+        assert second.rewards([chat("a")], [None])[0].value == 1.0
+
+
+def test_messages_passed_are_copies():
+    conversation = chat("original")
+    answer = ["keep"]
+    with Env(env_path("mutating.py")) as env:
+        [reward] = env.rewards([conversation], [answer])
+        first = env.interact([conversation])[0].value
+        first[0]["content"] = "mutated by the trainer"
+        second = env.interact([conversation])[0].value
+    assert reward == EnvResult(1.0, None)
+    assert conversation == chat("original") and answer == ["keep"]
+    assert second == [{"role": "tool", "content": "shared"}]
+
+
+def test_works_inside_a_running_event_loop():
+    # A notebook cell runs inside an event loop, where asyncio.run() would refuse to start.
+    async def notebook_cell() -> tuple[list[EnvResult], list[EnvResult]]:
+        with Env(env_path("good_sync.py")) as sync_env, Env(env_path("good_async.py")) as async_env:
+            return sync_env.rewards([chat("1"), chat("2")], ["1", "1"]), async_env.interact([chat("a")])
+
+    rewards, steps = asyncio.run(notebook_cell())
+    assert [r.value for r in rewards] == [1.0, 0.0]
+    assert steps[0].value == [{"role": "tool", "content": "echo: a"}]
+
+
+def test_repr_close_and_context_manager():
+    env = Env(env_path("good_async.py"), timeout=5, concurrency=3)
+    text = repr(env)
+    assert "good_async.py" in text and "reward_fn=async" in text and "timeout=5.0" in text and "concurrency=3" in text
+    with env:
+        pass
+    with pytest.raises(RuntimeError, match="closed"):
+        env.rewards([chat("a")], [None])
+
+
+def test_mismatched_lengths_rejected():
+    with Env(env_path("good_sync.py")) as env, pytest.raises(ValueError, match="2 conversations but 1 answers"):
+        env.rewards([chat("a"), chat("b")], ["a"])
+
+
+# ----------------------------------------------------------------------------------------------
+# start-up errors
+
+
+def test_missing_file():
+    with pytest.raises(EnvError, match="not found.*no_such_env.py"):
+        Env(env_path("no_such_env.py"))
+
+
+def test_syntax_error_names_file_and_line():
+    with pytest.raises(EnvError) as info:
+        Env(env_path("broken_syntax.py"))
+    assert "broken_syntax.py" in str(info.value) and "line 3" in str(info.value)
+
+
+def test_missing_reward_fn():
+    with pytest.raises(EnvError, match=r"no_reward.py does not define reward_fn\(messages, answer\)"):
+        Env(env_path("no_reward.py"))
+
+
+def test_interact_required_only_when_asked():
+    env = Env(env_path("reward_only.py"))
+    assert not env.has_interact and "interact=none" in repr(env)
+    with pytest.raises(EnvError, match="does not define interact"):
+        env.interact([chat("a")])
+    env.close()
+    with pytest.raises(EnvError, match=r"reward_only.py does not define interact\(messages\).*max_turns"):
+        Env(env_path("reward_only.py"), need_interact=True)
+
+
+def test_reward_fn_not_callable(tmp_path):
+    with pytest.raises(EnvError, match="reward_fn must be a function.*got float"):
+        Env(write_env(tmp_path, "reward_fn = 1.0\n"))
+
+
+def test_reward_fn_wrong_signature(tmp_path):
+    with pytest.raises(EnvError, match=r"reward_fn\(messages\) cannot be called as reward_fn\(messages, answer\)"):
+        Env(write_env(tmp_path, "def reward_fn(messages):\n    return 1.0\n"))
+
+
+def test_import_error_in_env_file():
+    with pytest.raises(EnvError) as info:
+        Env(env_path("bad_import.py"))
+    message = str(info.value)
+    assert "bad_import.py" in message and "ModuleNotFoundError" in message and "rl2_no_such_module_for_tests" in message
+    assert not any(name.startswith("rl2_env_bad_import") for name in sys.modules)
+
+
+# ----------------------------------------------------------------------------------------------
+# run-time errors
+
+
+def test_reward_fn_raises(caplog):
+    with Env(env_path("misbehaving.py")) as env:
+        results = env.rewards([chat("a"), chat("b" * 5000), chat("c")], ["ok", "raise", "ok"])
+    assert results[0] == results[2] == EnvResult(1.0, None)
+    assert results[1] == EnvResult(0.0, "reward_fn raised ValueError: no reward for you")
+    [warning] = env_warnings(caplog)
+    assert "misbehaving.py" in warning and "reward_fn raised ValueError" in warning and "answer='raise'" in warning
+    assert "bbbb" in warning and len(warning) < 1000  # the 5000-character message is shortened
+
+
+@pytest.mark.parametrize("answer, error", [
+    ("str", "reward_fn returned str, expected a number"),
+    ("none", "reward_fn returned NoneType, expected a number"),
+    ("nan", "reward_fn returned nan, expected a finite number"),
+])
+def test_reward_fn_wrong_type(caplog, answer, error):
+    with Env(env_path("misbehaving.py")) as env:
+        results = env.rewards([chat("a"), chat("a")], [answer, "bool"])
+    assert results == [EnvResult(0.0, error), EnvResult(1.0, None)]
+    [warning] = env_warnings(caplog)
+    assert "misbehaving.py" in warning and error in warning
+
+
+@pytest.mark.parametrize("name, hung_thread", [("misbehaving.py", True), ("misbehaving_async.py", False)])
+def test_reward_fn_timeout(caplog, name, hung_thread):
+    with Env(env_path(name), timeout=0.2) as env:
+        start = time.perf_counter()
+        results = env.rewards([chat("a"), chat("a")], ["sleep", "ok"])
+        assert time.perf_counter() - start < 0.8
+    assert results == [EnvResult(0.0, "reward_fn timed out after 0.2s"), EnvResult(1.0, None)]
+    [warning] = env_warnings(caplog)
+    assert name in warning and "timed out" in warning
+    assert ("keeps running" in warning) == hung_thread
+
+
+def test_async_reward_fn_raises(caplog):
+    with Env(env_path("misbehaving_async.py")) as env:
+        results = env.rewards([chat("a"), chat("a")], ["raise", "ok"])
+    assert results == [EnvResult(0.0, "reward_fn raised RuntimeError: async failure"), EnvResult(1.0, None)]
+    [warning] = env_warnings(caplog)
+    assert "misbehaving_async.py" in warning
+
+
+@pytest.mark.parametrize("kind, error", [
+    ("raise", "interact raised KeyError: 'tool'"),
+    ("dict", "interact returned dict, expected a list of messages"),
+    ("no content", "interact returned a message (item 0) without 'content'"),
+    ("int content", "interact returned a message (item 0) whose 'content' is int, expected str"),
+    ("str item", "interact returned a list whose item 0 is str, expected a dict"),
+])
+def test_interact_errors_end_the_trajectory(caplog, kind, error):
+    with Env(env_path("misbehaving.py"), need_interact=True) as env:
+        results = env.interact([chat(kind), chat("fine")])
+    assert results == [EnvResult([], error), EnvResult([{"role": "tool", "content": "ok"}], None)]
+    [warning] = env_warnings(caplog)
+    assert "misbehaving.py" in warning and error in warning and repr(kind) in warning
+
+
+def test_interact_tuple_accepted():
+    with Env(env_path("misbehaving.py")) as env:
+        [result] = env.interact([chat("tuple")])
+    assert result == EnvResult([{"role": "tool", "content": "ok"}], None)
+
+
+@pytest.mark.parametrize("name", ["misbehaving.py", "misbehaving_async.py"])
+def test_interact_timeout(name):
+    with Env(env_path(name), timeout=0.2) as env:
+        start = time.perf_counter()
+        results = env.interact([chat("sleep"), chat("fine")])
+        assert time.perf_counter() - start < 0.8
+    assert results == [EnvResult([], "interact timed out after 0.2s"), EnvResult([{"role": "tool", "content": "ok"}], None)]
+
+
+def test_users_own_timeout_error_is_not_our_timeout(tmp_path):
+    path = write_env(tmp_path, "def reward_fn(messages, answer):\n    raise TimeoutError('http request')\n")
+    with Env(path, timeout=5) as env:
+        [result] = env.rewards([chat("a")], [None])
+    assert result == EnvResult(0.0, "reward_fn raised TimeoutError: http request")

@@ -1,0 +1,257 @@
+"""HFEngine: log-probs agree with the trainer's convention, padding and batching change nothing,
+stop conditions, seeding, and weight updates."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rl2.engines import Engine, HFEngine, SamplingParams, build_engine
+from rl2.engines.hf import filter_top_k_top_p
+from rl2.tiny import build_tiny_model
+
+CPU = torch.device("cpu")
+LENGTHS = [1, 5, 17, 40, 9]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir, tokenizer, tmp_path_factory) -> str:
+    """The tiny model with larger random weights.
+
+    At the default init (std 0.02) the residual stream is mostly the input embedding and the
+    embeddings are tied, so greedy decoding repeats the last token forever and tests on greedy
+    outputs would prove little. Larger weights give varied, peaked next-token distributions.
+    """
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.3 if "embed_tokens" in name else 0.15, generator=generator)
+    folder = str(tmp_path_factory.mktemp("peaked"))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tokenizer) -> HFEngine:
+    """Shared by the tests that do not change its weights."""
+    return HFEngine(model_dir, tokenizer, CPU, dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in LENGTHS]
+
+
+def plain_logits(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """Logits [len(generated), V] predicting each generated token: one unpadded sequence, no cache."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + generated]), use_cache=False).logits[0]
+    return logits[len(prompt) - 1 : -1].float()
+
+
+def plain_logprobs(model, prompt: list[int], generated: list[int], temperature: float) -> torch.Tensor:
+    logits = plain_logits(model, prompt, generated) / (temperature or 1.0)
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(generated)[:, None])[:, 0]
+
+
+def greedy(engine, prompt: list[int], max_new_tokens: int = 12, **kwargs) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, **kwargs)
+    return engine.generate([prompt], params)[0].token_ids
+
+
+# ---- log-probs --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_match_plain_forward(engine, prompts, temperature):
+    generations = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=16))
+    assert len(generations) == len(prompts)
+    for prompt, generation in zip(prompts, generations):
+        assert len(generation.token_ids) == len(generation.logprobs) > 0
+        expected = plain_logprobs(engine.model, prompt, generation.token_ids, temperature)
+        assert (expected - torch.tensor(generation.logprobs)).abs().max() < 1e-4
+        if temperature == 0.0:
+            assert plain_logits(engine.model, prompt, generation.token_ids).argmax(-1).tolist() == generation.token_ids
+
+
+def test_top_k_top_p_do_not_change_logprobs(engine, prompts):
+    params = SamplingParams(temperature=0.8, top_k=3, top_p=0.9, max_new_tokens=10)
+    for prompt, generation in zip(prompts, engine.generate(prompts, params)):
+        logits = plain_logits(engine.model, prompt, generation.token_ids)
+        expected = torch.log_softmax(logits / 0.8, -1).gather(-1, torch.tensor(generation.token_ids)[:, None])[:, 0]
+        assert (expected - torch.tensor(generation.logprobs)).abs().max() < 1e-4
+        top3 = logits.topk(3, -1).indices
+        assert all(token in top3[i].tolist() for i, token in enumerate(generation.token_ids))
+
+
+# ---- batching, padding, seeding ---------------------------------------------------------------
+
+
+def test_batched_equals_alone(model_dir, tokenizer, engine, prompts):
+    # The first prompt stops on its first token; the others keep going after it leaves the batch.
+    stop_id = greedy(engine, prompts[0], 1)[0]
+    alone = [greedy(engine, prompt, stop_token_ids=[stop_id]) for prompt in prompts]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[stop_id])
+    small_chunks = HFEngine(model_dir, tokenizer, CPU, max_batch_size=2)
+    for batched_engine in (engine, small_chunks):
+        batched = batched_engine.generate(prompts, params)
+        assert [g.token_ids for g in batched] == alone
+    assert alone[0] == [stop_id] and any(len(tokens) == 12 for tokens in alone)
+
+
+def test_seeding(model_dir, tokenizer, prompts):
+    params = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True)
+    first, same, other = (
+        HFEngine(model_dir, tokenizer, CPU, seed=seed).generate(prompts, params) for seed in (7, 7, 8)
+    )
+    assert [g.token_ids for g in first] == [g.token_ids for g in same]
+    assert [g.token_ids for g in first] != [g.token_ids for g in other]
+    engine = HFEngine(model_dir, tokenizer, CPU, seed=8)
+    engine.generate(prompts, params)
+    engine.reseed(7)
+    assert [g.token_ids for g in engine.generate(prompts, params)] == [g.token_ids for g in first]
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(engine, prompts):
+    expected = [g.token_ids for g in engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))]
+    for params in (SamplingParams(top_k=1, max_new_tokens=12), SamplingParams(top_p=1e-6, max_new_tokens=12)):
+        assert [g.token_ids for g in engine.generate(prompts, params)] == expected
+
+
+def test_filter_top_k_top_p():
+    logits = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).log()
+    kept = lambda k, p: torch.isfinite(filter_top_k_top_p(logits, k, p))[0].tolist()  # noqa: E731
+    assert kept(-1, 1.0) == [True, True, True, False]
+    assert kept(-1, 0.5) == [True, False, False, False]
+    assert kept(-1, 0.6) == [True, True, False, False]
+    assert kept(2, 1.0) == [True, True, False, False]
+    assert kept(-1, 1e-6) == [True, False, False, False]
+
+
+# ---- stopping ---------------------------------------------------------------------------------
+
+
+def test_max_new_tokens(engine, prompts):
+    for generation in engine.generate(prompts, SamplingParams(max_new_tokens=7, ignore_eos=True)):
+        assert len(generation.token_ids) == 7 and generation.finish_reason == "length"
+
+
+def test_stop_token_ids(engine, prompts):
+    reference = greedy(engine, prompts[2])
+    stop_id = next(token for token in reference[3:] if reference.count(token) == 1)
+    never_emitted = next(token for token in range(3, 1024) if token not in reference)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=[never_emitted, stop_id])
+    generation = engine.generate([prompts[2]], params)[0]
+    assert generation.token_ids == reference[: reference.index(stop_id) + 1]
+    assert generation.finish_reason == "stop"
+
+
+def test_stop_strings(engine, tokenizer, prompts):
+    reference = greedy(engine, prompts[3], 24)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    # A 4-character stop string that token i completes and an earlier token starts, first
+    # written at token i.
+    stop, completed_at = next(
+        (text, i)
+        for i in range(4, len(reference))
+        if len(text := decode(reference[i - 1 : i + 1])[-4:]) == 4
+        and "\ufffd" not in text
+        and text not in decode(reference[:i])
+        and text not in decode(reference[i : i + 1])
+    )
+    for stops in (stop, ["never written \u2603", stop]):
+        generation = engine.generate([prompts[3]], SamplingParams(temperature=0.0, max_new_tokens=24, stop=stops))[0]
+        assert generation.token_ids == reference[: completed_at + 1]
+        assert generation.finish_reason == "stop"
+
+
+def test_eos_and_ignore_eos(model_dir, tiny_model_dir, engine, prompts):
+    assert 2 in engine.eos_ids  # <|im_end|>, from both the tokenizer and the generation config
+    reference = greedy(engine, prompts[1])
+    eos_id = reference[4]
+    # A tokenizer whose eos is a token the model emits greedily.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+    eos_engine = HFEngine(model_dir, tokenizer, CPU)
+    assert eos_engine.eos_ids == {2, eos_id}
+    generation = eos_engine.generate([prompts[1]], SamplingParams(temperature=0.0, max_new_tokens=12))[0]
+    assert generation.token_ids == reference[: reference.index(eos_id) + 1] and generation.finish_reason == "stop"
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    generation = eos_engine.generate([prompts[1]], params)[0]
+    assert generation.token_ids == reference and generation.finish_reason == "length"
+
+
+# ---- sampling parameters ----------------------------------------------------------------------
+
+
+def test_sampling_params_from_dict():
+    params = SamplingParams.from_dict({"temperature": 0.5, "top_k": 20, "stop": "</answer>"})
+    assert params.temperature == 0.5 and params.top_k == 20 and params.stop == ["</answer>"]
+    with pytest.raises(ValueError, match="'max_tokens'.*max_new_tokens"):
+        SamplingParams.from_dict({"max_tokens": 10})
+    for bad in ({"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": 0}, {"top_k": -2},
+                {"max_new_tokens": 0}, {"stop": [""]}):
+        with pytest.raises(ValueError):
+            SamplingParams.from_dict(bad)
+
+
+# ---- weight updates ---------------------------------------------------------------------------
+
+
+def test_update_weights(tiny_model_dir, tokenizer, prompts):
+    engine = HFEngine(tiny_model_dir, tokenizer, CPU)
+    other = build_tiny_model(tokenizer, seed=1).eval()
+    state = other.state_dict()
+    assert not torch.equal(state["model.embed_tokens.weight"], engine.model.model.embed_tokens.weight)
+    # Tied embeddings: either name alone updates both.
+    for skipped in ("lm_head.weight", "model.embed_tokens.weight"):
+        engine.update_weights((name, tensor.clone()) for name, tensor in state.items() if name != skipped)
+        params = SamplingParams(temperature=1.0, max_new_tokens=8)
+        for prompt, generation in zip(prompts, engine.generate(prompts, params)):
+            expected = plain_logprobs(other, prompt, generation.token_ids, 1.0)
+            assert (expected - torch.tensor(generation.logprobs)).abs().max() < 1e-5
+
+
+def test_update_weights_errors(tiny_model_dir, tokenizer):
+    engine = HFEngine(tiny_model_dir, tokenizer, CPU)
+    state = engine.model.state_dict()
+    consumed = []
+
+    def stream(items):
+        for name, tensor in items:
+            consumed.append(name)
+            yield name, tensor
+
+    with pytest.raises(ValueError, match="unknown parameter 'model.nope.weight'"):
+        engine.update_weights(stream([("model.nope.weight", torch.zeros(1)), *state.items()]))
+    assert consumed == ["model.nope.weight"]  # the stream is read one item at a time
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\).*\(64,\)"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))])
+    partial = [(name, tensor) for name, tensor in state.items() if ".layers.1." not in name]
+    with pytest.raises(ValueError, match=r"parameters were not updated.*model\.layers\.1\."):
+        engine.update_weights(partial)
+
+
+# ---- factory ----------------------------------------------------------------------------------
+
+
+def test_build_engine(tiny_model_dir, tokenizer):
+    built = build_engine("hf", tiny_model_dir, tokenizer, CPU, "float32", 0, max_batch_size=4)
+    assert isinstance(built, HFEngine) and isinstance(built, Engine) and built.max_batch_size == 4
+    built.sleep()
+    built.wake()  # no-ops on CPU
+    with pytest.raises(NotImplementedError, match="rollout.engine=sglang is not available yet"):
+        build_engine("sglang", tiny_model_dir, tokenizer, CPU, "float32", 0)
+    with pytest.raises(ValueError, match="unknown rollout engine"):
+        build_engine("vllm", tiny_model_dir, tokenizer, CPU, "float32", 0)

@@ -1,0 +1,95 @@
+"""One PPO update from a fixed rollout, then a weight sync; rank 0 saves parameters and metrics.
+
+Usage: ppo_update.py MODEL_DIR DATA ENV OUT_FILE ESTIMATOR [key=value ...]
+
+ESTIMATOR is `grpo` (group-normalised, KL as a k3 loss, DAPO clip) or `gae` (critic, KL in the
+reward). After the update the engine generates from a few prompts and the largest difference
+between its log-probs and the actor's on those tokens is saved as `sync_max_diff`.
+"""
+
+import sys
+
+import torch
+
+from rl2.config import load_config
+from rl2.distributed import all_gather_objects, exit_process, is_rank0
+from rl2.fsdp import gather_full_state_dict
+from rl2.rollout import Trajectory
+from rl2.trainer.ppo import PPOTrainer
+
+ESTIMATORS = {
+    "grpo": ["adv.norm_var=true", "kl.coef=0.1", "kl.type=loss", "kl.loss_estimator=k3", "actor.clip_high=0.28"],
+    "gae": ["adv.estimator=gae", "kl.coef=0.1", "kl.type=reward", "critic.lr=1e-3", "critic.update_per_rollout=2"],
+}
+
+
+def fixed_rollout(group_size: int, n_groups: int, seed: int = 0) -> list[Trajectory]:
+    """Random trajectories, some with a tool segment (mask 0) between two generated turns."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def ints(low, high, n=1):
+        return torch.randint(low, high, (n,), generator=generator).tolist()
+
+    trajectories = []
+    for group in range(n_groups):
+        prompt = ints(3, 1000, ints(3, 12)[0])
+        for _ in range(group_size):
+            mask = [0] * len(prompt) + [1] * ints(1, 15)[0]
+            if ints(0, 2)[0]:
+                mask += [0] * ints(1, 6)[0] + [1] * ints(1, 10)[0]
+            tokens = prompt + ints(3, 1000, len(mask) - len(prompt))
+            trajectories.append(
+                Trajectory(
+                    messages=[], answer=None, group=group, token_ids=tokens, action_mask=mask,
+                    logprobs=[0.0] * len(tokens), prompt_length=len(prompt), reward=float(ints(0, 2)[0]),
+                )
+            )
+    return trajectories
+
+
+def main() -> None:
+    model_dir, data, env, out_file, estimator, *overrides = sys.argv[1:]
+    config = load_config(
+        [
+            f"actor.model_name={model_dir}", f"data.path={data}", f"rollout.env_path={env}",
+            "actor.dtype=float32", "critic.dtype=float32", "actor.lr=1e-3", "actor.max_grad_norm=1e9",
+            "critic.max_grad_norm=1e9", "actor.max_length_per_device=64", "critic.max_length_per_device=64",
+            "data.responses_per_prompt=4", "data.prompts_per_rollout=4", "actor.update_per_rollout=2",
+            "trainer.disable_wandb=true", f"actor.save_dir={out_file}.ckpt", "actor.gradient_checkpointing=false",
+            "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 8}",
+            *ESTIMATORS[estimator], *overrides,
+        ]
+    )
+    trainer = PPOTrainer(config)
+    sequences, prepared = trainer.prepare(fixed_rollout(group_size=4, n_groups=4))
+    updated = trainer.update(sequences, step=1)
+
+    trainer.sync_weights()
+    prompts = [[5, 17, 300 + i, 42] for i in range(3)]
+    generations = trainer.engine.generate(prompts, trainer.train_params)
+    sampled = [
+        {
+            "input_ids": torch.tensor(p + g.token_ids),
+            "loss_mask": torch.tensor([0.0] * len(p) + [1.0] * len(g.token_ids)),
+        }
+        for p, g in zip(prompts, generations)
+    ]
+    # Every rank must join the actor's forward; each checks its own engine.
+    actor_logps = trainer.actor.compute_logps(all_gather_objects(sampled))
+    rank_samples = all_gather_objects([(len(p), g.logprobs) for p, g in zip(prompts, generations)])
+    sync_diff = max(
+        (actor[n:] - torch.tensor(engine)).abs().max().item()
+        for actor, (n, engine) in zip(actor_logps, rank_samples)
+    )
+    state = gather_full_state_dict(trainer.actor.model)
+    critic_state = gather_full_state_dict(trainer.critic.model) if trainer.critic is not None else {}
+    if is_rank0():
+        torch.save(
+            {"params": state, "critic": critic_state, "metrics": {**prepared, **updated}, "sync_max_diff": sync_diff},
+            out_file,
+        )
+    exit_process(0)
+
+
+if __name__ == "__main__":
+    main()
