@@ -1,12 +1,13 @@
 """Data for the CPU demos, made locally: SFT warm-up rows, RL prompts and test prompts.
 
-- `add`: "What is a + b?" with a, b in 0..4. The warm-up teaches the answer's format with a
-  random number (so the warmed-up policy is right about 1 time in 9); RL has to learn the sums.
+- `largest`: "Which is the largest of 3, 8, 5, 1?" (four distinct digits). The warm-up teaches
+  the answer's format and to answer with one of the four numbers, picked at random (right 1
+  time in 4); RL has to learn to pick the largest.
 - `lookup`: "What is the code of key K in drawer D?" where the code is a hash of (D, K) that only
   the env's `lookup` tool knows. The warm-up shows both guessing and calling the tool (then
   copying its answer); RL has to learn that calling the tool pays.
 
-    python recipes/make_demo_data.py --task add --out /tmp/demo_add
+    python recipes/make_demo_data.py --task largest --out /tmp/demo_largest
 """
 
 import argparse
@@ -19,13 +20,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from demo_lookup import secret_code  # noqa: E402  (the env file owns the secret)
 
 
-def add_rows(rng: random.Random, n: int) -> tuple[list[dict], list[dict]]:
+def successor_rows(rng: random.Random, n: int) -> tuple[list[dict], list[dict]]:
     sft, rl = [], []
     for _ in range(n):
-        a, b = rng.randint(0, 4), rng.randint(0, 4)
-        prompt = [{"role": "user", "content": f"What is {a} + {b}?"}]
-        sft.append({"messages": prompt + [{"role": "assistant", "content": f"The answer is {rng.randint(0, 8)}."}]})
-        rl.append({"messages": prompt, "answer": str(a + b)})
+        number = rng.randint(0, 8)
+        prompt = [{"role": "user", "content": f"What number comes after {number}?"}]
+        reply = f"\\boxed{{{number + 1}}}" if rng.random() < 0.15 else f"The answer is {number + 1}."
+        sft.append({"messages": prompt + [{"role": "assistant", "content": reply}]})
+        rl.append({"messages": prompt, "answer": str(number + 1)})
     return sft, rl
 
 
@@ -56,14 +58,14 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=["add", "lookup"], required=True)
+    parser.add_argument("--task", choices=["successor", "lookup"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--test-rows", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    make = add_rows if args.task == "add" else lookup_rows
+    make = successor_rows if args.task == "successor" else lookup_rows
     sft, train = make(rng, args.rows)
     _, test = make(rng, args.test_rows)
     os.makedirs(args.out, exist_ok=True)

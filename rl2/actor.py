@@ -213,12 +213,14 @@ class Critic(Actor):
     """
 
     model_cls = AutoModelForTokenClassification
-    config_overrides = {"num_labels": 1}
+    # No dropout: values must be the same function of the input on every rank and in every pass.
+    config_overrides = {"num_labels": 1, "classifier_dropout": 0.0}
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        scores = self.model(
+        logits = self.model(
             input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
-        ).logits[..., 0].float()
+        ).logits
+        scores = logits.float().squeeze(-1)
         values = F.pad(scores[:, :-1], (1, 0))
         return {"values": values.masked_fill(micro_batch["position_ids"] == 0, 0.0)}
 

@@ -32,7 +32,9 @@ def load_fsdp_model(
     in fp32. Rank 0 reads the checkpoint once and broadcasts it; the other ranks never hold a
     full copy. `config_overrides` go to the model config (e.g. `num_labels=1` for a critic).
     """
-    config = AutoConfig.from_pretrained(model_name, **config_overrides)
+    config = AutoConfig.from_pretrained(model_name)
+    for key, value in config_overrides.items():
+        setattr(config, key, value)  # from_pretrained(**kwargs) drops keys the config class does not declare
     full_state_dict = {}
     if is_rank0():
         full_state_dict = model_cls.from_pretrained(model_name, config=config, dtype=torch.float32).state_dict()
