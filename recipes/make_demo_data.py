@@ -3,7 +3,7 @@
 - `largest`: "Which is the largest of 3, 8, 5, 1?" (four distinct digits). The warm-up teaches
   the answer's format and to answer with one of the four numbers, picked at random (right 1
   time in 4); RL has to learn to pick the largest.
-- `lookup`: "What is the code of key K in drawer D?" where the code is a hash of (D, K) that only
+- `lookup`: "What is the code of the red fox box?" where the code is a hash of the name that only
   the env's `lookup` tool knows. The warm-up shows both guessing and calling the tool (then
   copying its answer); RL has to learn that calling the tool pays.
 
@@ -17,7 +17,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "envs"))
-from demo_lookup import secret_code  # noqa: E402  (the env file owns the secret)
+from demo_lookup import secret_code, tool_reply  # noqa: E402  (the env file owns the secret)
 
 
 def successor_rows(rng: random.Random, n: int) -> tuple[list[dict], list[dict]]:
@@ -31,16 +31,21 @@ def successor_rows(rng: random.Random, n: int) -> tuple[list[dict], list[dict]]:
     return sft, rl
 
 
+# Words without digits: the tool's answer is then the only number the model can copy.
+COLOURS = "red blue green black white gold pink grey brown orange purple silver".split()
+THINGS = "cat dog fox owl bee ant cow pig hen elk yak ram bat eel emu ape".split()
+
+
 def lookup_rows(rng: random.Random, n: int) -> tuple[list[dict], list[dict]]:
     sft, rl = [], []
     for _ in range(n):
-        key, drawer = rng.randint(0, 9), rng.randint(100, 999)
-        code = secret_code(drawer, key)
-        prompt = [{"role": "user", "content": f"What is the code of key {key} in drawer {drawer}?"}]
+        colour, thing = rng.choice(COLOURS), rng.choice(THINGS)
+        code = secret_code(colour, thing)
+        prompt = [{"role": "user", "content": f"What is the code of the {colour} {thing} box?"}]
         if rng.random() < 0.5:
             reply = [
                 {"role": "assistant", "content": "<tool_call>lookup</tool_call>"},
-                {"role": "tool", "content": f"The code is {code}."},
+                {"role": "tool", "content": tool_reply(code)},
                 {"role": "assistant", "content": f"The answer is {code}."},
             ]
         else:

@@ -7,6 +7,10 @@ _EXPORTS = {
     "Config": "rl2.config",
     "load_config": "rl2.config",
     "SFTTrainer": "rl2.trainer.sft",
+    "PPOTrainer": "rl2.trainer.ppo",
+    "Env": "rl2.env",
+    "HFEngine": "rl2.engines",
+    "SamplingParams": "rl2.engines",
 }
 
 __all__ = list(_EXPORTS)

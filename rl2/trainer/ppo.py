@@ -36,7 +36,8 @@ from rl2.sampler import BatchSampler
 from rl2.trainer.base import Trainer, require, user_errors_reported
 from rl2.weight_sync import iter_full_weights
 
-logger = logging.getLogger(__name__)
+# Not __name__: under `python -m rl2.trainer.ppo` that is "__main__", outside the rl2 logger.
+logger = logging.getLogger("rl2.trainer.ppo")
 
 
 class PPOTrainer(Trainer):
@@ -111,26 +112,34 @@ class PPOTrainer(Trainer):
     # ---- the phases of a step --------------------------------------------------------------
 
     def generate(
-        self, prompts: list[dict], params: SamplingParams, responses_per_prompt: int, seed: int
+        self,
+        prompts: list[dict],
+        params: SamplingParams,
+        responses_per_prompt: int,
+        seed: int,
+        timer: PhaseTimer | None = None,
     ) -> list[Trajectory]:
         """Roll out this rank's share of `prompts` (whole groups), score it, and gather every
         rank's trajectories on every rank, in prompt order."""
+        timer = timer or PhaseTimer()
         start, end = _share(len(prompts), rank(), world_size())
         self.engine.wake()
         self.engine.reseed(seed * 1_000_003 + rank())
-        trajectories = rollout(
-            self.engine,
-            self.env,
-            self.tokenizer,
-            prompts[start:end],
-            responses_per_prompt,
-            params,
-            self.config.rollout.max_turns,
-            self.max_length,
-            first_group=start,
-        )
+        with timer("rollout"):
+            trajectories = rollout(
+                self.engine,
+                self.env,
+                self.tokenizer,
+                prompts[start:end],
+                responses_per_prompt,
+                params,
+                self.config.rollout.max_turns,
+                self.max_length,
+                first_group=start,
+            )
         self.engine.sleep()
-        assign_rewards(self.env, trajectories)
+        with timer("reward"):
+            assign_rewards(self.env, trajectories)
         return all_gather_objects(trajectories)
 
     def sync_weights(self) -> None:
@@ -241,10 +250,9 @@ class PPOTrainer(Trainer):
         """One PPO step; returns its metrics."""
         config, timer = self.config, PhaseTimer()
         prompts = [self.train_data[i] for i in self.sampler.next_batch()]
-        with timer("rollout"):
-            trajectories = self.generate(
-                prompts, self.train_params, config.data.responses_per_prompt, seed=config.trainer.seed + self.step
-            )
+        trajectories = self.generate(
+            prompts, self.train_params, config.data.responses_per_prompt, config.trainer.seed + self.step, timer
+        )
         metrics = rollout_metrics(trajectories)
         self.dump(trajectories, f"step_{self.step}")
         if config.rollout.dynamic_filtering:
@@ -315,7 +323,23 @@ class PPOTrainer(Trainer):
         self.env.close()
         if is_rank0():
             rows = read_metrics(os.path.join(self.config.actor.save_dir, "metrics.jsonl"))
-            logger.info("\n" + curve_summary(rows, "reward/mean"))
+            logger.info("\n" + run_summary(rows))
+
+
+def run_summary(rows: list[dict]) -> str:
+    """The reward curve, test results and where the time of a step went, from metrics.jsonl rows."""
+    lines = [curve_summary(rows, "reward/mean")]
+    tests = [(row["step"], row["test/reward_mean"]) for row in rows if "test/reward_mean" in row]
+    if tests:
+        lines.append("test reward: " + ", ".join(f"step {step}: {value:.3f}" for step, value in tests))
+    phases = ["rollout", "reward", "logps", "update", "sync"]
+    means = {p: sum(row.get(f"time/{p}", 0.0) for row in rows) / len(rows) for p in phases}
+    step_time = sum(row.get("time/step", 0.0) for row in rows) / len(rows)
+    lines.append(
+        f"mean step time {step_time:.3f}s: "
+        + ", ".join(f"{p} {means[p]:.3f}s ({100 * means[p] / max(step_time, 1e-9):.0f}%)" for p in phases)
+    )
+    return "\n".join(lines)
 
 
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:

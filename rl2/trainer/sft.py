@@ -14,7 +14,8 @@ from rl2.distributed import exit_process, is_rank0
 from rl2.sampler import BatchSampler
 from rl2.trainer.base import Trainer, require, user_errors_reported
 
-logger = logging.getLogger(__name__)
+# Not __name__: under `python -m rl2.trainer.sft` that is "__main__", outside the rl2 logger.
+logger = logging.getLogger("rl2.trainer.sft")
 
 
 class SFTTrainer(Trainer):

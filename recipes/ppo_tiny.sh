@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The CPU demo of RL: a tiny random-init Qwen2 model, a short SFT warm-up, then GRPO on NPROC ranks.
+#
+#   TASK=successor (default)  "What number comes after 6?" rewarded only as \boxed{7}: the warm-up
+#                             teaches the numbers but answers in that format 15% of the time; RL
+#                             makes the policy use it every time.
+#   TASK=lookup               multi-turn: the code of a box is known only to the env's lookup tool;
+#                             the warm-up calls the tool half the time and guesses otherwise; RL
+#                             learns that calling the tool pays.
+#
+# Extra key=value arguments go to the PPO trainer. SFT_STEPS and PPO_STEPS shorten the run.
+set -euo pipefail
+TASK=${TASK:-successor}
+OUT=${OUT:-outputs/ppo_tiny_$TASK}
+NPROC=${NPROC:-2}
+SFT_STEPS=${SFT_STEPS:-200}
+PPO_STEPS=${PPO_STEPS:-60}
+case "$TASK" in
+  successor) TURNS=1; NEW_TOKENS=12 ;;
+  lookup) TURNS=2; NEW_TOKENS=16 ;;
+  *) echo "TASK must be successor or lookup, not $TASK" >&2; exit 2 ;;
+esac
+export WANDB_MODE=${WANDB_MODE:-disabled}
+mkdir -p "$OUT"
+[ -f "$OUT/model/config.json" ] || python -m rl2.tiny "$OUT/model" --hidden-size 128 --layers 2
+python recipes/make_demo_data.py --task "$TASK" --out "$OUT/data" --rows 4000
+
+echo "== SFT warm-up ($SFT_STEPS steps)"
+rm -rf "$OUT/sft"
+torchrun --nproc_per_node="$NPROC" -m rl2.trainer.sft \
+    data.path="$OUT/data/sft.jsonl" data.batch_size=64 \
+    actor.model_name="$OUT/model" actor.dtype=float32 actor.gradient_checkpointing=false \
+    actor.lr=3e-3 actor.warmup_ratio=0.05 actor.save_dir="$OUT/sft" \
+    trainer.total_steps="$SFT_STEPS" trainer.disable_wandb=true
+
+echo "== GRPO ($PPO_STEPS steps, env envs/demo_$TASK.py)"
+rm -rf "$OUT/ppo"
+torchrun --nproc_per_node="$NPROC" -m rl2.trainer.ppo \
+    data.path="$OUT/data/train.jsonl" data.test_path="$OUT/data/test.jsonl" \
+    data.prompts_per_rollout=16 data.responses_per_prompt=8 \
+    actor.model_name="$OUT/sft/step$SFT_STEPS" actor.dtype=float32 actor.gradient_checkpointing=false \
+    actor.lr=1e-3 actor.save_dir="$OUT/ppo" \
+    rollout.env_path="envs/demo_$TASK.py" rollout.max_turns="$TURNS" \
+    "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: $NEW_TOKENS}" \
+    "rollout.test_sampling_params={temperature: 0.0, max_new_tokens: $NEW_TOKENS}" \
+    adv.estimator=reinforce adv.norm_var=true \
+    trainer.total_steps="$PPO_STEPS" trainer.test_freq=20 trainer.disable_wandb=true "$@"
+echo "metrics: $OUT/ppo/metrics.jsonl, trajectories: $OUT/ppo/trajectories/"

@@ -1,0 +1,129 @@
+"""The PPO trainer: world-size invariance, weight sync, the demo learning, exact resume, start-up errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, run_python, run_torchrun
+from rl2.metrics import read_metrics
+
+WORKER = "tests/workers/ppo_update.py"
+
+
+@pytest.fixture(scope="module")
+def rl_data(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("rl_data"))
+    run_python(["recipes/make_demo_data.py", "--task", "successor", "--out", out, "--rows", "64", "--test-rows", "8"])
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_update_is_world_size_invariant_and_sync_matches(tiny_model_dir, rl_data, tmp_path, estimator):
+    """The same rollout gives the same parameters on 1 and 2 ranks; after the sync the engine's
+    log-probs equal the actor's."""
+    args = [WORKER, tiny_model_dir, f"{rl_data}/train.jsonl", "envs/demo_successor.py"]
+    run_python([*args, str(tmp_path / "one.pt"), estimator])
+    run_torchrun([*args, str(tmp_path / "two.pt"), estimator])
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    initial = _initial_params(tiny_model_dir)
+    moved = max((one["params"][k] - initial[k]).abs().max().item() for k in initial)
+    assert moved > 1e-4, "the update did not change the actor"
+    for name in one["params"]:
+        torch.testing.assert_close(one["params"][name], two["params"][name], atol=1e-5, rtol=0, msg=name)
+    for name in one["critic"]:
+        torch.testing.assert_close(one["critic"][name], two["critic"][name], atol=1e-5, rtol=0, msg=name)
+    assert (estimator == "gae") == bool(one["critic"])
+    for key, value in one["metrics"].items():
+        assert two["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert one["sync_max_diff"] < 1e-4 and two["sync_max_diff"] < 1e-4
+
+
+def _initial_params(model_dir: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    params = load_file(os.path.join(model_dir, "model.safetensors"))
+    params.setdefault("lm_head.weight", params["model.embed_tokens.weight"])
+    return params
+
+
+def test_demo_reward_rises(tmp_path):
+    """A short run of the README's demo: GRPO lifts the reward well above the warm-up's."""
+    env = {**os.environ, "OUT": str(tmp_path), "SFT_STEPS": "150", "PPO_STEPS": "12", "PYTHONPATH": REPO}
+    result = subprocess.run(
+        ["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null", "trainer.dump_trajectories=false"],
+        capture_output=True, text=True, timeout=400, env=env, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    rows = read_metrics(str(tmp_path / "ppo" / "metrics.jsonl"))
+    rewards = [row["reward/mean"] for row in rows]
+    assert len(rewards) == 12
+    assert rewards[0] < 0.3
+    assert sum(rewards[-3:]) / 3 > rewards[0] + 0.3, rewards
+    assert max(row["logp_mismatch/max"] for row in rows) < 1e-3
+    assert "reward/mean by step" in result.stderr
+
+
+def _ppo_args(model_dir: str, data: str, save_dir: str, *extra: str) -> list[str]:
+    return [
+        "-m", "rl2.trainer.ppo", f"data.path={data}/train.jsonl", f"data.test_path={data}/test.jsonl",
+        "data.prompts_per_rollout=4", "data.responses_per_prompt=4", f"actor.model_name={model_dir}",
+        "actor.dtype=float32", "actor.lr=1e-3", "actor.gradient_checkpointing=false", f"actor.save_dir={save_dir}",
+        "rollout.env_path=envs/demo_successor.py", "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 6}",
+        "rollout.test_sampling_params={temperature: 0.0, max_new_tokens: 6}", "adv.norm_var=true",
+        "trainer.total_steps=4", "trainer.test_freq=2", "trainer.disable_wandb=true", *extra,
+    ]
+
+
+def test_resume_is_exact(tiny_model_dir, rl_data, tmp_path):
+    """4 steps straight equal 2 steps, a restart from the checkpoint, and 2 more steps."""
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    run_torchrun(_ppo_args(tiny_model_dir, rl_data, straight))
+    run_torchrun(_ppo_args(tiny_model_dir, rl_data, resumed, "actor.save_freq=2", "trainer.total_steps=2"))
+    run_torchrun(_ppo_args(tiny_model_dir, rl_data, resumed, "trainer.load_ckpt_from=latest"))
+    a, b = read_metrics(f"{straight}/metrics.jsonl"), read_metrics(f"{resumed}/metrics.jsonl")
+    assert [row["step"] for row in b] == [1, 2, 3, 4]
+    for row_a, row_b in zip(a, b):
+        for key in ("reward/mean", "response_length/mean", "actor/loss", "actor/grad_norm", "test/reward_mean"):
+            if key in row_a:
+                assert row_b[key] == pytest.approx(row_a[key], abs=1e-5), (row_a["step"], key)
+    dump = [json.loads(line) for line in open(f"{straight}/trajectories/step_3.jsonl")]
+    assert len(dump) == 16 and {"messages", "reward", "answer", "turns"} <= set(dump[0])
+
+
+def test_notebook_run_in_one_process(tiny_model_dir, rl_data, tmp_path):
+    """PPOTrainer runs without torchrun, with a critic (GAE) and a KL-regularised reference."""
+    code = (
+        "import sys\n"
+        "from rl2 import PPOTrainer, load_config\n"
+        "trainer = PPOTrainer(load_config(sys.argv[1:]))\n"
+        "trainer.train()\n"
+        "assert trainer.critic is not None and trainer.reference is not None\n"
+    )
+    args = _ppo_args(tiny_model_dir, rl_data, str(tmp_path / "run"), "adv.estimator=gae", "kl.coef=0.01",
+                     "trainer.total_steps=2")[2:]
+    run_python(["-c", code, *args])
+    rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    assert len(rows) == 2 and "critic/loss" in rows[-1] and "kl" in rows[-1] and "test/reward_mean" in rows[-1]
+
+
+@pytest.mark.parametrize(
+    "env_text,message",
+    [
+        ("def reward_fn(messages, answer)\n    return 1.0\n", "line 1"),
+        ("def interact(messages):\n    return []\n", "reward_fn"),
+    ],
+    ids=["syntax-error", "no-reward-fn"],
+)
+def test_broken_env_file_fails_at_start(tiny_model_dir, rl_data, tmp_path, env_text, message):
+    env_file = tmp_path / "env.py"
+    env_file.write_text(env_text)
+    command = [sys.executable, *_ppo_args(tiny_model_dir, rl_data, str(tmp_path / "run"), f"rollout.env_path={env_file}")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO,
+                            env={**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": REPO})
+    assert result.returncode == 2
+    assert "rl2: error:" in result.stderr and str(env_file) in result.stderr and message in result.stderr
+    assert "Traceback" not in result.stderr
