@@ -38,7 +38,9 @@ def test_update_is_world_size_invariant_and_sync_matches(tiny_model_dir, rl_data
         torch.testing.assert_close(one["critic"][name], two["critic"][name], atol=1e-5, rtol=0, msg=name)
     assert (estimator == "gae") == bool(one["critic"])
     for key, value in one["metrics"].items():
-        assert two["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        # A token whose ratio sits on the clip boundary may flip with rounding: one token's weight.
+        tolerance = 0.02 if "clip_ratio" in key else 1e-6
+        assert two["metrics"][key] == pytest.approx(value, rel=1e-4, abs=tolerance), key
     assert one["sync_max_diff"] < 1e-4 and two["sync_max_diff"] < 1e-4
 
 
@@ -52,7 +54,7 @@ def _initial_params(model_dir: str) -> dict[str, torch.Tensor]:
 
 def test_demo_reward_rises(tmp_path):
     """A short run of the README's demo: GRPO lifts the reward well above the warm-up's."""
-    env = {**os.environ, "OUT": str(tmp_path), "SFT_STEPS": "150", "PPO_STEPS": "12", "PYTHONPATH": REPO}
+    env = {**os.environ, "OUT": str(tmp_path), "SFT_STEPS": "200", "PPO_STEPS": "15", "PYTHONPATH": REPO}
     result = subprocess.run(
         ["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null", "trainer.dump_trajectories=false"],
         capture_output=True, text=True, timeout=400, env=env, cwd=REPO,
@@ -60,7 +62,7 @@ def test_demo_reward_rises(tmp_path):
     assert result.returncode == 0, result.stderr[-5000:]
     rows = read_metrics(str(tmp_path / "ppo" / "metrics.jsonl"))
     rewards = [row["reward/mean"] for row in rows]
-    assert len(rewards) == 12
+    assert len(rewards) == 15
     assert rewards[0] < 0.3
     assert sum(rewards[-3:]) / 3 > rewards[0] + 0.3, rewards
     assert max(row["logp_mismatch/max"] for row in rows) < 1e-3
