@@ -97,7 +97,8 @@ def test_resume_is_exact(tiny_model_dir, rl_data, tmp_path):
 
 
 def test_notebook_run_in_one_process(tiny_model_dir, rl_data, tmp_path):
-    """PPOTrainer runs without torchrun, with a critic (GAE) and a KL-regularised reference."""
+    """PPOTrainer runs without torchrun, with a critic (GAE), a KL-regularised reference, dynamic
+    filtering and an actor frozen for its first step (the critic warms up)."""
     code = (
         "import sys\n"
         "from rl2 import PPOTrainer, load_config\n"
@@ -105,11 +106,37 @@ def test_notebook_run_in_one_process(tiny_model_dir, rl_data, tmp_path):
         "trainer.train()\n"
         "assert trainer.critic is not None and trainer.reference is not None\n"
     )
+    env_file = tmp_path / "parity_env.py"  # rewards that vary within a group, so not every group is dropped
+    env_file.write_text("def reward_fn(messages, answer):\n    return float(len(messages[-1]['content']) % 2)\n")
     args = _ppo_args(tiny_model_dir, rl_data, str(tmp_path / "run"), "adv.estimator=gae", "kl.coef=0.01",
-                     "trainer.total_steps=2")[2:]
+                     "trainer.total_steps=3", "actor.freeze_steps=1", "rollout.dynamic_filtering=true",
+                     f"rollout.env_path={env_file}")[2:]
     run_python(["-c", code, *args])
     rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
-    assert len(rows) == 2 and "critic/loss" in rows[-1] and "kl" in rows[-1] and "test/reward_mean" in rows[-1]
+    assert len(rows) == 3 and "test/reward_mean" in rows[-1]
+    assert all("dynamic_filter/dropped_ratio" in row for row in rows)
+    updated = [row for row in rows if "critic/loss" in row]
+    assert updated, "every group was filtered out in every step"
+    assert all("kl" in row for row in updated)
+    assert "actor/loss" not in rows[0] and ("actor/loss" in rows[-1] or "critic/loss" not in rows[-1])
+
+
+def test_tool_demo_reward_rises(tmp_path):
+    """The multi-turn demo: the policy learns to call the lookup tool, and the reward follows."""
+    env = {**os.environ, "OUT": str(tmp_path), "TASK": "lookup", "SFT_STEPS": "200", "PPO_STEPS": "12",
+           "PYTHONPATH": REPO}
+    result = subprocess.run(
+        ["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null"],
+        capture_output=True, text=True, timeout=400, env=env, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    rows = read_metrics(str(tmp_path / "ppo" / "metrics.jsonl"))
+    first, last = rows[0], rows[-3:]
+    assert sum(row["reward/mean"] for row in last) / 3 > first["reward/mean"] + 0.2
+    assert sum(row["turns/mean"] for row in last) / 3 > first["turns/mean"] + 0.2
+    dump = [json.loads(line) for line in open(tmp_path / "ppo" / "trajectories" / "step_12.jsonl")]
+    called = [t for t in dump if t["turns"] == 2]
+    assert called and all(t["messages"][2]["role"] == "tool" for t in called)
 
 
 @pytest.mark.parametrize(

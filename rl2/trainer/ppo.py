@@ -370,6 +370,12 @@ def _check_config(config: Config) -> None:
         raise ConfigError(f"data.responses_per_prompt must be >= 1, got {config.data.responses_per_prompt}")
     if config.actor.update_per_rollout < 1 or config.critic.update_per_rollout < 1:
         raise ConfigError("actor.update_per_rollout and critic.update_per_rollout must be >= 1")
+    longest = config.actor.max_length_per_device * config.actor.sp_size
+    if config.data.max_length is not None and config.data.max_length > longest:
+        raise ConfigError(
+            f"data.max_length={config.data.max_length} (the longest trajectory) exceeds what one micro-batch holds, "
+            f"actor.max_length_per_device x actor.sp_size = {longest}; raise actor.max_length_per_device"
+        )
     if config.adv.estimator == "reinforce" and config.data.responses_per_prompt == 1:
         raise ConfigError(
             "adv.estimator=reinforce uses the group mean as baseline: set data.responses_per_prompt >= 2 "
