@@ -128,7 +128,13 @@ def _append_generation(
     trajectory.logprobs += logprobs
     trajectory.turns += 1
     # The message holds what the model said; the template adds the end-of-turn token again.
-    ends_with_stop = generation.finish_reason == "stop" and not cut and tokens and tokens[-1] in stop_ids
+    # A stop token id, or another special token the engine stops on (a generation config's eos).
+    ends_with_stop = (
+        generation.finish_reason == "stop"
+        and not cut
+        and bool(tokens)
+        and (tokens[-1] in stop_ids or tokens[-1] in tokenizer.all_special_ids)
+    )
     content_tokens = tokens[:-1] if ends_with_stop else tokens
     content = tokenizer.decode(content_tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     trajectory.messages.append({"role": "assistant", "content": content})

@@ -87,7 +87,7 @@ def test_resume_is_exact(tiny_model_dir, rl_data, tmp_path):
     run_torchrun(_ppo_args(tiny_model_dir, rl_data, resumed, "actor.save_freq=2", "trainer.total_steps=2"))
     run_torchrun(_ppo_args(tiny_model_dir, rl_data, resumed, "trainer.load_ckpt_from=latest"))
     a, b = read_metrics(f"{straight}/metrics.jsonl"), read_metrics(f"{resumed}/metrics.jsonl")
-    assert [row["step"] for row in b] == [1, 2, 3, 4]
+    assert [row["step"] for row in b] == [0, 1, 2, 3, 4]  # step 0: the test set before training
     for row_a, row_b in zip(a, b):
         for key in ("reward/mean", "response_length/mean", "actor/loss", "actor/grad_norm", "test/reward_mean"):
             if key in row_a:
@@ -113,7 +113,9 @@ def test_notebook_run_in_one_process(tiny_model_dir, rl_data, tmp_path):
                      f"rollout.env_path={env_file}")[2:]
     run_python(["-c", code, *args])
     rows = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
-    assert len(rows) == 3 and "test/reward_mean" in rows[-1]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3] and "test/reward_mean" in rows[0]
+    rows = rows[1:]
+    assert "test/reward_mean" in rows[-1]
     assert all("dynamic_filter/dropped_ratio" in row for row in rows)
     updated = [row for row in rows if "critic/loss" in row]
     assert updated, "every group was filtered out in every step"

@@ -222,7 +222,7 @@ class PPOTrainer(Trainer):
         group_size = self.config.data.responses_per_prompt
         n_groups = len(sequences) // group_size
         order = torch.randperm(n_groups, generator=torch.Generator().manual_seed(self.config.trainer.seed + step))
-        chunks = [chunk.tolist() for chunk in order.chunk(min(n, n_groups))]
+        chunks = [chunk.tolist() for chunk in order.tensor_split(min(n, n_groups))]  # exactly that many
         return [[sequences[g * group_size + i] for g in sorted(chunk) for i in range(group_size)] for chunk in chunks]
 
     def actor_loss(self, outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]):
@@ -307,6 +307,8 @@ class PPOTrainer(Trainer):
                 f.write(json.dumps(trajectory.to_json(), default=str) + "\n")
 
     def train(self) -> None:
+        if self.step == 0 and self.test_data is not None and self.config.trainer.test_freq is not None:
+            self.metrics.log(self.evaluate(), 0)  # the starting point of the test curve
         progress = tqdm(total=self.total_steps, initial=self.step, desc="PPO", disable=not is_rank0())
         while self.step < self.total_steps:
             self.step += 1
@@ -328,13 +330,14 @@ class PPOTrainer(Trainer):
 
 def run_summary(rows: list[dict]) -> str:
     """The reward curve, test results and where the time of a step went, from metrics.jsonl rows."""
-    lines = [curve_summary(rows, "reward/mean")]
+    lines = [curve_summary([row for row in rows if row["step"] > 0], "reward/mean")]
     tests = [(row["step"], row["test/reward_mean"]) for row in rows if "test/reward_mean" in row]
     if tests:
         lines.append("test reward: " + ", ".join(f"step {step}: {value:.3f}" for step, value in tests))
     phases = ["rollout", "reward", "logps", "update", "sync"]
-    means = {p: sum(row.get(f"time/{p}", 0.0) for row in rows) / len(rows) for p in phases}
-    step_time = sum(row.get("time/step", 0.0) for row in rows) / len(rows)
+    steps = [row for row in rows if "time/step" in row]
+    means = {p: sum(row.get(f"time/{p}", 0.0) for row in steps) / max(len(steps), 1) for p in phases}
+    step_time = sum(row["time/step"] for row in steps) / max(len(steps), 1)
     lines.append(
         f"mean step time {step_time:.3f}s: "
         + ", ".join(f"{p} {means[p]:.3f}s ({100 * means[p] / max(step_time, 1e-9):.0f}%)" for p in phases)
