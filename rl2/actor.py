@@ -9,10 +9,17 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from rl2.config import ModelConfig
-from rl2.distributed import all_reduce_sum, build_fsdp_mesh, device, rank, world_size
+from rl2.distributed import all_reduce_sum, build_fsdp_mesh, build_sp_group, device, rank, world_size
 from rl2.fsdp import load_fsdp_model, move_optimizer
 from rl2.optim import build_optimizer
 from rl2.packing import pack_micro_batch, plan_micro_batches, unpack_row
+from rl2.ring_attention import (
+    ring_attention_implementation,
+    zigzag_cu_seqlens,
+    zigzag_gather,
+    zigzag_position_ids,
+    zigzag_split,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +42,6 @@ def token_logps(
     return logps.masked_fill(position_ids == 0, 0.0)
 
 
-@torch.no_grad()
-def token_entropy(logits: torch.Tensor, position_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the distribution each token was drawn from, aligned like `token_logps`."""
-    logps = torch.log_softmax(logits[0, :-1].float() / temperature, dim=-1)
-    entropy = -(logps.exp() * logps).sum(-1)
-    return F.pad(entropy, (1, 0)).unsqueeze(0).masked_fill(position_ids == 0, 0.0)
-
-
 class Actor:
     """A causal LM sharded with FSDP2 over all ranks, with its AdamW optimizer and schedule.
 
@@ -62,9 +61,15 @@ class Actor:
         self.config = config
         self.temperature = temperature
         self.device = device()
-        self.dp_rank, self.dp_size = rank(), world_size()
-        if config.sp_size != 1:
-            raise ValueError(f"sp_size={config.sp_size}: sequence parallelism is not available yet; use sp_size=1")
+        self.world_size = world_size()
+        self.sp_size = config.sp_size
+        if self.sp_size < 1 or self.world_size % self.sp_size != 0:
+            raise ValueError(f"sp_size={self.sp_size} must divide the world size {self.world_size}")
+        # Ranks r·sp .. r·sp + sp − 1 share each packed row (sequence parallelism); data
+        # parallelism runs over the dp = world / sp groups. FSDP shards over all ranks.
+        self.dp_size = self.world_size // self.sp_size
+        self.dp_rank, self.sp_rank = divmod(rank(), self.sp_size)
+        self.sp_group = build_sp_group(self.sp_size) if self.sp_size > 1 else None
         self.mesh = build_fsdp_mesh(config.fsdp_size)
         self.model = load_fsdp_model(
             config.model_name,
@@ -73,6 +78,7 @@ class Actor:
             dtype=config.dtype,
             gradient_checkpointing=config.gradient_checkpointing and trainable,
             model_cls=self.model_cls,
+            attn_implementation=ring_attention_implementation(self.sp_group) if self.sp_group else None,
             **self.config_overrides,
         )
         self.optimizer = self.scheduler = None
@@ -90,13 +96,15 @@ class Actor:
     def pack(
         self, sequences: list[dict[str, torch.Tensor]], max_tokens: int
     ) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
-        """This rank's share of `sequences` (dicts of 1-D tensors): its index lists and packed rows.
+        """This rank's share of `sequences` (dicts of 1-D tensors): its index lists and packed rows
+        of at most `max_tokens` tokens per device (`sp_size` times that per row, which the ranks of
+        a sequence-parallel group split between them).
 
         A micro-batch with no sequence (fewer sequences than ranks) becomes a one-token row with
         an all-zero loss mask, so the rank still joins FSDP's collectives.
         """
         lengths = [len(seq["input_ids"]) for seq in sequences]
-        plan = plan_micro_batches(lengths, self.dp_size, max_tokens)[self.dp_rank]
+        plan = plan_micro_batches(lengths, self.dp_size, max_tokens * self.sp_size)[self.dp_rank]
         rows = [
             pack_micro_batch([sequences[i] for i in indices] or [_placeholder_like(sequences[0])])
             for indices in plan
@@ -107,14 +115,50 @@ class Actor:
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """Per-token outputs [1, T] of a packed row: "logps" (and "entropy")."""
-        logits = self.model(
-            input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
-        ).logits
-        position_ids = micro_batch["position_ids"]
-        outputs = {"logps": token_logps(logits, micro_batch["input_ids"], position_ids, self.temperature)}
+        logits, next_ids = self._logits(micro_batch)
+        logits = logits[0].float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        outputs = {"logps": -F.cross_entropy(logits, next_ids[0], reduction="none").unsqueeze(0)}
         if with_entropy:
-            outputs["entropy"] = token_entropy(logits, position_ids, self.temperature)
-        return outputs
+            with torch.no_grad():
+                logps = torch.log_softmax(logits, dim=-1)
+                outputs["entropy"] = -(logps.exp() * logps).sum(-1).unsqueeze(0)
+        return {name: self._align(value, micro_batch) for name, value in outputs.items()}
+
+    def _logits(self, micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's output at this rank's tokens of a packed row, and the id of the token that
+        follows each of them (the row's next token; meaningless at a sequence's last token)."""
+        input_ids, cu_seqlens = micro_batch["input_ids"], micro_batch["cu_seqlens"]
+        next_ids = F.pad(input_ids[:, 1:], (0, 1))
+        if self.sp_group is None:
+            logits = self.model(
+                input_ids=input_ids, position_ids=micro_batch["position_ids"], use_cache=False
+            ).logits
+            return logits, next_ids
+        local_cu = zigzag_cu_seqlens(cu_seqlens, self.sp_size)
+        longest = int((local_cu[1:] - local_cu[:-1]).max())
+        logits = self.model(
+            input_ids=zigzag_split(input_ids, cu_seqlens, self.sp_rank, self.sp_size),
+            position_ids=zigzag_position_ids(cu_seqlens, self.sp_rank, self.sp_size).to(self.device),
+            cu_seq_lens_q=local_cu,
+            cu_seq_lens_k=local_cu,
+            max_length_q=longest,
+            max_length_k=longest,
+            use_cache=False,
+        ).logits
+        return logits, zigzag_split(next_ids, cu_seqlens, self.sp_rank, self.sp_size)
+
+    def _align(self, next_values: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-token values computed at each token for the next one ([1, T], or this rank's zigzag
+        part) → aligned with the tokens they are about: value[t] comes from position t − 1, and
+        is 0 at sequence starts. With sequence parallelism the whole row is gathered on every
+        rank of the group; gradients flow back to the rank that computed each token."""
+        if self.sp_group is not None:
+            next_values = zigzag_gather(next_values, micro_batch["cu_seqlens"], self.sp_group)
+        values = F.pad(next_values[:, :-1], (1, 0))
+        # A sequence's first token is "predicted" by the previous packed sequence: meaningless.
+        return values.masked_fill(micro_batch["position_ids"] == 0, 0.0)
 
     @torch.no_grad()
     def compute(self, sequences: list[dict[str, torch.Tensor]], output: str = "logps") -> list[torch.Tensor]:
@@ -128,8 +172,10 @@ class Actor:
             per_sequence = unpack_row(self.forward(row)[output].float().cpu(), row["cu_seqlens"].cpu())
             for i, values in zip(indices, per_sequence):
                 result[i] = values
-        # Each sequence was computed on exactly one rank, zeros elsewhere: a sum gathers them all.
-        return list(all_reduce_sum(torch.cat(result)).split(lengths))
+        # Each sequence was computed by exactly one data-parallel group (whose SP ranks all hold it;
+        # the first one reports it), zeros elsewhere: a sum gathers them all.
+        local = torch.cat(result) if self.sp_rank == 0 else torch.zeros(sum(lengths))
+        return list(all_reduce_sum(local).split(lengths))
 
     def compute_logps(self, sequences: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         return self.compute(sequences, "logps")
@@ -167,18 +213,22 @@ class Actor:
     def _accumulate(
         self, rows: list[dict], loss_fn: LossFn, backward: bool, loss_total: float | None = None
     ) -> dict[str, float]:
-        totals: dict[str, float] = {}
+        # The ranks of a sequence-parallel group hold the same rows: only the first one reports.
+        reporting = 1.0 if self.sp_rank == 0 else 0.0
+        tokens = all_reduce_sum(reporting * float(sum(row["loss_mask"].sum().item() for row in rows)))
         if loss_total is None:
-            loss_total = max(all_reduce_sum(float(sum(row["loss_mask"].sum().item() for row in rows))), 1.0)
+            loss_total = max(tokens, 1.0)
+        totals: dict[str, float] = {}
         for row in rows:
             loss_sum, metric_sums = loss_fn(self.forward(row, with_entropy=backward), row)
             if backward:
-                # FSDP averages gradients over the data-parallel ranks; undo that: we want the sum.
-                (loss_sum * self.dp_size / loss_total).backward()
+                # FSDP averages gradients over all ranks; undo that: we want the sum over the
+                # data-parallel groups (each SP rank's backward reaches only its own tokens).
+                (loss_sum * self.world_size / loss_total).backward()
             for name, value in {"loss": loss_sum, **metric_sums}.items():
                 totals[name] = totals.get(name, 0.0) + float(value.detach())
-        metrics = {name: all_reduce_sum(value) / loss_total for name, value in sorted(totals.items())}
-        metrics["loss_tokens"] = all_reduce_sum(float(sum(row["loss_mask"].sum().item() for row in rows)))
+        metrics = {name: all_reduce_sum(reporting * value) / loss_total for name, value in sorted(totals.items())}
+        metrics["loss_tokens"] = tokens
         return metrics
 
     def _inference_max_tokens(self) -> int:
@@ -217,12 +267,8 @@ class Critic(Actor):
     config_overrides = {"num_labels": 1, "classifier_dropout": 0.0}
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        logits = self.model(
-            input_ids=micro_batch["input_ids"], position_ids=micro_batch["position_ids"], use_cache=False
-        ).logits
-        scores = logits.float().squeeze(-1)
-        values = F.pad(scores[:, :-1], (1, 0))
-        return {"values": values.masked_fill(micro_batch["position_ids"] == 0, 0.0)}
+        scores, _ = self._logits(micro_batch)
+        return {"values": self._align(scores.float().squeeze(-1), micro_batch)}
 
 
 def _placeholder_like(sequence: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -67,6 +67,15 @@ def build_fsdp_mesh(fsdp_size: int) -> DeviceMesh:
     return init_device_mesh(device_type, (world // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
 
 
+def build_sp_group(sp_size: int) -> dist.ProcessGroup:
+    """The process group of this rank's sequence-parallel group: ranks r·sp .. r·sp + sp − 1."""
+    world = world_size()
+    if sp_size < 1 or world % sp_size != 0:
+        raise ValueError(f"sp_size={sp_size} must divide the world size {world}")
+    mesh = init_device_mesh(device().type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    return mesh.get_group("sp")
+
+
 def all_reduce_sum(value: float | torch.Tensor) -> float | torch.Tensor:
     """Sum a number or tensor over all ranks (a new value; the input is left as it was)."""
     is_tensor = isinstance(value, torch.Tensor)

@@ -24,6 +24,7 @@ def load_fsdp_model(
     dtype: str = "bfloat16",
     gradient_checkpointing: bool = False,
     model_cls: type = AutoModelForCausalLM,
+    attn_implementation: str | None = None,
     **config_overrides,
 ) -> nn.Module:
     """A transformers model sharded with `fully_shard` per decoder layer and at the root.
@@ -40,7 +41,9 @@ def load_fsdp_model(
         full_state_dict = model_cls.from_pretrained(model_name, config=config, dtype=torch.float32).state_dict()
     with torch.device("meta"):
         model = model_cls.from_config(
-            config, dtype=torch.float32, attn_implementation=packed_attention_implementation(device)
+            config,
+            dtype=torch.float32,
+            attn_implementation=attn_implementation or packed_attention_implementation(device),
         )
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

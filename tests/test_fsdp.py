@@ -59,3 +59,21 @@ def test_two_ranks_match_one(single_rank, tiny_model_dir, tmp_path, max_tokens, 
     assert os.path.exists(os.path.join(hf_dir, "config.json"))
     for name, value in reloaded.state_dict().items():
         torch.testing.assert_close(value, two["params"][name], atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("max_tokens,n_sequences", [(64, 13), (40, 1)], ids=["13-sequences", "one-sequence"])
+def test_sequence_parallel_matches_one_rank(single_rank, tiny_model_dir, tmp_path, max_tokens, n_sequences):
+    """sp=2 on 2 ranks (ZigZag ring attention, each row split over both ranks) gives the same
+    loss, gradients, parameters and log-probs as one rank."""
+    reference = single_rank(n_sequences)
+    out = str(tmp_path / "sp.pt")
+    run_torchrun([WORKER, tiny_model_dir, out, str(max_tokens), "0", str(n_sequences), "-", "2"])
+    sp = torch.load(out)
+    assert sp["metrics"]["loss_tokens"] == reference["metrics"]["loss_tokens"]
+    assert abs(sp["metrics"]["loss"] - reference["metrics"]["loss"]) < 1e-5
+    for name, grad in reference["grads"].items():
+        torch.testing.assert_close(sp["grads"][name], grad, atol=1e-5, rtol=0, msg=name)
+    for name, param in reference["params"].items():
+        torch.testing.assert_close(sp["params"][name], param, atol=1e-5, rtol=0, msg=name)
+    for a, b in zip(sp["logps"], reference["logps"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

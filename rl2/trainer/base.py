@@ -65,6 +65,10 @@ class Trainer:
     def __init__(self, config: Config):
         init_distributed()
         setup_logging()
+        for section in ("actor", "critic"):
+            sp_size = getattr(config, section).sp_size
+            if sp_size < 1 or world_size() % sp_size != 0:
+                raise ConfigError(f"{section}.sp_size={sp_size} must divide the number of ranks ({world_size()})")
         torch.manual_seed(config.trainer.seed)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer_name or config.actor.model_name)

@@ -1,6 +1,6 @@
 """One actor update on a fixed random global batch; rank 0 saves gradients, parameters and metrics.
 
-Usage: fsdp_step.py MODEL_DIR OUT_FILE MAX_TOKENS FSDP_SIZE N_SEQUENCES [HF_SAVE_DIR]
+Usage: fsdp_step.py MODEL_DIR OUT_FILE MAX_TOKENS FSDP_SIZE N_SEQUENCES [HF_SAVE_DIR|-] [SP_SIZE]
 """
 
 import sys
@@ -35,6 +35,7 @@ def main() -> None:
     config = ModelConfig(
         model_name=model_dir, dtype="float32", gradient_checkpointing=True, max_length_per_device=max_tokens,
         lr=1e-4, weight_decay=0.1, max_grad_norm=1e9, fsdp_size=fsdp_size,
+        sp_size=int(sys.argv[7]) if len(sys.argv) > 7 else 1,
     )
     torch.manual_seed(0)
     actor = Actor(config, total_steps=10)
@@ -44,7 +45,7 @@ def main() -> None:
     metrics["grad_norm"] = actor.optimizer_step()
     logps = actor.compute_logps(batch)
     params = gather_full_state_dict(actor.model)
-    if len(sys.argv) > 6:
+    if len(sys.argv) > 6 and sys.argv[6] != "-":
         save_hf_model(actor.model, sys.argv[6], "float32")
     if is_rank0():
         torch.save({"grads": grads, "params": params, "metrics": metrics, "logps": logps, "batch": batch}, out_file)

@@ -1,0 +1,405 @@
+"""Sequence parallelism for packed rows: ZigZag split and ring attention over an SP process group.
+
+A packed row ([1, T], several sequences, `cu_seqlens`) is spread over the `sp` ranks of a group.
+Each sequence is padded at its end to a multiple of 2·sp tokens and cut into 2·sp equal chunks;
+rank r keeps chunks r and 2·sp−1−r of every sequence ("zigzag", as in
+zhuzilin/ring-flash-attention), so every rank gets an equal share of the causal work: an early
+chunk, which attends to little, paired with a late one, which attends to a lot. Every rank's local
+row has the same per-sequence lengths, so the local `cu_seqlens` are the same everywhere and any
+rank can work out the true positions of any other rank's tokens without communication.
+
+`ring_attention` then runs causal attention within each sequence as if on the whole row: K/V blocks
+travel around the ring (Ring Attention, Liu et al. 2023) and the partial outputs are merged by
+their log-sum-exp. This is the pure-torch path (CPU/gloo, and the reference for a fused GPU
+kernel). It materialises the scores of one sequence's block at a time, [H, 2c_i, 2c_i] floats
+(a few of them in backward), so memory grows with (L_i / sp)² for the longest sequence, unlike a
+flash kernel's O(T): fine for CPU tests and moderate lengths.
+
+Recipe for a transformers model (see `ring_attention_implementation`):
+
+    local_ids = zigzag_split(row["input_ids"], cu, rank, sp, pad_value=pad_id)
+    local_cu = zigzag_cu_seqlens(cu, sp)
+    logits = model(input_ids=local_ids, position_ids=zigzag_position_ids(cu, rank, sp),
+                   cu_seq_lens_q=local_cu, cu_seq_lens_k=local_cu, use_cache=False).logits
+    logits = zigzag_gather(logits, cu, group)  # [1, T, V], the same on every SP rank
+
+with `model.config._attn_implementation = ring_attention_implementation(group)`. Gathering
+[1, T_local] per-token log-probs instead of logits saves sp·T·V floats: split the next-token
+targets (`torch.roll(input_ids, -1, dims=1)`) with `zigzag_split`, take log-probs locally, gather
+those. Only `cu_seq_lens_q` is read (`cu_seq_lens_k`, `max_length_q/k` are accepted and ignored);
+`position_ids` carry the true positions for RoPE. Every SP rank
+then computes the same loss on the whole row; summing parameter gradients over the SP group
+(FSDP's reduction does this when the SP ranks are also data-parallel ranks of it) gives the
+gradient of that loss.
+"""
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+
+# ---------------------------------------------------------------------------------------------
+# ZigZag layout
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None) -> None:
+    bounds = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
+    valid = bounds is not None and len(bounds) >= 1 and bounds[0] == 0
+    valid = valid and all(a <= b for a, b in zip(bounds, bounds[1:]))
+    valid = valid and (total is None or bounds[-1] == total)
+    if not valid:
+        raise ValueError(f"cu_seqlens {cu_seqlens.tolist()} do not describe a packed row of length {total}")
+
+
+def _check_sp(sp_rank: int, sp_size: int) -> None:
+    if sp_size < 1 or not 0 <= sp_rank < sp_size:
+        raise ValueError(f"need 0 <= sp_rank < sp_size, got sp_rank={sp_rank}, sp_size={sp_size}")
+
+
+def zigzag_cu_seqlens(cu_seqlens: torch.Tensor, sp_size: int) -> torch.Tensor:
+    """Local cu_seqlens (int32, [n+1]) of the zigzag split: the same on every rank of the group.
+
+    Sequence i keeps 2·c_i tokens per rank, c_i = ceil(L_i / (2·sp)).
+    """
+    _check_cu_seqlens(cu_seqlens)
+    _check_sp(0, sp_size)
+    lengths = cu_seqlens[1:].long() - cu_seqlens[:-1].long()
+    chunks = (lengths + 2 * sp_size - 1) // (2 * sp_size)
+    local = torch.cat([chunks.new_zeros(1), torch.cumsum(2 * chunks, 0)])
+    return local.to(torch.int32)
+
+
+def _local_layout(local_cu_seqlens: torch.Tensor, sp_rank: int, sp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index, true position in the sequence) of each token in rank `sp_rank`'s local row.
+
+    Needs only the local cu_seqlens, which are shared: sequence i has chunks of c_i = local_len_i / 2
+    tokens, and rank r holds chunk r (positions r·c_i ...) then chunk 2·sp−1−r.
+    """
+    local_lens = local_cu_seqlens[1:].long() - local_cu_seqlens[:-1].long()
+    seq = torch.repeat_interleave(torch.arange(len(local_lens), device=local_lens.device), local_lens)
+    offset = torch.arange(len(seq), device=seq.device) - local_cu_seqlens[:-1].long()[seq]
+    chunk = (local_lens // 2)[seq]
+    first = offset < chunk
+    position = torch.where(first, sp_rank * chunk + offset, (2 * sp_size - 1 - sp_rank) * chunk + offset - chunk)
+    return seq, position
+
+
+def zigzag_position_ids(cu_seqlens: torch.Tensor, sp_rank: int, sp_size: int) -> torch.Tensor:
+    """True positions ([1, T_local], long) of this rank's tokens; padding continues past L_i."""
+    _check_sp(sp_rank, sp_size)
+    _, position = _local_layout(zigzag_cu_seqlens(cu_seqlens, sp_size), sp_rank, sp_size)
+    return position.unsqueeze(0)
+
+
+def _source_index(cu_seqlens: torch.Tensor, sp_rank: int, sp_size: int) -> torch.Tensor:
+    """Index in the original row of each of this rank's local tokens, -1 for padding ([T_local])."""
+    seq, position = _local_layout(zigzag_cu_seqlens(cu_seqlens, sp_size), sp_rank, sp_size)
+    starts = cu_seqlens[:-1].long().to(seq.device)
+    lengths = cu_seqlens[1:].long().to(seq.device) - starts
+    return torch.where(position < lengths[seq], starts[seq] + position, -1)
+
+
+def _token_dim(tensor: torch.Tensor) -> int:
+    """The token dim of a per-token tensor: 0 for [T], 1 for [1, T, ...]."""
+    if tensor.dim() == 1:
+        return 0
+    if tensor.shape[0] != 1:
+        raise ValueError(f"expected a [T] or [1, T, ...] per-token tensor, got shape {tuple(tensor.shape)}")
+    return 1
+
+
+def zigzag_split(
+    row: torch.Tensor, cu_seqlens: torch.Tensor, sp_rank: int, sp_size: int, pad_value: float | int = 0
+) -> torch.Tensor:
+    """This rank's part of a per-token tensor of a packed row: [1, T, ...] → [1, T_local, ...] (or [T] → [T_local]).
+
+    Local row = [seq0 chunk r, seq0 chunk 2sp−1−r, seq1 chunk r, ...]; each sequence is padded at
+    its end with `pad_value`. Differentiable (an index_select).
+    """
+    _check_sp(sp_rank, sp_size)
+    dim = _token_dim(row)
+    _check_cu_seqlens(cu_seqlens, row.shape[dim])
+    source = _source_index(cu_seqlens, sp_rank, sp_size).to(row.device)
+    # Append one padding token at index T and point the padding slots at it.
+    pad_shape = list(row.shape)
+    pad_shape[dim] = 1
+    padded = torch.cat([row, row.new_full(pad_shape, pad_value)], dim=dim)
+    return padded.index_select(dim, torch.where(source < 0, row.shape[dim], source))
+
+
+class _ZigzagGather(torch.autograd.Function):
+    """all_gather of the local rows, reordered into the original row.
+
+    Backward returns each rank's own slice of the incoming gradient, without reduction: all SP
+    ranks compute the same loss on the gathered row, so that slice is already the exact gradient
+    of this rank's tokens (summing over ranks would count it sp times).
+    """
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        sp_rank, sp_size = dist.get_rank(group), dist.get_world_size(group)
+        dim = _token_dim(local)
+        total = int(cu_seqlens[-1])
+        if sp_size == 1:
+            parts = [local]
+        else:
+            parts = [torch.empty_like(local, memory_format=torch.contiguous_format) for _ in range(sp_size)]
+            dist.all_gather(parts, local.contiguous(), group=group)
+        # For each original token, its index in the concatenation of the ranks' local rows.
+        sources = torch.cat([_source_index(cu_seqlens, r, sp_size) for r in range(sp_size)]).to(local.device)
+        order = torch.empty(total, dtype=torch.long, device=local.device)
+        real = sources >= 0
+        order[sources[real]] = torch.nonzero(real).reshape(-1)
+        ctx.cu_seqlens, ctx.sp_rank, ctx.sp_size = cu_seqlens, sp_rank, sp_size
+        return torch.cat(parts, dim=dim).index_select(dim, order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return zigzag_split(grad, ctx.cu_seqlens, ctx.sp_rank, ctx.sp_size, pad_value=0), None, None
+
+
+def zigzag_gather(local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Inverse of `zigzag_split` across `group`: [1, T_local, ...] → [1, T, ...] in the original order
+    without padding, on every rank. `cu_seqlens` are the original (global) ones.
+
+    Autograd: each rank gets back the slice of the gradient that belongs to its own tokens.
+    """
+    dim = _token_dim(local)
+    expected = int(zigzag_cu_seqlens(cu_seqlens, dist.get_world_size(group))[-1])
+    if local.shape[dim] != expected:
+        raise ValueError(f"local row has {local.shape[dim]} tokens, the zigzag split of {cu_seqlens.tolist()} has {expected}")
+    return _ZigzagGather.apply(local, cu_seqlens, group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring attention
+# ---------------------------------------------------------------------------------------------
+
+
+def _ring_send_recv(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[torch.Tensor], list]:
+    """Start sending `tensors` to the next rank of the ring and receiving the previous rank's."""
+    sp_rank, sp_size = dist.get_rank(group), dist.get_world_size(group)
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(sp_rank + 1) % sp_size) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(sp_rank + 1) % sp_size) for t in received]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def _block_pieces(
+    local_cu_seqlens: torch.Tensor, q_rank: int, k_rank: int, sp_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The attention block of q_rank's queries against k_rank's keys, as (mask, rows, cols) per sequence.
+
+    Every rank's local row has the same sequence slices, so a block is block-diagonal by sequence:
+    only sequence i's local slice attends to sequence i's slice (work Σ(2c_i)², not T_local²). Within
+    a sequence, key j is visible to query i when pos_j <= pos_i; `rows` and `cols` (indices into the
+    local row) keep only queries and keys with some visible pair. With the zigzag layout a block
+    from an earlier rank is seen only through its first chunk and one from a later rank only by the
+    second chunk, so this halves the work of every off-diagonal step.
+    """
+    _, q_pos = _local_layout(local_cu_seqlens, q_rank, sp_size)
+    _, k_pos = _local_layout(local_cu_seqlens, k_rank, sp_size)
+    bounds = local_cu_seqlens.tolist()
+    pieces = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        mask = k_pos[None, start:end] <= q_pos[start:end, None]
+        rows = torch.nonzero(mask.any(1)).reshape(-1)
+        cols = torch.nonzero(mask.any(0)).reshape(-1)
+        if len(rows):
+            pieces.append((mask[rows][:, cols], rows + start, cols + start))
+    return pieces
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked scores [Hkv, G, Tq, Tk] of grouped queries q [Hkv, G, Tq, D] against k [Hkv, Tk, D]."""
+    scores = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)).mul_(scale)
+    return scores.masked_fill_(~mask, float("-inf"))  # in place: the score blocks dominate memory
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (a row that sees no key) replaced by 0, so exp(score - lse) is 0, not NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal varlen attention over a zigzag-split row; K/V go around the ring.
+
+    Internally q is viewed as [Hkv, G, T, D] (G = H / Hkv query heads per KV head, transformers'
+    repeat_kv order: head h uses KV head h // G), so K/V travel with Hkv heads and are never
+    expanded; dK/dV sum over the G query heads by the matmul. All math is float32.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, local_cu_seqlens, group, scale):
+        sp_rank, sp_size = dist.get_rank(group), dist.get_world_size(group)
+        heads, kv_heads, length, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+        qg = q[0].float().reshape(kv_heads, heads // kv_heads, length, dim)
+        out = qg.new_zeros(qg.shape)
+        lse = qg.new_full(qg.shape[:-1], float("-inf"))
+        kv = torch.stack([k[0], v[0]])  # sent in the input dtype; upcast per block
+        for step in range(sp_size):
+            if step + 1 < sp_size:  # overlap: the next block is on its way while this one computes
+                (next_kv,), works = _ring_send_recv([kv], group)
+            for mask, rows, cols in _block_pieces(local_cu_seqlens, sp_rank, (sp_rank - step) % sp_size, sp_size):
+                scores = _scores(qg[:, :, rows], kv[0, :, cols].float(), mask, scale)
+                block_lse = torch.logsumexp(scores, dim=-1)
+                probs = scores.sub_(_finite(block_lse)[..., None]).exp_()
+                block_out = torch.matmul(probs, kv[1, :, cols].float().unsqueeze(1))
+                del scores, probs
+                # Merge by log-sum-exp: out = (e^lse·out + e^block_lse·block_out) / (e^lse + e^block_lse).
+                old_lse = lse[:, :, rows]
+                new_lse = _finite(torch.logaddexp(old_lse, block_lse))
+                out[:, :, rows] = (
+                    torch.exp(old_lse - new_lse)[..., None] * out[:, :, rows]
+                    + torch.exp(block_lse - new_lse)[..., None] * block_out
+                )
+                lse[:, :, rows] = torch.logaddexp(old_lse, block_lse)
+            if step + 1 < sp_size:
+                _wait(works)
+                kv = next_kv
+        output = out.reshape(heads, length, dim).transpose(0, 1).unsqueeze(0).to(q.dtype).contiguous()
+        ctx.save_for_backward(q, k, v, output, lse, local_cu_seqlens)
+        ctx.group, ctx.scale = group, scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        q, k, v, output, lse, local_cu_seqlens = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        sp_rank, sp_size = dist.get_rank(group), dist.get_world_size(group)
+        heads, kv_heads, length, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+
+        def grouped(x: torch.Tensor) -> torch.Tensor:  # [1, T, H, D] -> [Hkv, G, T, D] float32
+            return x[0].float().transpose(0, 1).reshape(kv_heads, heads // kv_heads, length, dim)
+
+        qg, d_out = q[0].float().reshape(kv_heads, heads // kv_heads, length, dim), grouped(grad_output)
+        # FlashAttention backward: dS = P ∘ (dP − D) with D = rowsum(dO ∘ O) (Dao et al. 2022).
+        delta = (d_out * grouped(output)).sum(-1)
+        lse = _finite(lse)
+        dq = torch.zeros_like(qg)
+        kv = torch.stack([k[0], v[0]])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # accumulators of the block held
+        dkv_works = []
+        for step in range(sp_size):
+            if step + 1 < sp_size:
+                (next_kv,), kv_works = _ring_send_recv([kv], group)
+            block_dkv = torch.zeros_like(dkv)
+            for mask, rows, cols in _block_pieces(local_cu_seqlens, sp_rank, (sp_rank - step) % sp_size, sp_size):
+                q_b, k_b, v_b = qg[:, :, rows], kv[0, :, cols].float(), kv[1, :, cols].float()
+                p = _scores(q_b, k_b, mask, scale).sub_(lse[:, :, rows, None]).exp_()  # P from the saved lse
+                d_out_b = d_out[:, :, rows]
+                block_dkv[1, :, cols] = torch.matmul(p.transpose(-1, -2), d_out_b).sum(1)  # dV = Pᵀ dO
+                d_p = torch.matmul(d_out_b, v_b.unsqueeze(1).transpose(-1, -2))  # dP = dO Vᵀ
+                d_s = d_p.sub_(delta[:, :, rows, None]).mul_(p)  # in place over dP
+                del p
+                dq[:, :, rows] += torch.matmul(d_s, k_b.unsqueeze(1)) * scale  # dQ = dS K · scale
+                block_dkv[0, :, cols] = torch.matmul(d_s.transpose(-1, -2), q_b).sum(1) * scale  # dK = dSᵀ Q · scale
+            # The accumulator of block (r − step) arrives from rank r − 1, which held that block last step.
+            _wait(dkv_works)
+            if step > 0:
+                dkv = received_dkv
+            dkv = dkv + block_dkv
+            if sp_size > 1:
+                # Passed on every step, the last one included: after sp passes it is back at its owner.
+                (received_dkv,), dkv_works = _ring_send_recv([dkv], group)
+            if step + 1 < sp_size:
+                _wait(kv_works)
+                kv = next_kv
+        if sp_size > 1:
+            _wait(dkv_works)
+            dkv = received_dkv
+        d_q = dq.reshape(heads, length, dim).unsqueeze(0).to(q.dtype)
+        return d_q, dkv[0].unsqueeze(0).to(k.dtype), dkv[1].unsqueeze(0).to(v.dtype), None, None, None
+
+
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    local_cu_seqlens: torch.Tensor,
+    group: dist.ProcessGroup,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Causal attention within each sequence of a zigzag-split packed row, as on the whole row.
+
+    query [1, H, T_local, D], key/value [1, H_kv, T_local, D] (H a multiple of H_kv) in this rank's
+    zigzag layout; `local_cu_seqlens` from `zigzag_cu_seqlens`. Returns [1, T_local, H, D] in the
+    input dtype (transformers' attention output layout). Differentiable w.r.t. query, key, value.
+    Every rank of `group` must call it with the same local_cu_seqlens.
+    """
+    if query.dim() != 4 or key.shape != value.shape or key.dim() != 4:
+        shapes = f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        raise ValueError(f"expected query [1, H, T, D] and key/value [1, H_kv, T, D], got {shapes}")
+    if query.shape[0] != 1 or key.shape[0] != 1:
+        raise ValueError(f"ring attention takes packed rows of batch size 1, got {query.shape[0]}")
+    if query.shape[2:] != key.shape[2:] or query.shape[1] % key.shape[1] != 0:
+        raise ValueError(f"query {tuple(query.shape)} does not match key/value {tuple(key.shape)}")
+    _check_cu_seqlens(local_cu_seqlens, query.shape[2])
+    if any(n % 2 for n in (local_cu_seqlens[1:] - local_cu_seqlens[:-1]).tolist()):
+        raise ValueError(f"{local_cu_seqlens.tolist()} are not zigzag local cu_seqlens (odd sequence length)")
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return _RingAttention.apply(query, key, value, local_cu_seqlens.to(query.device), group, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers wiring
+# ---------------------------------------------------------------------------------------------
+
+
+def _ring_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    *,
+    group: dist.ProcessGroup,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ring attention over `group` (bound by the registration)."""
+    if cu_seq_lens_q is None:
+        raise ValueError(
+            "ring attention needs the local cu_seqlens: call the model with "
+            "cu_seq_lens_q=zigzag_cu_seqlens(cu_seqlens, sp) (and cu_seq_lens_k, the same)"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"ring attention takes packed rows of batch size 1, got {query.shape[0]}")
+    if dropout != 0.0:
+        raise ValueError(f"ring attention does not support attention dropout (got {dropout})")
+    if sliding_window is not None:
+        raise ValueError(f"ring attention does not support sliding-window attention (got {sliding_window})")
+    if attention_mask is not None:
+        raise ValueError("ring attention takes no attention_mask: sequence boundaries come from cu_seq_lens_q")
+    return ring_attention(query, key, value, cu_seq_lens_q, group, scaling), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """Ring attention builds its own masks from the sequence lengths."""
+    return None
+
+
+def ring_attention_implementation(group: dist.ProcessGroup) -> str:
+    """Register ring attention over `group` in transformers' attention registry; returns its name.
+
+    Set `model.config._attn_implementation` to the name and call the model with
+    `cu_seq_lens_q` (see the module docstring). Registering again (same group) rebinds the same
+    name, so it is idempotent.
+    """
+    name = f"rl2_ring_{group.group_name}"
+    AttentionInterface.register(name, functools.partial(_ring_attention_forward, group=group))
+    AttentionMaskInterface.register(name, _no_mask)
+    return name

@@ -1,0 +1,119 @@
+"""ZigZag split/gather and ring attention: layout by hand, then distributed runs against varlen attention."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_python, run_torchrun
+from rl2.ring_attention import ring_attention, zigzag_cu_seqlens, zigzag_position_ids, zigzag_split
+
+
+def cu_of(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+
+
+def test_zigzag_split_by_hand():
+    # sp=2: lengths [5, 1, 8] pad to [8, 4, 8] in 4 chunks of [2, 1, 2]; rank 0 keeps chunks 0 and
+    # 3, rank 1 chunks 1 and 2. Sequences hold tokens 100..104 | 105 | 106..113.
+    cu = cu_of([5, 1, 8])
+    row = (torch.arange(14) + 100).unsqueeze(0)
+    assert zigzag_split(row, cu, 0, 2, pad_value=-1).tolist() == [[100, 101, -1, -1, 105, -1, 106, 107, 112, 113]]
+    assert zigzag_split(row, cu, 1, 2, pad_value=-1).tolist() == [[102, 103, 104, -1, -1, -1, 108, 109, 110, 111]]
+    assert zigzag_position_ids(cu, 0, 2).tolist() == [[0, 1, 6, 7, 0, 3, 0, 1, 6, 7]]
+    assert zigzag_position_ids(cu, 1, 2).tolist() == [[2, 3, 4, 5, 1, 2, 2, 3, 4, 5]]
+    local_cu = zigzag_cu_seqlens(cu, 2)
+    assert local_cu.dtype == torch.int32 and local_cu.tolist() == [0, 4, 6, 10]
+    # sp=1 keeps each sequence whole, padded to an even length (two chunks).
+    assert zigzag_split(row, cu, 0, 1, pad_value=0).tolist() == [[100, 101, 102, 103, 104, 0, 105, 0] + list(range(106, 114))]
+    assert zigzag_position_ids(cu, 0, 1).tolist() == [[0, 1, 2, 3, 4, 5, 0, 1] + list(range(8))]
+
+
+def test_zigzag_split_shapes_and_grad():
+    cu = cu_of([3, 6])
+    row = torch.randn(1, 9, 2, 5, requires_grad=True)
+    local = zigzag_split(row, cu, 1, 2)
+    assert local.shape == (1, 6, 2, 5)
+    assert zigzag_split(row[0, :, 0, 0], cu, 1, 2).shape == (6,)
+    local.sum().backward()
+    # Rank 1 of sp=2 holds positions 1, 2 of the first sequence (chunks of 1) and 2..5 of the second.
+    expected = torch.zeros(9)
+    expected[[1, 2, 5, 6, 7, 8]] = 1
+    assert torch.equal(row.grad[0, :, 0, 0], expected)
+    with pytest.raises(ValueError):
+        zigzag_split(torch.zeros(2, 9), cu, 0, 2)
+    with pytest.raises(ValueError):
+        zigzag_split(torch.zeros(1, 10), cu, 0, 2)
+    with pytest.raises(ValueError):
+        zigzag_split(torch.zeros(1, 9), cu, 2, 2)
+
+
+def inverse_by_loops(locals_: list[torch.Tensor], lengths: list[int], sp: int) -> torch.Tensor:
+    """The original row from every rank's [T_local] part, written independently of the module."""
+    out = []
+    for i, length in enumerate(lengths):
+        chunk = -(-length // (2 * sp))
+        pieces = {}
+        for r in range(sp):
+            start = sum(2 * (-(-n // (2 * sp))) for n in lengths[:i])
+            pieces[r] = locals_[r][start : start + chunk]
+            pieces[2 * sp - 1 - r] = locals_[r][start + chunk : start + 2 * chunk]
+        out.append(torch.cat([pieces[c] for c in range(2 * sp)])[:length])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("sp", [1, 2, 3, 4])
+def test_zigzag_round_trip_and_positions(sp):
+    gen = torch.Generator().manual_seed(sp)
+    lengths = [1, 2 * sp, 2 * sp + 1, 2 * sp - 1] + [int(x) for x in torch.randint(1, 50, (6,), generator=gen)]
+    cu = cu_of(lengths)
+    row = torch.arange(sum(lengths)) + 1
+    true_positions = torch.cat([torch.arange(n) for n in lengths])
+    locals_ = [zigzag_split(row, cu, r, sp, pad_value=0) for r in range(sp)]
+    assert len({x.numel() for x in locals_}) == 1  # the same local length on every rank
+    assert int(zigzag_cu_seqlens(cu, sp)[-1]) == locals_[0].numel()
+    assert torch.equal(inverse_by_loops(locals_, lengths, sp), row)
+    for r, local in enumerate(locals_):
+        positions = zigzag_position_ids(cu, r, sp)[0]
+        real = local > 0
+        assert torch.equal(positions[real], true_positions[local[real] - 1])  # real tokens: their true position
+        # Positions run on past L_i into the padding, so RoPE of real tokens is untouched.
+        bounds = zigzag_cu_seqlens(cu, sp).tolist()
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            half = (end - start) // 2
+            assert positions[start : start + half].tolist() == list(range(r * half, (r + 1) * half))
+            assert positions[start + half : end].tolist() == list(range((2 * sp - 1 - r) * half, (2 * sp - r) * half))
+
+
+def test_ring_attention_rejects_bad_inputs():
+    q = torch.zeros(1, 4, 6, 8)
+    kv = torch.zeros(1, 2, 6, 8)
+    with pytest.raises(ValueError, match="batch size"):
+        ring_attention(q.expand(2, -1, -1, -1), kv.expand(2, -1, -1, -1), kv.expand(2, -1, -1, -1), cu_of([6]), None)
+    with pytest.raises(ValueError):
+        ring_attention(q, torch.zeros(1, 3, 6, 8), torch.zeros(1, 3, 6, 8), cu_of([6]), None)
+    with pytest.raises(ValueError):
+        ring_attention(q, kv, kv, cu_of([3, 3]), None)  # odd: not a zigzag layout
+
+
+FP32_TOL = 1e-5
+BF16_TOL = 3e-2  # bf16 rounding of outputs and gradients of magnitude ~1
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_ring_attention_matches_varlen(tiny_model_dir, tmp_path, nproc):
+    """Output, dq/dk/dv, zigzag_gather and a tiny Qwen2 model (logits, SP-summed grads) vs one process."""
+    out = tmp_path / "errors.json"
+    args = ["tests/workers/ring_attention_check.py", tiny_model_dir, str(out)]
+    if nproc == 1:
+        run_python(args)
+    else:
+        run_torchrun(args, nproc=nproc)
+    errors = json.loads(out.read_text())
+    expected = {f"sp{nproc}/fp32/dv", "gather_backward", "missing_cu_seqlens_raises"}
+    expected |= {"model/grads", "model/ckpt/grads", "model/local_logps/grads"}
+    if nproc == 4:
+        expected.add("sp2_subgroup/fp32/dq")
+    assert expected <= set(errors)
+    for name, err in errors.items():
+        assert err < (BF16_TOL if "bf16" in name else FP32_TOL), (name, err, errors)
