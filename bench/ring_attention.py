@@ -9,7 +9,9 @@ Memory, per rank (the worst rank):
   saved     bytes of the tensors autograd keeps between forward and backward, summed by
             `torch.autograd.graph.saved_tensors_hooks` (deterministic; inputs that are saved count)
   peak      peak RSS rise over one forward + backward (`resource.getrusage` max RSS minus the RSS
-            just before; includes the transient [H, T_local, T_local] score blocks)
+            just before; includes the transient per-sequence score blocks, [H, T_local, T_local]
+            for a row of one sequence)
+peak/ring1: peak relative to ring sp=1 at the same length.
 Time: median wall seconds of forward + backward over the repeats, per 1k tokens of the whole row.
 Both layouts use all cores: sp=1 one process with N threads, sp=2 two processes with N/2 each.
 

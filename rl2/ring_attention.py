@@ -27,10 +27,9 @@ with `model.config._attn_implementation = ring_attention_implementation(group)`.
 [1, T_local] per-token log-probs instead of logits saves sp·T·V floats: split the next-token
 targets (`torch.roll(input_ids, -1, dims=1)`) with `zigzag_split`, take log-probs locally, gather
 those. Only `cu_seq_lens_q` is read (`cu_seq_lens_k`, `max_length_q/k` are accepted and ignored);
-`position_ids` carry the true positions for RoPE. Every SP rank
-then computes the same loss on the whole row; summing parameter gradients over the SP group
-(FSDP's reduction does this when the SP ranks are also data-parallel ranks of it) gives the
-gradient of that loss.
+`position_ids` carry the true positions for RoPE. Every SP rank then computes the same loss on
+the whole row; summing parameter gradients over the SP group (FSDP's reduction does this when the
+SP ranks are also data-parallel ranks of it) gives the gradient of that loss.
 """
 
 import functools
@@ -186,7 +185,7 @@ def _ring_send_recv(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> tu
     sp_rank, sp_size = dist.get_rank(group), dist.get_world_size(group)
     received = [torch.empty_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(sp_rank + 1) % sp_size) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(sp_rank + 1) % sp_size) for t in received]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(sp_rank - 1) % sp_size) for t in received]
     return received, dist.batch_isend_irecv(ops)
 
 
@@ -247,7 +246,7 @@ class _RingAttention(torch.autograd.Function):
         out = qg.new_zeros(qg.shape)
         lse = qg.new_full(qg.shape[:-1], float("-inf"))
         kv = torch.stack([k[0], v[0]])  # sent in the input dtype; upcast per block
-        for step in range(sp_size):
+        for step in range(sp_size):  # at step s this rank holds the K/V of rank r − s
             if step + 1 < sp_size:  # overlap: the next block is on its way while this one computes
                 (next_kv,), works = _ring_send_recv([kv], group)
             for mask, rows, cols in _block_pieces(local_cu_seqlens, sp_rank, (sp_rank - step) % sp_size, sp_size):

@@ -105,10 +105,11 @@ def test_ring_attention_matches_varlen(tiny_model_dir, tmp_path, nproc):
     """Output, dq/dk/dv, zigzag_gather and a tiny Qwen2 model (logits, SP-summed grads) vs one process."""
     out = tmp_path / "errors.json"
     args = ["tests/workers/ring_attention_check.py", tiny_model_dir, str(out)]
+    # A ring mismatch deadlocks rather than erroring: a short timeout makes that a quick failure.
     if nproc == 1:
-        run_python(args)
+        run_python(args, timeout=120)
     else:
-        run_torchrun(args, nproc=nproc)
+        run_torchrun(args, nproc=nproc, timeout=120)
     errors = json.loads(out.read_text())
     expected = {f"sp{nproc}/fp32/dv", "gather_backward", "missing_cu_seqlens_raises"}
     expected |= {"model/grads", "model/ckpt/grads", "model/local_logps/grads"}
