@@ -19,9 +19,10 @@ demo-sft: install
 	NPROC=$(NPROC) bash recipes/sft_tiny.sh
 
 test: install
-	$(PYTHON) -m pytest tests -q
+	$(PYTHON) -m pytest tests -q -rs
 
 bench: install
 	$(PYTHON) bench/packing.py
 	$(PYTHON) bench/train_throughput.py
 	$(PYTHON) bench/rollout_throughput.py
+	$(PYTHON) bench/ring_attention.py

@@ -33,6 +33,7 @@ SP ranks are also data-parallel ranks of it) gives the gradient of that loss.
 """
 
 import functools
+import importlib.util
 
 import torch
 import torch.distributed as dist
@@ -328,6 +329,7 @@ def ring_attention(
     local_cu_seqlens: torch.Tensor,
     group: dist.ProcessGroup,
     scaling: float | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Causal attention within each sequence of a zigzag-split packed row, as on the whole row.
 
@@ -335,6 +337,9 @@ def ring_attention(
     zigzag layout; `local_cu_seqlens` from `zigzag_cu_seqlens`. Returns [1, T_local, H, D] in the
     input dtype (transformers' attention output layout). Differentiable w.r.t. query, key, value.
     Every rank of `group` must call it with the same local_cu_seqlens.
+
+    `kernel`: "torch" (the pure-torch ring, anywhere), "flash" (ring-flash-attn's zigzag varlen
+    kernel: CUDA, fp16/bf16, `pip install ring-flash-attn`), or "auto" (flash where it can run).
     """
     if query.dim() != 4 or key.shape != value.shape or key.dim() != 4:
         shapes = f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
@@ -347,7 +352,30 @@ def ring_attention(
     if any(n % 2 for n in (local_cu_seqlens[1:] - local_cu_seqlens[:-1]).tolist()):
         raise ValueError(f"{local_cu_seqlens.tolist()} are not zigzag local cu_seqlens (odd sequence length)")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if kernel not in ("auto", "torch", "flash"):
+        raise ValueError(f"kernel must be 'auto', 'torch' or 'flash', got {kernel!r}")
+    flash = _flash_kernel() if kernel != "torch" and query.is_cuda and query.dtype != torch.float32 else None
+    if kernel == "flash" and flash is None:
+        raise RuntimeError("kernel='flash' needs CUDA, fp16/bf16 inputs and the ring-flash-attn package")
+    if flash is not None:
+        # Same zigzag layout (chunks r and 2·sp−1−r of each sequence), tokens-first tensors.
+        lengths = local_cu_seqlens[1:] - local_cu_seqlens[:-1]
+        out = flash(
+            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+            local_cu_seqlens.to(device=query.device, dtype=torch.int32), int(lengths.max()),
+            softmax_scale=scale, causal=True, group=group,
+        )
+        return out.unsqueeze(0)
     return _RingAttention.apply(query, key, value, local_cu_seqlens.to(query.device), group, scale)
+
+
+def _flash_kernel():
+    """ring-flash-attn's zigzag varlen function when installed (and CUDA is there), else None."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("ring_flash_attn") is None:
+        return None
+    from ring_flash_attn import zigzag_ring_flash_attn_varlen_func
+
+    return zigzag_ring_flash_attn_varlen_func
 
 
 # ---------------------------------------------------------------------------------------------

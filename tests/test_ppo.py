@@ -21,13 +21,19 @@ def rl_data(tmp_path_factory) -> str:
     return out
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "gae"])
-def test_update_is_world_size_invariant_and_sync_matches(tiny_model_dir, rl_data, tmp_path, estimator):
-    """The same rollout gives the same parameters on 1 and 2 ranks; after the sync the engine's
-    log-probs equal the actor's."""
+@pytest.mark.parametrize(
+    "estimator,two_rank_overrides",
+    [("grpo", []), ("gae", []), ("gae", ["actor.sp_size=2", "critic.sp_size=2"])],
+    ids=["grpo", "gae", "gae-sequence-parallel"],
+)
+def test_update_is_world_size_invariant_and_sync_matches(
+    tiny_model_dir, rl_data, tmp_path, estimator, two_rank_overrides
+):
+    """The same rollout gives the same parameters on 1 and 2 ranks (2 data-parallel ranks, or one
+    sequence-parallel pair); after the sync the engine's log-probs equal the actor's."""
     args = [WORKER, tiny_model_dir, f"{rl_data}/train.jsonl", "envs/demo_successor.py"]
     run_python([*args, str(tmp_path / "one.pt"), estimator])
-    run_torchrun([*args, str(tmp_path / "two.pt"), estimator])
+    run_torchrun([*args, str(tmp_path / "two.pt"), estimator, *two_rank_overrides])
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     initial = _initial_params(tiny_model_dir)
     moved = max((one["params"][k] - initial[k]).abs().max().item() for k in initial)

@@ -1,5 +1,6 @@
 """ZigZag split/gather and ring attention: layout by hand, then distributed runs against varlen attention."""
 
+import importlib.util
 import json
 
 import pytest
@@ -118,3 +119,30 @@ def test_ring_attention_matches_varlen(tiny_model_dir, tmp_path, nproc):
     assert expected <= set(errors)
     for name, err in errors.items():
         assert err < (BF16_TOL if "bf16" in name else FP32_TOL), (name, err, errors)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and importlib.util.find_spec("ring_flash_attn") is not None),
+    reason="the fused path needs CUDA and ring-flash-attn (pip install ring-flash-attn)",
+)
+def test_flash_kernel_matches_torch_kernel():
+    """On a GPU: ring-flash-attn's zigzag kernel and the pure-torch ring agree (bf16), values and grads."""
+    from rl2.distributed import init_distributed
+
+    init_distributed()
+    group = torch.distributed.group.WORLD
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    local_cu = zigzag_cu_seqlens(cu_of([37, 1, 300, 64]), torch.distributed.get_world_size())
+    total = int(local_cu[-1])
+    results = {}
+    for kernel in ("torch", "flash"):
+        q, k, v = (
+            torch.randn(1, h, total, 64, device="cuda", generator=generator.manual_seed(i), dtype=torch.bfloat16)
+            .requires_grad_()
+            for i, h in enumerate((8, 2, 2))
+        )
+        out = ring_attention(q, k, v, local_cu, group, kernel=kernel)
+        out.float().square().sum().backward()
+        results[kernel] = [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), results["torch"], results["flash"]):
+        torch.testing.assert_close(a, b, atol=BF16_TOL, rtol=BF16_TOL, msg=name)
