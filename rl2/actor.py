@@ -46,10 +46,11 @@ class Actor:
     """A causal LM sharded with FSDP2 over all ranks, with its AdamW optimizer and schedule.
 
     Every rank sees the whole list of sequences of a step (or its lengths); `plan_micro_batches`
-    gives each rank a balanced share in packed micro-batches of at most `max_length_per_device`
-    tokens, the same number on every rank. `temperature` is the sampling temperature the
-    log-probs are taken at (the policy that generated the tokens). With `trainable=False` (the
-    reference model) no optimizer is built.
+    gives each data-parallel group a balanced share in packed micro-batches, the same number on
+    every rank. With `sp_size > 1` the ranks of a group split each row with ZigZag ring
+    attention (`rl2.ring_attention`); a row then holds up to `sp_size × max_length_per_device`
+    tokens. `temperature` is the sampling temperature the log-probs are taken at (the policy
+    that generated the tokens). With `trainable=False` (the reference model) no optimizer is built.
     """
 
     model_cls: type = AutoModelForCausalLM
