@@ -289,7 +289,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(qg)
         kv = torch.stack([k[0], v[0]])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # accumulators of the block held
-        dkv_works = []
+        dkv_works, received_dkv = [], None
         for step in range(sp_size):
             if step + 1 < sp_size:
                 (next_kv,), kv_works = _ring_send_recv([kv], group)

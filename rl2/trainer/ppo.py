@@ -204,7 +204,6 @@ class PPOTrainer(Trainer):
     def update(self, sequences: list[dict[str, torch.Tensor]], step: int) -> dict[str, float]:
         """`update_per_rollout` optimizer steps, each on a minibatch of whole groups; the critic
         first, the actor after its `freeze_steps`."""
-        config = self.config
         metrics: dict[str, list[float]] = {}
         models = [("critic", self.critic, self.critic_loss), ("actor", self.actor, self.actor_loss)]
         for name, model, loss_fn in models:
