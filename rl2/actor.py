@@ -33,13 +33,18 @@ def token_logps(
 ) -> torch.Tensor:
     """log p(token t | tokens before t in its sequence) under softmax(logits / temperature),
     aligned with `input_ids`; 0 at sequence starts."""
-    logits = logits[0, :-1].float()
+    logits = logits[0].float()
     if temperature != 1.0:
         logits = logits / temperature
-    logps = -F.cross_entropy(logits, input_ids[0, 1:], reduction="none")
-    logps = F.pad(logps, (1, 0)).unsqueeze(0)
-    # A sequence's first token is "predicted" by the previous packed sequence: meaningless.
-    return logps.masked_fill(position_ids == 0, 0.0)
+    next_ids = F.pad(input_ids[0, 1:], (0, 1))
+    return align_to_tokens(-F.cross_entropy(logits, next_ids, reduction="none").unsqueeze(0), position_ids)
+
+
+def align_to_tokens(next_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Values computed at each position about the next token [1, T] → aligned with the token
+    they are about: value[t] comes from position t − 1, and is 0 at sequence starts (where the
+    "previous position" belongs to the previous packed sequence)."""
+    return F.pad(next_values[:, :-1], (1, 0)).masked_fill(position_ids == 0, 0.0)
 
 
 class Actor:
@@ -157,9 +162,7 @@ class Actor:
         rank of the group; gradients flow back to the rank that computed each token."""
         if self.sp_group is not None:
             next_values = zigzag_gather(next_values, micro_batch["cu_seqlens"], self.sp_group)
-        values = F.pad(next_values[:, :-1], (1, 0))
-        # A sequence's first token is "predicted" by the previous packed sequence: meaningless.
-        return values.masked_fill(micro_batch["position_ids"] == 0, 0.0)
+        return align_to_tokens(next_values, micro_batch["position_ids"])
 
     @torch.no_grad()
     def compute(self, sequences: list[dict[str, torch.Tensor]], output: str = "logps") -> list[torch.Tensor]:

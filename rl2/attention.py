@@ -69,8 +69,8 @@ def varlen_attention(
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """varlen_attention needs no dense mask: boundaries come from the sequence lengths."""
+def no_dense_mask(*args, **kwargs) -> None:
+    """Mask function for attention that takes boundaries from the sequence lengths: no dense mask."""
     return None
 
 
@@ -79,5 +79,5 @@ def packed_attention_implementation(device: torch.device) -> str:
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
-    AttentionMaskInterface.register(VARLEN_ATTENTION, _no_mask)
+    AttentionMaskInterface.register(VARLEN_ATTENTION, no_dense_mask)
     return VARLEN_ATTENTION

@@ -41,6 +41,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from rl2.attention import no_dense_mask
+
 
 # ---------------------------------------------------------------------------------------------
 # ZigZag layout
@@ -414,11 +416,6 @@ def _ring_attention_forward(
     return ring_attention(query, key, value, cu_seq_lens_q, group, scaling), None
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """Ring attention builds its own masks from the sequence lengths."""
-    return None
-
-
 def ring_attention_implementation(group: dist.ProcessGroup) -> str:
     """Register ring attention over `group` in transformers' attention registry; returns its name.
 
@@ -428,5 +425,5 @@ def ring_attention_implementation(group: dist.ProcessGroup) -> str:
     """
     name = f"rl2_ring_{group.group_name}"
     AttentionInterface.register(name, functools.partial(_ring_attention_forward, group=group))
-    AttentionMaskInterface.register(name, _no_mask)
+    AttentionMaskInterface.register(name, no_dense_mask)
     return name

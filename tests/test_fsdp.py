@@ -39,16 +39,9 @@ def test_two_ranks_match_one(single_rank, tiny_model_dir, tmp_path, max_tokens, 
     run_torchrun([WORKER, tiny_model_dir, out, str(max_tokens), str(fsdp_size), str(n_sequences), hf_dir])
     two = torch.load(out)
 
-    assert two["metrics"]["loss_tokens"] == single_rank["metrics"]["loss_tokens"]
-    assert abs(two["metrics"]["loss"] - single_rank["metrics"]["loss"]) < 1e-5
     assert abs(two["metrics"]["grad_norm"] - single_rank["metrics"]["grad_norm"]) < 1e-5
     assert two["grads"].keys() == single_rank["grads"].keys()
-    for name, grad in single_rank["grads"].items():
-        torch.testing.assert_close(two["grads"][name], grad, atol=1e-6, rtol=0, msg=name)
-    for name, param in single_rank["params"].items():
-        torch.testing.assert_close(two["params"][name], param, atol=1e-5, rtol=0, msg=name)
-    for a, b in zip(two["logps"], single_rank["logps"]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert_same_step(two, single_rank, grad_atol=1e-6)
 
     # The update moved the weights, so the comparison above means something.
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
@@ -69,11 +62,16 @@ def test_sequence_parallel_matches_one_rank(single_rank, tiny_model_dir, tmp_pat
     out = str(tmp_path / "sp.pt")
     run_torchrun([WORKER, tiny_model_dir, out, str(max_tokens), "0", str(n_sequences), "-", "2"])
     sp = torch.load(out)
-    assert sp["metrics"]["loss_tokens"] == reference["metrics"]["loss_tokens"]
-    assert abs(sp["metrics"]["loss"] - reference["metrics"]["loss"]) < 1e-5
+    assert_same_step(sp, reference, grad_atol=1e-5)
+
+
+def assert_same_step(ours: dict, reference: dict, grad_atol: float) -> None:
+    """A worker's step (loss, gradients, parameters, log-probs) equals the reference's."""
+    assert ours["metrics"]["loss_tokens"] == reference["metrics"]["loss_tokens"]
+    assert abs(ours["metrics"]["loss"] - reference["metrics"]["loss"]) < 1e-5
     for name, grad in reference["grads"].items():
-        torch.testing.assert_close(sp["grads"][name], grad, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(ours["grads"][name], grad, atol=grad_atol, rtol=0, msg=name)
     for name, param in reference["params"].items():
-        torch.testing.assert_close(sp["params"][name], param, atol=1e-5, rtol=0, msg=name)
-    for a, b in zip(sp["logps"], reference["logps"]):
+        torch.testing.assert_close(ours["params"][name], param, atol=1e-5, rtol=0, msg=name)
+    for a, b in zip(ours["logps"], reference["logps"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
