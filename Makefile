@@ -3,7 +3,7 @@
 PYTHON ?= python3
 NPROC ?= 2
 
-.PHONY: install demo demo-tool demo-sft test bench
+.PHONY: install sandbox-tools demo demo-tool demo-sft test bench
 
 install:
 	$(PYTHON) -m pip install --quiet torch==2.13.0
@@ -18,7 +18,15 @@ demo-tool: install
 demo-sft: install
 	NPROC=$(NPROC) bash recipes/sft_tiny.sh
 
-test: install
+# bubblewrap gives the code sandbox its namespaces; without it (or without root to install it)
+# the sandbox and its tests use the fallback isolation, and the bwrap tests say they were skipped.
+sandbox-tools:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; }; } || \
+	  echo "bubblewrap not installed: the sandbox uses its fallback isolation"
+
+test: install sandbox-tools
 	$(PYTHON) -m pytest tests -q -rs
 
 bench: install

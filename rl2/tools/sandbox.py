@@ -1,0 +1,366 @@
+"""A local sandbox for untrusted Python (the code tool's default executor).
+
+Generated code is hostile. `Sandbox` keeps a bounded pool of warm worker processes
+(`sandbox_worker.py`); each program runs in a child forked from a worker, in its own session and
+process group, in a fresh temporary directory, with CPU, address-space, file-size and process-count
+limits, a wall-clock timeout after which everything it started is killed, and an environment that
+holds nothing of ours. Isolation, strongest first (`isolation="auto"` picks the first that works):
+
+- "bwrap": the workers run inside bubblewrap with new mount, pid, network, ipc and uts namespaces,
+  a read-only root and a private size-limited /tmp, so a program cannot reach the network or write
+  anywhere but its temporary directory; as root each worker's programs also run under a uid of
+  their own, so they cannot signal the worker or other programs.
+- "uid" (root without bubblewrap): programs run under a per-worker unprivileged uid (so the
+  process limit applies), in a new network namespace when the kernel allows it; they can still
+  write to world-writable directories such as /tmp, and if the interpreter lives in a directory
+  other users cannot enter (pyenv under /root) they can import only the modules preloaded in the
+  workers (`preload`).
+- "none" (neither): resource limits, sessions and the timeout only. Logged as a warning.
+
+    with Sandbox(workers=2) as box:
+        result = box.run("print(1+1)")        # RunResult(stdout='2\\n', reason='ok', ...)
+"""
+
+import asyncio
+import json
+import logging
+import os
+import queue
+import select
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger("rl2.tools.sandbox")
+
+WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
+ISOLATIONS = ("auto", "bwrap", "uid", "none")
+# Imported once by each worker so programs using them start instantly (children share them), and
+# so they work even where the sandbox uid cannot read the interpreter's files (see `uid` above).
+DEFAULT_PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "heapq",
+                   "bisect", "random", "statistics", "re", "string", "json", "datetime", "typing")
+RESPONSE_GRACE = 10.0  # seconds a worker may take beyond a program's timeout before we give up on it
+
+
+@dataclass
+class RunResult:
+    """What one program did. `reason` is "ok", "error" (non-zero exit or exception), "timeout",
+    "memory", "output_limit" (output cut or the file-size limit hit) or "sandbox_error"."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None  # None when killed by a signal or never run
+    wall_time: float  # seconds
+    reason: str
+    truncated: bool = False
+    signal: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.reason == "ok"
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself cannot run (no usable isolation, a worker that will not start)."""
+
+
+def bwrap_works() -> bool:
+    """Whether bubblewrap is installed and can create namespaces here."""
+    if shutil.which("bwrap") is None:
+        return False
+    probe = subprocess.run(
+        ["bwrap", "--ro-bind", "/", "/", "--unshare-pid", "--unshare-net", *_user_namespace_args(), "true"],
+        capture_output=True,
+    )
+    return probe.returncode == 0
+
+
+def _user_namespace_args() -> list[str]:
+    # As root bubblewrap uses real namespaces; otherwise it needs a user namespace.
+    return [] if os.geteuid() == 0 else ["--unshare-user"]
+
+
+def python_paths() -> list[str]:
+    """The directories this interpreter needs: its prefixes, its executable's directory, sys.path."""
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
+    paths += [p for p in sys.path if p and os.path.isdir(p)]
+    return sorted({os.path.realpath(p) for p in paths})
+
+
+def closed_ancestor(path: str) -> str | None:
+    """The outermost directory above or at `path` that other users cannot enter (e.g. /root, 0700)."""
+    current = "/"
+    for part in path.strip("/").split("/"):
+        current = os.path.join(current, part)
+        if not os.stat(current).st_mode & 0o001:
+            return current
+    return None
+
+
+def expose_python_args() -> list[str]:
+    """bubblewrap arguments that let an unprivileged uid use this interpreter when it lives under a
+    closed directory (pyenv in /root): hide that directory behind an empty tmpfs and bind only the
+    interpreter's paths back, read-only. The rest of the closed directory stays invisible."""
+    hidden: dict[str, list[str]] = {}
+    for path in python_paths():
+        ancestor = closed_ancestor(path)
+        if ancestor is not None:
+            hidden.setdefault(ancestor, []).append(path)
+    args = []
+    for ancestor, paths in sorted(hidden.items()):
+        args += ["--perms", "0755", "--tmpfs", ancestor]
+        made, bound = {ancestor}, []
+        for path in paths:  # sorted, so a directory comes before what is inside it
+            if any(path.startswith(done + "/") for done in bound):
+                continue
+            parent = os.path.dirname(path)
+            missing = []
+            while parent not in made:
+                missing.append(parent)
+                parent = os.path.dirname(parent)
+            for directory in reversed(missing):  # bubblewrap would make them 0700
+                args += ["--perms", "0755", "--dir", directory]
+                made.add(directory)
+            args += ["--ro-bind", path, path]
+            made.add(path)
+            bound.append(path)
+    return args
+
+
+def resolve_isolation(isolation: str) -> str:
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"sandbox isolation must be one of {ISOLATIONS}, got {isolation!r}")
+    if isolation == "bwrap" and not bwrap_works():
+        raise SandboxError("sandbox isolation 'bwrap' requested but bubblewrap is missing or cannot create namespaces "
+                           "here (Debian/Ubuntu: apt-get install bubblewrap)")
+    if isolation == "uid" and os.geteuid() != 0:
+        raise SandboxError("sandbox isolation 'uid' needs root (to switch programs to an unprivileged uid)")
+    if isolation != "auto":
+        return isolation
+    if bwrap_works():
+        return "bwrap"
+    return "uid" if os.geteuid() == 0 else "none"
+
+
+class _Worker:
+    """One warm worker process and its pipe protocol; used by one thread at a time."""
+
+    def __init__(self, isolation: str, uid: int | None, base_dir: str | None, tmpfs_mb: int, preload: list[str]):
+        self.isolation, self.uid, self.base_dir, self.tmpfs_mb, self.preload = isolation, uid, base_dir, tmpfs_mb, preload
+        self.process: subprocess.Popen | None = None
+        self.network = "shared"
+
+    def command(self) -> list[str]:
+        settings = {
+            "uid": self.uid,
+            "base_dir": "/tmp" if self.isolation == "bwrap" else self.base_dir,
+            "in_namespace": self.isolation == "bwrap",
+            "unshare_net": self.isolation == "uid",
+            "preload": self.preload,
+        }
+        python = [sys.executable, "-I", WORKER_SCRIPT, json.dumps(settings)]
+        if self.isolation != "bwrap":
+            return python
+        wrapper = [
+            "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+            "--perms", "1777", "--size", str(self.tmpfs_mb * 1024 * 1024), "--tmpfs", "/tmp",
+            "--perms", "1777", "--size", str(self.tmpfs_mb * 1024 * 1024), "--tmpfs", "/dev/shm",
+            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            *_user_namespace_args(), "--die-with-parent", "--new-session", "--chdir", "/tmp",
+        ]
+        if self.uid is not None:
+            wrapper += expose_python_args()
+        if os.geteuid() == 0:  # the worker keeps only what it needs to hand programs their own uid
+            wrapper += ["--cap-drop", "ALL"]
+            for cap in ("SETUID", "SETGID", "KILL", "CHOWN", "DAC_OVERRIDE", "FOWNER"):
+                wrapper += ["--cap-add", f"CAP_{cap}"]
+        return wrapper + python
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            self.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_worker_environment(), bufsize=0,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        hello = self._read(time.monotonic() + timeout)
+        if not hello or not hello.get("ready"):
+            self.stop()
+            raise SandboxError(f"sandbox worker ({self.isolation}) did not start: {hello}")
+        self.network = hello["network"]
+
+    def run(self, request: dict) -> RunResult:
+        """Send one program and wait for its result; a dead or stuck worker is replaced."""
+        if self.process is None or self.process.poll() is not None:
+            self.start()
+            self.wait_ready()
+        try:
+            body = json.dumps(request).encode()
+            self.process.stdin.write(struct.pack(">I", len(body)) + body)
+            response = self._read(time.monotonic() + request["timeout"] + RESPONSE_GRACE)
+        except (BrokenPipeError, OSError) as error:
+            response = None
+            logger.warning("sandbox worker pipe failed: %s", error)
+        if response is None:
+            self.stop()
+            return RunResult("", "sandbox worker died or stopped answering; it has been replaced", None, 0.0,
+                             "sandbox_error")
+        return RunResult(**response)
+
+    def _read(self, deadline: float) -> dict | None:
+        header = self._read_exact(4, deadline)
+        if header is None:
+            return None
+        body = self._read_exact(struct.unpack(">I", header)[0], deadline)
+        return None if body is None else json.loads(body)
+
+    def _read_exact(self, n: int, deadline: float) -> bytes | None:
+        chunks, fd = [], self.process.stdout.fileno()
+        while n:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                return None
+            chunk = os.read(fd, n)
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, 9)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            stream.close()
+        self.process = None
+
+
+def _worker_environment() -> dict[str, str]:
+    """The worker's whole environment: nothing of the parent's (secrets, tokens) is passed on."""
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+class Sandbox:
+    """A bounded pool of warm, isolated Python executors. `run` is thread-safe and blocks while all
+    `workers` are busy; `run_async` does the same without blocking an event loop."""
+
+    def __init__(
+        self,
+        workers: int = 2,
+        timeout: float = 10.0,
+        memory_mb: int = 512,
+        output_limit: int = 65536,
+        isolation: str = "auto",
+        file_size_mb: int = 16,
+        max_processes: int = 64,
+        tmpfs_mb: int = 256,
+        uid_base: int = 600000,
+        preload: list[str] | tuple[str, ...] = DEFAULT_PRELOAD,
+    ):
+        if workers < 1:
+            raise ValueError(f"sandbox workers must be at least 1, got {workers}")
+        if timeout <= 0 or memory_mb <= 0 or output_limit <= 0:
+            raise ValueError("sandbox timeout, memory_mb and output_limit must be positive")
+        self.timeout, self.memory_mb, self.output_limit = float(timeout), int(memory_mb), int(output_limit)
+        self.file_size_mb, self.max_processes = int(file_size_mb), int(max_processes)
+        kind = resolve_isolation(isolation)
+        privileged = os.geteuid() == 0 and kind != "none"
+        self._base_dir = None if kind == "bwrap" else tempfile.mkdtemp(prefix="rl2-sandbox-")
+        if self._base_dir:
+            os.chmod(self._base_dir, 0o711)  # programs under other uids reach their own dirs, cannot list
+        self._workers = []
+        for i in range(workers):
+            base_dir = None
+            if self._base_dir:  # one directory each: a worker wipes its own after every program
+                base_dir = os.path.join(self._base_dir, f"worker{i}")
+                os.mkdir(base_dir, 0o711)
+            self._workers.append(_Worker(kind, uid_base + i if privileged else None, base_dir, tmpfs_mb, list(preload)))
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        try:
+            for worker in self._workers:
+                worker.start()
+            for worker in self._workers:
+                worker.wait_ready()
+                self._idle.put(worker)
+        except BaseException:
+            self.close()
+            raise
+        self.isolation = self._describe(kind, privileged, uid_base, workers)
+        self._closed = False
+        log = logger.warning if kind == "none" else logger.info
+        log("sandbox: %d workers, isolation: %s", workers, self.isolation)
+        closed = sorted({a for a in map(closed_ancestor, python_paths()) if a})
+        if kind == "uid" and closed:
+            logger.warning("sandbox: the interpreter is under %s, which uid %d cannot read: programs can import only "
+                           "the modules preloaded in the workers (%s); install bubblewrap to lift this",
+                           ", ".join(closed), uid_base, ", ".join(preload))
+
+    def _describe(self, kind: str, privileged: bool, uid_base: int, workers: int) -> str:
+        uids = f"uids {uid_base}-{uid_base + workers - 1}" if privileged else "the caller's uid"
+        if kind == "bwrap":
+            return (f"bwrap (new mount/pid/net/ipc namespaces, read-only root, private /tmp; programs run under {uids})")
+        if kind == "uid":
+            network = "no network (own namespace)" if self._workers[0].network == "isolated" else "network NOT isolated"
+            return f"uid (programs run under {uids}, {network}; world-writable dirs such as /tmp are shared)"
+        return "none (resource limits and timeouts only: no namespaces, network and files NOT isolated)"
+
+    def run(self, code: str, stdin: str = "", timeout: float | None = None, memory_mb: int | None = None) -> RunResult:
+        """Run `code` as a Python program with `stdin`; see `RunResult`."""
+        if not isinstance(code, str) or not isinstance(stdin, str):
+            raise TypeError("sandbox code and stdin must be strings")
+        request = {
+            "code": code,
+            "stdin": stdin,
+            "timeout": float(timeout or self.timeout),
+            "memory_mb": int(memory_mb or self.memory_mb),
+            "output_limit": self.output_limit,
+            "file_size_mb": self.file_size_mb,
+            "nproc": self.max_processes,
+        }
+        worker = self._idle.get()
+        try:
+            return worker.run(request)
+        finally:
+            self._idle.put(worker)
+
+    async def run_async(self, code: str, stdin: str = "", timeout: float | None = None,
+                        memory_mb: int | None = None) -> RunResult:
+        return await asyncio.to_thread(self.run, code, stdin, timeout, memory_mb)
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.stop()
+        if self._base_dir:
+            shutil.rmtree(self._base_dir, ignore_errors=True)
+        self._closed = True
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()
+
+
+def run_python(code: str, stdin: str = "", timeout: float = 10.0, memory_mb: int = 512,
+               sandbox: Sandbox | None = None) -> RunResult:
+    """Run one program. Pass a long-lived `sandbox` to reuse warm workers; without one a sandbox
+    with a single worker is started and stopped around the call (tens of milliseconds)."""
+    if sandbox is not None:
+        return sandbox.run(code, stdin, timeout, memory_mb)
+    with Sandbox(workers=1, timeout=timeout, memory_mb=memory_mb) as box:
+        return box.run(code, stdin)
+
+
+__all__ = ["RunResult", "Sandbox", "SandboxError", "run_python"]

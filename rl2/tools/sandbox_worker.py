@@ -1,0 +1,316 @@
+"""A warm executor for untrusted Python: the process `rl2.tools.sandbox.Sandbox` starts (inside
+bubblewrap where available) and sends programs to, one at a time.
+
+Starting a fresh interpreter costs ~11 ms; forking this already-started one costs well under one.
+For each program the worker forks a child that puts itself in a new session, takes its stdin and
+output files, sets resource limits, drops to the worker's own unprivileged uid (when the worker
+runs as root), enters a fresh temporary directory and executes the code. The worker waits with a
+wall-clock deadline, then kills everything the program left behind: it is a child subreaper, so
+every orphaned descendant is re-parented to it and found by scanning /proc.
+
+Standalone on purpose (no rl2 imports): it runs under `python -I` with a scrubbed environment.
+Protocol on fds 0/1: frames of a 4-byte big-endian length and a JSON object; the first frame the
+worker sends is {"ready": ...}; each request gets one response.
+"""
+
+import builtins
+import ctypes
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import struct
+import sys
+import tempfile
+import time
+import traceback
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+CLONE_NEWNET = 0x40000000
+SETUP_FAILED = 125  # the child's exit status when it could not set itself up (never user code)
+
+
+def read_frame(fd: int) -> dict | None:
+    header = read_exact(fd, 4)
+    if header is None:
+        return None
+    body = read_exact(fd, struct.unpack(">I", header)[0])
+    return None if body is None else json.loads(body)
+
+
+def read_exact(fd: int, n: int) -> bytes | None:
+    chunks = []
+    while n:
+        chunk = os.read(fd, n)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def write_frame(fd: int, message: dict) -> None:
+    body = json.dumps(message).encode()
+    data = struct.pack(">I", len(body)) + body
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def prctl(option: int, value: int) -> int:
+    return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def children_of(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (zombies included), from /proc."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may contain spaces and parentheses, so split after the last ")"
+        if int(stat[stat.rindex(b")") + 2:].split()[1]) == pid:
+            found.append(int(name))
+    return found
+
+
+def kill_group(pgid: int) -> None:
+    # One signal reaches a whole process group, including members forked while it is delivered,
+    # so a fork bomb that stayed in its group dies at once.
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_descendants() -> None:
+    """Kill and reap every process below this one. Orphans re-parent to us (we are a subreaper),
+    so repeating until we have no children leaves none anywhere below."""
+    me, own_group = os.getpid(), os.getpgid(0)
+    while True:
+        pids = children_of(me)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                group = os.getpgid(pid)
+                if group != own_group:
+                    kill_group(group)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in pids:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
+def run_child(request: dict, run_dir: str, fds: tuple[int, int, int], uid: int | None) -> None:
+    """In the forked child: confine this process, then execute the program. Never returns."""
+    try:
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        os.closerange(3, 65536)
+        mb = 1024 * 1024
+        cpu = max(1, int(request["timeout"] + 0.999))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (request["memory_mb"] * mb,) * 2)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (request["file_size_mb"] * mb,) * 2)
+        resource.setrlimit(resource.RLIMIT_NPROC, (request["nproc"],) * 2)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        os.chdir(run_dir)
+        os.environ.clear()
+        os.environ.update(
+            PATH="/usr/local/bin:/usr/bin:/bin", HOME=run_dir, TMPDIR=run_dir, LANG="C.UTF-8",
+            OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+        )
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        sys.stdin = open(0, closefd=False)
+        sys.stdout = open(1, "w", closefd=False)
+        sys.stderr = open(2, "w", closefd=False)
+        sys.argv = ["solution.py"]
+        sys.path[0] = run_dir  # was this file's directory
+    except BaseException:
+        os._exit(SETUP_FAILED)
+    status = 0
+    try:
+        exec(compile(request["code"], "solution.py", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            status = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            status = 1
+    except BaseException as error:
+        # Leave this file's frame out: the traceback starts in the program, as under `python solution.py`.
+        traceback.print_exception(type(error), error, error.__traceback__.tb_next)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    os._exit(status & 0xFF)
+
+
+def clear_scratch(dirs: list[str], keep: str) -> None:
+    """Delete everything a program left in the writable directories (its run directory and, inside
+    the namespace, the private /tmp and /dev/shm), so nothing carries over to the next program."""
+    for directory in dirs:
+        for name in os.listdir(directory):
+            path = os.path.join(directory, name)
+            if path == keep:
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+
+def clear_owned(dirs: list[str], uid: int) -> None:
+    """Without a private /tmp (the uid fallback): delete what the program's uid left at the top of
+    the host's world-writable directories."""
+    for directory in dirs:
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(directory, name)
+            try:
+                if os.lstat(path).st_uid != uid:
+                    continue
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+
+def read_capped(path: str, limit: int) -> tuple[str, bool]:
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    return data[:limit].decode("utf-8", errors="replace"), len(data) > limit
+
+
+def classify(status: int, timed_out: bool, cpu_limited: bool, stderr: str, truncated: bool) -> str:
+    if timed_out or cpu_limited:
+        return "timeout"
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXFSZ:
+        return "output_limit"
+    if "MemoryError" in stderr[-2000:] and status != 0:
+        return "memory"
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == SETUP_FAILED:
+        return "sandbox_error"
+    if truncated:
+        return "output_limit"
+    return "ok" if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else "error"
+
+
+def run(request: dict, base_dir: str, io_dir: str, scratch_dirs: list[str], uid: int | None, in_namespace: bool) -> dict:
+    """Execute one program and describe what happened."""
+    run_dir = tempfile.mkdtemp(dir=base_dir)
+    if uid is not None:
+        os.chown(run_dir, uid, uid)
+    paths = [os.path.join(io_dir, name) for name in ("stdin", "stdout", "stderr")]
+    with open(paths[0], "w", encoding="utf-8") as f:
+        f.write(request["stdin"])
+    fds = (os.open(paths[0], os.O_RDONLY),) + tuple(
+        os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for p in paths[1:]
+    )
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        run_child(request, run_dir, fds, uid)
+    for fd in fds:
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)
+    timed_out = not select.select([pidfd], [], [], request["timeout"])[0]
+    os.close(pidfd)
+    kill_group(pid)  # the program's group (it called setsid): whatever it left running, or all of it on timeout
+    if timed_out:
+        os.kill(pid, signal.SIGKILL)
+    _, status, usage = os.wait4(pid, 0)
+    wall = time.monotonic() - start
+    kill_descendants()
+    limit = request["output_limit"]
+    stdout, out_cut = read_capped(paths[1], limit)
+    stderr, err_cut = read_capped(paths[2], limit)
+    clear_scratch(scratch_dirs, keep=io_dir)
+    if uid is not None and not in_namespace:
+        clear_owned(["/tmp", "/var/tmp", "/dev/shm"], uid)
+    cpu_limited = os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL) and (
+        usage.ru_utime + usage.ru_stime >= int(request["timeout"] + 0.999) - 0.05
+    )
+    if os.WIFSIGNALED(status):
+        exit_code = None
+        sig = os.WTERMSIG(status)
+    else:
+        exit_code, sig = os.WEXITSTATUS(status), None
+    return {
+        "stdout": stdout,
+        "stderr": stderr,
+        "exit_code": exit_code,
+        "signal": sig,
+        "wall_time": wall,
+        "reason": classify(status, timed_out, cpu_limited, stderr, out_cut or err_cut),
+        "truncated": out_cut or err_cut,
+    }
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1 and not settings["in_namespace"]:
+        return  # the parent died before we set the death signal
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    network = "shared"
+    if settings["unshare_net"]:
+        network = "isolated" if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) == 0 else "shared"
+    for module in settings["preload"]:
+        try:
+            __import__(module)
+        except Exception as error:  # a missing optional module only loses the speed-up
+            print(f"rl2 sandbox worker: cannot preload {module}: {error}", file=sys.stderr)
+    # Keep the protocol on private fds and point 0/1 at harmless files, so a stray print in the
+    # worker cannot corrupt a frame.
+    requests, responses = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    base_dir = settings["base_dir"]  # private to this sandbox: everything in it but io_dir is wiped after each run
+    io_dir = tempfile.mkdtemp(dir=base_dir, prefix=".io-")  # mode 0700: the program cannot open it by path
+    uid = settings["uid"]
+    scratch_dirs = [base_dir] + (["/dev/shm"] if settings["in_namespace"] else [])
+    write_frame(responses, {"ready": True, "pid": os.getpid(), "network": network})
+    while (request := read_frame(requests)) is not None:
+        try:
+            response = run(request, base_dir, io_dir, scratch_dirs, uid, settings["in_namespace"])
+        except Exception:
+            response = {"reason": "sandbox_error", "stdout": "", "stderr": traceback.format_exc(),
+                        "exit_code": None, "signal": None, "wall_time": 0.0, "truncated": False}
+        write_frame(responses, response)
+    shutil.rmtree(io_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""The local sandbox against hostile programs, for every isolation this machine offers: bubblewrap
+(CI installs it) and the root fallback that drops programs to an unprivileged uid. Each program must
+be contained and the host unchanged afterwards."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from rl2.tools.sandbox import RunResult, Sandbox, bwrap_works, closed_ancestor, run_python
+
+UID_BASE = 610000
+WORKERS = 2
+ROOT = os.geteuid() == 0
+
+MODES = [
+    pytest.param("bwrap", marks=pytest.mark.skipif(not bwrap_works(), reason="bubblewrap missing or unusable here")),
+    pytest.param("uid", marks=pytest.mark.skipif(not ROOT, reason="the uid fallback needs root")),
+]
+
+
+def processes_of(uids: range) -> list[int]:
+    """Host pids whose real uid is in `uids`."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/status") as f:
+                    uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+            except (OSError, StopIteration):
+                continue
+            if uid in uids:
+                found.append(int(name))
+    return found
+
+
+@pytest.fixture(scope="module", params=MODES)
+def box(request):
+    with Sandbox(workers=WORKERS, isolation=request.param, timeout=2.0, memory_mb=256, output_limit=4096,
+                 max_processes=24, uid_base=UID_BASE, preload=["socket", "time", "math"]) as sandbox:
+        sandbox.mode = request.param
+        yield sandbox
+
+
+@pytest.fixture
+def contained(box):
+    """After the test the sandbox still works and nothing of the program is left running."""
+    yield box
+    assert processes_of(range(UID_BASE, UID_BASE + WORKERS)) == []
+    assert box.run("print(1+1)").stdout == "2\n"
+
+
+def test_results_stdin_exit_codes_and_tracebacks(box):
+    ok = box.run("import sys; print(sys.stdin.read().upper(), end='')", stdin="héllo\n")
+    assert (ok.stdout, ok.reason, ok.exit_code, ok.ok) == ("HÉLLO\n", "ok", 0, True)
+    assert 0 < ok.wall_time < 1.0
+    error = box.run("x = 1\nraise ValueError('bad value')")
+    assert (error.reason, error.exit_code) == ("error", 1)
+    assert 'File "solution.py", line 2' in error.stderr and "ValueError: bad value" in error.stderr
+    assert "sandbox_worker" not in error.stderr
+    assert box.run("import sys; sys.exit(3)").exit_code == 3
+    assert box.run("def f(:\n  pass").stderr.strip().endswith("SyntaxError: invalid syntax")
+    assert box.run("import math; print(math.comb(10, 3))").stdout == "120\n"
+
+
+def test_infinite_loop_times_out(contained):
+    start = time.monotonic()
+    result = contained.run("while True:\n    pass", timeout=1.0)
+    assert result.reason == "timeout" and result.exit_code is None
+    assert time.monotonic() - start < 2.5
+
+
+def test_sleeping_program_hits_the_wall_clock(contained):
+    result = contained.run("import time; print('start', flush=True); time.sleep(60)", timeout=0.5)
+    assert (result.reason, result.stdout) == ("timeout", "start\n")
+    assert result.wall_time < 1.5
+
+
+def test_memory_bomb(contained):
+    result = contained.run("blocks = []\nwhile True:\n    blocks.append(bytearray(10**7))")
+    assert result.reason == "memory" and "MemoryError" in result.stderr
+
+
+def test_fork_bomb_is_bounded_and_cleaned_up(contained):
+    counted = contained.run(
+        "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n"
+        "            os._exit(0)\n        n += 1\nexcept OSError:\n    print(n)"
+    )
+    assert counted.reason == "ok" and 0 < int(counted.stdout) < 24
+    bomb = contained.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", timeout=1.0)
+    assert bomb.reason == "timeout"
+
+
+def test_writes_outside_the_temp_dir_fail(contained, tmp_path):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o755)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(tmp_path, 0o755)
+    os.chmod(shared, 0o777)
+    targets = [str(private / "owned"), os.path.abspath(__file__) + ".owned", "/etc/rl2-owned"]
+    if contained.mode == "bwrap":  # only namespaces stop writes to world-writable places
+        targets.append(str(shared / "owned"))
+    program = (
+        f"import os\nfor path in {targets!r}:\n    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n"
+        "    except OSError as error:\n        print('blocked', path, type(error).__name__)\n"
+        "open('inside.txt', 'w').write('fine')\nprint(open('inside.txt').read())"
+    )
+    result = contained.run(program)
+    assert "wrote" not in result.stdout and result.stdout.count("blocked") == len(targets)
+    assert result.stdout.endswith("fine\n")
+    assert not any(os.path.exists(path) for path in targets)
+    if contained.mode == "bwrap":  # its /tmp is a private tmpfs: writable, gone afterwards, never the host's
+        planted = contained.run("open('/tmp/rl2-sandbox-owned', 'w').write('x')\nprint('wrote')")
+        assert planted.stdout == "wrote\n" and not os.path.exists("/tmp/rl2-sandbox-owned")
+
+
+def test_parent_environment_is_not_visible(monkeypatch):
+    monkeypatch.setenv("RL2_TEST_SECRET", "hunter2-token")
+    program = (
+        "import os\nprint(dict(os.environ))\nfor pid in os.listdir('/proc'):\n    if pid.isdigit():\n        try:\n"
+        "            print(open(f'/proc/{pid}/environ').read())\n        except OSError:\n            pass"
+    )
+    for mode in [p.values[0] for p in MODES if not any(m.args[0] for m in p.marks)]:
+        with Sandbox(workers=1, isolation=mode, uid_base=UID_BASE) as box:
+            result = box.run(program)
+        assert result.reason == "ok" and "PATH" in result.stdout
+        assert "hunter2" not in result.stdout and "RL2_TEST_SECRET" not in result.stdout
+
+
+def test_no_network_to_the_host(contained):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    program = (
+        f"import socket\ntry:\n    s = socket.socket()\n    s.settimeout(1)\n    s.connect(('127.0.0.1', {port}))\n"
+        "    s.sendall(b'leak')\n"
+        "    print('connected')\nexcept OSError as error:\n    print('blocked', error)"
+    )
+    result = contained.run(program)
+    with pytest.raises(socket.timeout):
+        server.accept()
+    server.close()
+    assert result.stdout.startswith("blocked")
+
+
+def test_huge_output_is_cut(contained):
+    start = time.monotonic()
+    flood = contained.run("while True:\n    print('x' * 1000)")
+    assert flood.reason == "output_limit" and flood.truncated
+    assert len(flood.stdout) == 4096 and time.monotonic() - start < 3.0
+    long = contained.run("print('y' * 10000)")
+    assert (long.reason, long.truncated, long.exit_code, len(long.stdout)) == ("output_limit", True, 0, 4096)
+
+
+def test_killing_the_parent_or_everything(contained):
+    result = contained.run("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(-1, signal.SIGKILL)\nprint('alive')")
+    assert result.reason in ("error", "ok", "sandbox_error")
+    assert contained.run("print('next')").stdout == "next\n"
+
+
+def test_background_processes_are_killed(contained):
+    program = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(120)\n"
+        "    os._exit(0)\nprint('left a daemon behind')"
+    )
+    assert contained.run(program).reason == "ok"
+    # `contained` checks that no process of the sandbox uids survives
+
+
+def test_nothing_carries_over_between_programs(box):
+    box.run("open('/tmp/planted.py', 'w').write('x = 1')\nopen('here.txt', 'w').write('x')")
+    for _ in range(WORKERS):
+        assert box.run("import os\nprint(os.path.exists('/tmp/planted.py'), os.listdir('.'))").stdout == "False []\n"
+
+
+def test_runs_concurrently_up_to_the_pool_size(box):
+    results: list[RunResult] = []
+    start = time.monotonic()
+    threads = [threading.Thread(target=lambda i=i: results.append(box.run(f"import time; time.sleep(0.3); print({i})")))
+               for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.monotonic() - start
+    assert sorted(int(r.stdout) for r in results) == [0, 1, 2, 3]
+    assert 0.55 < elapsed < 1.1  # two at a time
+
+
+def test_a_dead_worker_is_replaced(box):
+    os.killpg(box._workers[0].process.pid, 9)
+    box._workers[0].process.wait()
+    results = [box.run(f"print({i})") for i in range(2 * WORKERS)]
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(2 * WORKERS)]
+
+
+def test_run_python_and_bad_arguments():
+    assert run_python("print(6 * 7)").stdout == "42\n"
+    with pytest.raises(ValueError, match="isolation"):
+        Sandbox(isolation="chroot")
+    with pytest.raises(ValueError, match="workers"):
+        Sandbox(workers=0)
+    with Sandbox(workers=1) as box:
+        with pytest.raises(TypeError):
+            box.run(b"print(1)")
+
+
+def interpreter_for_everyone() -> str | None:
+    """A Python >= 3.10 that other users can run (ours may live in a closed /root)."""
+    for python in (sys.executable, "/usr/bin/python3"):
+        if os.path.exists(python) and closed_ancestor(os.path.realpath(python)) is None:
+            check = subprocess.run([python, "-c", "import sys; print(sys.version_info >= (3, 10))"], capture_output=True,
+                                   text=True)
+            if check.stdout.strip() == "True":
+                return python
+    return None
+
+
+@pytest.mark.skipif(not ROOT or not bwrap_works() or interpreter_for_everyone() is None,
+                    reason="needs root, bubblewrap and a Python that the unprivileged user can run")
+def test_unprivileged_user_sandboxes(tmp_path):
+    """Run as `nobody`: bubblewrap with a user namespace, and the limits-only fallback. Only the
+    standard library is needed, so a system Python does when ours is closed to other users."""
+    worker = os.path.join(os.path.dirname(__file__), "workers", "sandbox_unprivileged.py")
+    os.chmod(tmp_path, 0o777)
+    out = subprocess.run(
+        [interpreter_for_everyone(), worker], user=65534, group=65534, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env={"PATH": os.environ["PATH"], "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))},
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["bwrap"]["isolation"].startswith("bwrap") and "caller's uid" in report["bwrap"]["isolation"]
+    assert report["bwrap"]["network"].startswith("blocked") and report["bwrap"]["write"].startswith("blocked")
+    assert report["bwrap"]["after_killing_worker"] == "ok"
+    assert report["none"]["isolation"].startswith("none") and report["none"]["timeout"] == "timeout"
+    assert "isolation: none" in out.stderr  # the weaker isolation is logged as a warning
