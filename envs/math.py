@@ -11,32 +11,15 @@ Grading runs in worker processes (one `MathGrader` per loaded env file) so that 
 answer costs its timeout, not the run.
 """
 
-import threading
-
+from rl2.tools.lazy import Lazy
 from rl2.tools.math_grader import MathGrader
 
 WORKERS = 2  # grading processes
 TIMEOUT = 5.0  # seconds per answer; a slower one scores 0
 
-
-class _GraderHolder:
-    """The env's one `MathGrader`, made at the first call. A module-level holder is fine here: rl2
-    loads each env file as a fresh module, and reward_fn is called from many threads at once, so
-    creation is guarded by a lock (a second grader would leak worker processes)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._grader: MathGrader | None = None
-
-    def get(self) -> MathGrader:
-        with self._lock:
-            if self._grader is None:
-                self._grader = MathGrader(workers=WORKERS, timeout=TIMEOUT)
-            return self._grader
-
-
-_holder = _GraderHolder()
+# Made at the first call, once per loaded env file (rl2 loads each env file as a fresh module).
+_grader = Lazy(lambda: MathGrader(workers=WORKERS, timeout=TIMEOUT))
 
 
 def reward_fn(messages: list[dict], answer) -> float:
-    return _holder.get().grade(messages[-1]["content"], answer)
+    return _grader.get().grade(messages[-1]["content"], answer)

@@ -1,0 +1,186 @@
+"""Env file for math with a Python tool (rStar2-Agent): the model reasons, calls a Python
+interpreter as often as it needs, and ends with its answer in \\boxed{...}.
+
+The model calls the tool Hermes-style, any number of times in one turn:
+
+    <tool_call>
+    {"name": "python", "arguments": {"code": "print(sum(range(10)))"}}
+    </tool_call>
+
+`interact` runs every call of the assistant's last message, concurrently, and returns one tool
+message per call (stdout; stderr or the timeout when the program failed; cut to a length limit),
+or nothing when the message has no call (the trajectory ends). A malformed call gets a tool message
+saying what is wrong. `reward_fn` is the math reward (`envs/math.py`) on the last message.
+
+Programs run in rl2's local sandbox (`rl2.tools.sandbox`) or, when `CODE_SERVER_URL` is set, on a
+code-judge-compatible service (`python -m rl2.tools.code_server`, or code-judge itself).
+Settings, from the environment: CODE_SERVER_URL, PYTHON_TOOL_TIMEOUT (seconds per program, 4),
+PYTHON_TOOL_MAX_CHARS (tool output kept, 1024), PYTHON_TOOL_MAX_CALLS (calls run per turn, 8),
+PYTHON_TOOL_WORKERS (local sandbox workers, 4), PYTHON_TOOL_MEMORY_MB (1024).
+
+Put `SYSTEM_PROMPT` first in the prompts (as the system message) so the model knows the tool.
+"""
+
+import asyncio
+import json
+import os
+import re
+
+from rl2.tools.lazy import Lazy
+from rl2.tools.math_grader import MathGrader
+from rl2.tools.sandbox import Sandbox
+
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "Run a Python 3 program and return what it prints (stdout, and stderr if it fails). "
+        "Each call starts fresh: define everything you use. Print the values you want to see.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "description": "The complete program."},
+                "input": {"type": "string", "description": "Text given to the program on stdin (optional)."},
+            },
+            "required": ["code"],
+        },
+    },
+}
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant that solves math problems step by step. You may run Python code to "
+    "compute or check intermediate results.\n\n# Tools\n\nYou may call one or more functions to assist with "
+    "the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    f"{json.dumps(TOOL_SCHEMA)}\n</tools>\n\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n\n'
+    "Put your final answer within \\boxed{}."
+)
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+UNCLOSED_CALL = re.compile(r"<tool_call>(?!.*</tool_call>)", re.DOTALL)
+
+
+def _setting(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return type(default)(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not a {type(default).__name__}") from None
+
+
+_sandbox = Lazy(lambda: Sandbox(workers=_setting("PYTHON_TOOL_WORKERS", 4),
+                                timeout=_setting("PYTHON_TOOL_TIMEOUT", 4.0),
+                                memory_mb=_setting("PYTHON_TOOL_MEMORY_MB", 1024)))
+_grader = Lazy(lambda: MathGrader(workers=2, timeout=5.0))
+
+
+def parse_tool_calls(text: str) -> list[tuple[str, str] | str]:
+    """Each `<tool_call>` of `text` in order: (code, stdin) for a valid python call, otherwise a
+    message saying what is wrong with it."""
+    calls: list[tuple[str, str] | str] = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as error:
+            calls.append(f"Error: the tool call is not valid JSON ({error.msg} at position {error.pos}). "
+                         'Write <tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>.')
+            continue
+        arguments = call.get("arguments") if isinstance(call, dict) else None
+        if isinstance(arguments, str):  # some models send the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(call, dict) or call.get("name") != "python":
+            name = call.get("name") if isinstance(call, dict) else None
+            calls.append(f"Error: unknown tool {name!r}; the only tool is \"python\".")
+        elif not isinstance(arguments, dict) or not isinstance(arguments.get("code"), str):
+            calls.append('Error: the python tool needs "arguments": {"code": "<program>"}.')
+        else:
+            stdin = arguments.get("input", "")
+            calls.append((arguments["code"], stdin if isinstance(stdin, str) else str(stdin)))
+    if UNCLOSED_CALL.search(text):
+        calls.append("Error: a <tool_call> is not closed with </tool_call>.")
+    return calls
+
+
+def shorten(text: str, limit: int) -> str:
+    """`text` cut to about `limit` characters, keeping its start and its end (where errors are)."""
+    if len(text) <= limit:
+        return text
+    head = limit * 2 // 3
+    tail = limit - head
+    return f"{text[:head]}\n... [{len(text) - limit} characters cut] ...\n{text[-tail:] if tail else ''}"
+
+
+def format_result(stdout: str, stderr: str, status: str, timeout: float, limit: int) -> str:
+    """The tool message for one program. `status`: ok, error, timeout, memory, output_limit or
+    tool_error (the executor itself failed; `stderr` says why)."""
+    if status == "tool_error":
+        return shorten(f"Tool error: {stderr.strip() or 'the code executor failed'}", limit)
+    parts = [stdout] if stdout else []
+    if status == "timeout":
+        parts.append(f"TimeoutError: the program did not finish within {timeout:g} seconds.")
+    elif status in ("error", "memory") and stderr:
+        parts.append(stderr)
+    elif status == "output_limit":
+        parts.append("[output cut: the program printed too much]")
+    text = "\n".join(p.rstrip("\n") for p in parts)
+    return shorten(text, limit) if text else "(no output)"
+
+
+def _status_from_judge(result: dict) -> str:
+    """Our status for a code-judge result dict (from `rl2.tools.code_client`): code-judge's `reason`
+    is "" when the program ran, "worker_timeout", or "queue_timeout" / "internal_error" when it
+    did not run (the client also reports an unreachable service as "internal_error")."""
+    reason = result.get("reason") or ""
+    if reason in ("internal_error", "queue_timeout", "invalid_input"):
+        return "tool_error"
+    if reason == "worker_timeout":
+        return "timeout"
+    return "ok" if result.get("run_success") else "error"
+
+
+async def run_programs(programs: list[tuple[str, str]], timeout: float) -> list[tuple[str, str, str]]:
+    """(stdout, stderr, status) for each (code, stdin), on the code service or the local sandbox."""
+    url = os.environ.get("CODE_SERVER_URL")
+    if url:
+        from rl2.tools.code_client import CodeClient
+
+        results = await CodeClient(url, timeout=timeout + 30).run_many(programs)
+        return [(r.get("stdout") or "", r.get("stderr") or "", _status_from_judge(r)) for r in results]
+    sandbox = _sandbox.get()
+    results = await asyncio.gather(*(sandbox.run_async(code, stdin) for code, stdin in programs))
+    return [(r.stdout, r.stderr, "tool_error" if r.reason == "sandbox_error" else r.reason) for r in results]
+
+
+async def interact(messages: list[dict]) -> list[dict]:
+    last = messages[-1]
+    if last.get("role") != "assistant":
+        return []
+    calls = parse_tool_calls(last.get("content") or "")
+    if not calls:
+        return []
+    max_calls = _setting("PYTHON_TOOL_MAX_CALLS", 8)
+    limit = _setting("PYTHON_TOOL_MAX_CHARS", 1024)
+    timeout = _setting("PYTHON_TOOL_TIMEOUT", 4.0)
+    skipped = calls[max_calls:]
+    calls = calls[:max_calls]
+    programs = [call for call in calls if isinstance(call, tuple)]
+    outputs = iter(await run_programs(programs, timeout)) if programs else iter(())
+    replies = []
+    for call in calls:
+        if isinstance(call, str):
+            replies.append(call)
+        else:
+            replies.append(format_result(*next(outputs), timeout=timeout, limit=limit))
+    if skipped:
+        replies.append(f"Error: at most {max_calls} tool calls are run per turn; {len(skipped)} were skipped.")
+    return [{"role": "tool", "content": reply} for reply in replies]
+
+
+def reward_fn(messages: list[dict], answer) -> float:
+    return _grader.get().grade(messages[-1]["content"], answer)
