@@ -34,3 +34,5 @@ bench: install
 	$(PYTHON) bench/train_throughput.py
 	$(PYTHON) bench/rollout_throughput.py
 	$(PYTHON) bench/ring_attention.py
+	$(PYTHON) bench/sandbox.py
+	$(PYTHON) bench/retrieval.py

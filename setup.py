@@ -18,6 +18,7 @@ setup(
         "sympy",
         "pylatexenc",
         "aiohttp",
+        "bm25s>=0.3",
         "wandb",
         "tqdm",
         "omegaconf",
@@ -26,5 +27,6 @@ setup(
     extras_require={
         "gpu": ["sglang", "flash-attn", "ring-flash-attn"],
         "test": ["pytest", "pytest-timeout"],
+        "dense": ["sentence-transformers", "faiss-cpu"],
     },
 )

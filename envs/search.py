@@ -1,0 +1,112 @@
+"""Env file for Search-R1: answer questions by searching a retrieval service.
+
+The model reasons in `<think>...</think>`, searches with `<search>query</search>` (the env answers
+with a tool message `<information>Doc 1(Title: ...) ...</information>` holding the top documents)
+and ends with `<answer>...</answer>`. Put `PROMPT` in the data's user message, as Search-R1 does:
+`{"messages": [{"role": "user", "content": make_prompt(question)}], "answer": [gold, ...]}` (see
+recipes/data/search_qa.jsonl).
+
+`interact` reads the last assistant message: an `<answer>` ends the trajectory; else the first
+`<search>` is looked up; else Search-R1's invalid-action message asks the model to try again. A
+failed search (service down, timeout) gives a tool message saying so, not an error. Stop
+generation at `</search>` and `</answer>` (sampling params `stop: ["</search>", "</answer>"]`)
+so that a turn ends at its action, as in Search-R1.
+
+`reward_fn` is Search-R1's exact match: 1.0 when the last `<answer>` of the final assistant message
+equals one of the gold answers (a string, a list of strings, or Search-R1's `{"target": [...]}`)
+after normalisation (lower case, no punctuation, no articles a/an/the, single spaces); else 0.0.
+
+Start a service first, e.g. `python -m rl2.tools.retrieval_server --corpus corpus.jsonl --port 8000`.
+Settings, environment variables read at each call:
+    SEARCH_URL       the service's retrieve endpoint (default http://127.0.0.1:8000/retrieve)
+    SEARCH_TOPK      documents per search (default 3)
+    SEARCH_TIMEOUT   seconds per request attempt (default 10)
+    SEARCH_RETRIES   further attempts after a connection error, timeout or HTTP 5xx (default 2)
+"""
+
+import logging
+import os
+import re
+import string
+
+from rl2.tools.search_client import SearchError, passages_to_string, retrieve
+
+logger = logging.getLogger("rl2.env.search")
+
+PROMPT = (
+    "Answer the given question. "
+    "You must conduct reasoning inside <think> and </think> first every time you get new information. "
+    "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query "
+    "</search> and it will return the top searched results between <information> and </information>. "
+    "You can search as many times as your want. "
+    "If you find no further external knowledge needed, you can directly provide the answer inside <answer> "
+    "and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. "
+    "Question: {question}\n"
+)  # Search-R1's prompt (scripts/data_process/nq_search.py), verbatim
+
+INVALID_ACTION = (
+    "My previous action is invalid. "
+    "If I want to search, I should put the query between <search> and </search>. "
+    "If I want to give the final answer, I should put the answer between <answer> and </answer>. "
+    "Let me try again."
+)  # Search-R1's reply to a turn with neither action
+
+DEFAULT_URL = "http://127.0.0.1:8000/retrieve"
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
+
+
+def make_prompt(question: str) -> str:
+    """The user message for `question`: Search-R1's instructions followed by the question."""
+    return PROMPT.format(question=question.strip())
+
+
+async def interact(messages: list[dict]) -> list[dict]:
+    content = messages[-1]["content"] if messages and messages[-1].get("role") == "assistant" else ""
+    if ANSWER.search(content):
+        return []
+    search = SEARCH.search(content)
+    query = search.group(1).strip() if search else ""
+    if not query:
+        return [{"role": "tool", "content": INVALID_ACTION}]
+    url = os.environ.get("SEARCH_URL", DEFAULT_URL)
+    try:
+        hits = await retrieve([query], url, topk=_setting("SEARCH_TOPK", 3, int),
+                              timeout=_setting("SEARCH_TIMEOUT", 10.0, float),
+                              retries=_setting("SEARCH_RETRIES", 2, int))
+    except SearchError as e:
+        logger.warning("search for %r failed: %s", query, e)
+        return [{"role": "tool", "content": f"<information>The search failed: {e}</information>"}]
+    return [{"role": "tool", "content": f"<information>{passages_to_string(hits[0]).strip()}</information>"}]
+
+
+def reward_fn(messages: list[dict], answer) -> float:
+    final = next((m["content"] for m in reversed(messages) if m.get("role") == "assistant"), "")
+    answers = ANSWER.findall(final)
+    if not answers:
+        return 0.0
+    golds = answer.get("target", []) if isinstance(answer, dict) else answer
+    golds = [golds] if isinstance(golds, (str, int, float)) else golds
+    predicted = normalize_answer(answers[-1])
+    return float(any(predicted == normalize_answer(str(gold)) for gold in golds))
+
+
+def normalize_answer(text: str) -> str:
+    """Search-R1's (and SQuAD's) normalisation: lower case, drop punctuation, then the articles
+    a / an / the, then collapse whitespace."""
+    text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def _setting(name: str, default, kind):
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    try:
+        parsed = kind(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not a valid {kind.__name__}") from None
+    if parsed < 0 or (name == "SEARCH_TOPK" and parsed < 1):
+        raise ValueError(f"environment variable {name}={value!r} is out of range")
+    return parsed

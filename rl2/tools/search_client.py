@@ -1,0 +1,86 @@
+"""Client for the Search-R1 retrieval API (`rl2.tools.retrieval_server`, or Search-R1's own server).
+
+    hits = await retrieve(["capital of france"], "http://127.0.0.1:8000/retrieve", topk=3)
+    passages_to_string(hits[0])   # 'Doc 1(Title: Paris) Paris is ...\\nDoc 2(Title: ...) ...\\n'
+
+`retrieve` opens an aiohttp session per call (so it can run on any event loop, e.g. one made per
+rollout batch), retries connection errors, timeouts and HTTP 5xx with exponential backoff, and
+raises `SearchError` when the service cannot answer.
+"""
+
+import asyncio
+import json
+import logging
+
+import aiohttp
+
+logger = logging.getLogger(__name__)
+
+
+class SearchError(RuntimeError):
+    """The retrieval service could not be reached or gave an unusable answer."""
+
+
+async def retrieve(queries: list[str], url: str, topk: int = 3, timeout: float = 10.0, retries: int = 2,
+                   backoff: float = 0.2) -> list[list[dict]]:
+    """For each query, the service's hits `{"document": {"id", "contents", ...}, "score": float}`,
+    best first. `timeout` is per attempt in seconds; `retries` more attempts follow a connection
+    error, a timeout or an HTTP 5xx, after `backoff`, 2 * `backoff`, ... seconds."""
+    payload = {"queries": list(queries), "topk": topk, "return_scores": True}
+    problem = ""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        for attempt in range(retries + 1):
+            if attempt:
+                await asyncio.sleep(backoff * 2 ** (attempt - 1))
+            try:
+                async with session.post(url, json=payload) as response:
+                    text = await response.text()
+                    if response.status >= 500:
+                        problem = f"HTTP {response.status}: {_error_message(text)}"
+                        continue
+                    if response.status != 200:
+                        raise SearchError(f"retrieval service at {url} refused the request: HTTP {response.status}: "
+                                          f"{_error_message(text)}")
+                    return _check_result(text, len(queries), url)
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    attempts = f"{retries + 1} attempts" if retries else "1 attempt"
+    raise SearchError(f"retrieval service at {url} failed ({attempts}): {problem}")
+
+
+def passages_to_string(hits: list[dict]) -> str:
+    """Search-R1's rendering of one query's hits: `Doc i(Title: <first line>) <rest>` per line.
+    Takes hits with scores (`{"document": ..., "score": ...}`) or bare documents."""
+    lines = []
+    for i, hit in enumerate(hits, 1):
+        document = hit.get("document", hit)
+        title, _, text = document["contents"].partition("\n")
+        lines.append(f"Doc {i}(Title: {title}) {text}\n")
+    return "".join(lines)
+
+
+def _check_result(text: str, n_queries: int, url: str) -> list[list[dict]]:
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        raise SearchError(f"retrieval service at {url} answered with something other than JSON: {text[:200]!r}") from None
+    result = body.get("result") if isinstance(body, dict) else None
+    if not isinstance(result, list) or len(result) != n_queries or not all(isinstance(row, list) for row in result):
+        raise SearchError(f"retrieval service at {url} answered without a 'result' list of {n_queries} lists: {text[:200]!r}")
+    for row in result:
+        for hit in row:
+            document = hit.get("document") if isinstance(hit, dict) else None
+            if not isinstance(document, dict) or not isinstance(document.get("contents"), str):
+                raise SearchError(f"retrieval service at {url} returned a hit without document contents: {hit!r:.200}")
+    return result
+
+
+def _error_message(text: str) -> str:
+    """The `error` of a JSON error body, else the start of the body."""
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return text[:200] or "(empty body)"
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return body["error"]
+    return text[:200]
