@@ -1,0 +1,356 @@
+"""A code-judge-compatible HTTP service that runs Python in the local sandbox.
+
+    python -m rl2.tools.code_server --host 127.0.0.1 --port 8000 --workers 8 --timeout 10 --memory-mb 512
+
+It speaks the API of code-judge (github.com/0xWJ/code-judge, `app/main.py`, `app/model.py`), so a
+client written for one works against the other:
+
+- `POST /run` with a submission `{"type": "python", "solution": CODE, "input": STDIN,
+  "expected_output": null, "sub_id": null}` answers a result `{"sub_id", "success", "run_success",
+  "cost", "stdout", "stderr", "reason"}`. `run_success`: the program exited 0 within its limits;
+  `success`: `run_success` and, when `expected_output` is given, stdout matches it (stripped);
+  `cost`: seconds; `reason`: "" (it ran: passed or failed), "worker_timeout" (killed at the time
+  limit), "queue_timeout" (no worker free in time), "internal_error" (the sandbox failed).
+- `POST /run/batch` and `POST /run/long-batch` with `{"type": "batch", "submissions": [...]}`
+  answer `{"sub_id", "results": [...]}` in submission order. As in code-judge, `/run` and
+  `/run/batch` give up on a submission that waits longer than `--queue-timeout` seconds for a
+  free worker (reason "queue_timeout"; clients resubmit it); `/run/long-batch` waits as long as it
+  takes. `/judge`, `/judge/batch`, `/judge/long-batch` answer the same without stdout/stderr.
+- `GET /ping` answers "pong"; `GET /status` answers `{"queue": waiting, "num_workers": N}`.
+
+Only type "python" runs here (code-judge also has "cpp"). A malformed request gets HTTP 422 with
+FastAPI's error shape, `{"detail": [{"type", "loc", "msg"}]}`, naming the field; unknown paths 404,
+wrong methods 405, bodies over `--max-request-mb` 413, all as JSON `{"detail": ...}`.
+"""
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from rl2.tools.sandbox import Sandbox, SandboxError
+
+logger = logging.getLogger("rl2.tools.code_server")
+
+LANGUAGES = ("python",)  # what this service runs
+CODE_JUDGE_TYPES = ("python", "cpp", "math")  # what code-judge's Submission.type accepts
+QUEUE_TIMEOUT = 4.0  # code-judge's MAX_QUEUE_WORK_LIFE_TIME default
+REASONS = {"timeout": "worker_timeout", "sandbox_error": "internal_error"}  # sandbox reason -> code-judge's
+
+
+class BadRequest(Exception):
+    """A request that does not follow the API; `loc` is the path of the offending field."""
+
+    def __init__(self, loc: tuple, msg: str, kind: str = "value_error"):
+        super().__init__(msg)
+        self.loc, self.msg, self.kind = loc, msg, kind
+
+    def detail(self) -> dict:
+        return {"type": self.kind, "loc": list(self.loc), "msg": self.msg}
+
+
+@dataclass
+class Submission:
+    """One program to run (code-judge's `Submission`, validated)."""
+
+    sub_id: str
+    solution: str
+    input: str
+    expected_output: str | None
+
+
+# ----------------------------------------------------------------------------------------------
+# requests and results
+
+
+def _optional_str(body: dict, key: str, loc: tuple) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(loc + (key,), f"'{key}' must be a string or null, got {type(value).__name__}", "string_type")
+    return value
+
+
+def parse_submission(body: Any, loc: tuple = ("body",)) -> Submission:
+    """A validated `Submission` from decoded JSON; raises `BadRequest` naming the problem."""
+    if not isinstance(body, dict):
+        raise BadRequest(loc, f"a submission must be a JSON object, got {type(body).__name__}", "model_attributes_type")
+    if "type" not in body:
+        raise BadRequest(loc + ("type",), "'type' is missing (this service runs type 'python')", "missing")
+    kind = body["type"]
+    if kind not in LANGUAGES:
+        known = "a code-judge type this service does not run" if kind in CODE_JUDGE_TYPES else "not a code-judge type"
+        raise BadRequest(loc + ("type",), f"unsupported type {kind!r} ({known}); this service runs only 'python'",
+                         "literal_error")
+    if "solution" not in body:
+        raise BadRequest(loc + ("solution",), "'solution' (the program's source) is missing", "missing")
+    if not isinstance(body["solution"], str):
+        raise BadRequest(loc + ("solution",), f"'solution' must be a string, got {type(body['solution']).__name__}",
+                         "string_type")
+    options = body.get("options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest(loc + ("options",), "'options' must be an object or null", "dict_type")
+    return Submission(
+        sub_id=_optional_str(body, "sub_id", loc) or str(uuid.uuid4()),
+        solution=body["solution"],
+        input=_optional_str(body, "input", loc) or "",
+        expected_output=_optional_str(body, "expected_output", loc),
+    )
+
+
+def parse_batch(body: Any) -> tuple[str, list[Submission]]:
+    """(batch sub_id, submissions) from a decoded `BatchSubmission`; raises `BadRequest`."""
+    loc = ("body",)
+    if not isinstance(body, dict):
+        raise BadRequest(loc, f"a batch must be a JSON object, got {type(body).__name__}", "model_attributes_type")
+    if body.get("type", "batch") != "batch":
+        raise BadRequest(loc + ("type",), f"a batch's type must be 'batch', got {body['type']!r} "
+                         "(single submissions go to /run)", "literal_error")
+    submissions = body.get("submissions")
+    if not isinstance(submissions, list) or not submissions:
+        problem = "is missing" if submissions is None else "must be a non-empty list"
+        raise BadRequest(loc + ("submissions",), f"'submissions' {problem}", "missing" if submissions is None else "too_short")
+    sub_id = _optional_str(body, "sub_id", loc) or str(uuid.uuid4())
+    return sub_id, [parse_submission(item, loc + ("submissions", i)) for i, item in enumerate(submissions)]
+
+
+def judge_result(sub: Submission, run: Any) -> dict:
+    """code-judge's `SubmissionResult` for a sandbox `RunResult`."""
+    run_success = run.reason == "ok"
+    matches = sub.expected_output is None or run.stdout.strip() == sub.expected_output.strip()
+    return {
+        "sub_id": sub.sub_id,
+        "success": run_success and matches,
+        "run_success": run_success,
+        "cost": float(run.wall_time),
+        "stdout": run.stdout,
+        "stderr": run.stderr,
+        "reason": REASONS.get(run.reason, ""),
+    }
+
+
+def failed_result(sub: Submission, reason: str, cost: float, message: str = "") -> dict:
+    """A result for a submission that did not run: `reason` "queue_timeout" or "internal_error"."""
+    return {"sub_id": sub.sub_id, "success": False, "run_success": False, "cost": cost,
+            "stdout": "", "stderr": message, "reason": reason}
+
+
+# ----------------------------------------------------------------------------------------------
+# execution
+
+
+class CodeService:
+    """Runs submissions on a sandbox with at most `workers` at once; the state behind one app."""
+
+    def __init__(self, sandbox: Any, workers: int, queue_timeout: float):
+        if workers < 1:
+            raise ValueError(f"code service workers must be at least 1, got {workers}")
+        self.sandbox, self.workers, self.queue_timeout = sandbox, workers, queue_timeout
+        self.waiting = 0  # submissions waiting for a worker
+        self._slots = asyncio.Semaphore(workers)
+        # Our own threads: the loop's default executor may have fewer than `workers`.
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rl2-code-server")
+
+    async def judge(self, sub: Submission, long_batch: bool) -> dict:
+        """Run one submission; without `long_batch` give up if no worker frees within the queue timeout."""
+        start = time.monotonic()
+        self.waiting += 1
+        try:
+            if long_batch:
+                await self._slots.acquire()
+            else:
+                await asyncio.wait_for(self._slots.acquire(), self.queue_timeout)
+        except asyncio.TimeoutError:
+            return failed_result(sub, "queue_timeout", time.monotonic() - start,
+                                 f"no worker free within {self.queue_timeout}s; resubmit, or use /run/long-batch")
+        finally:
+            self.waiting -= 1
+        try:
+            run = await asyncio.get_running_loop().run_in_executor(self._pool, self.sandbox.run, sub.solution, sub.input)
+        except Exception as error:
+            logger.exception("sandbox failed on submission %s", sub.sub_id)
+            return failed_result(sub, "internal_error", time.monotonic() - start,
+                                 f"sandbox failed: {type(error).__name__}: {error}")
+        finally:
+            self._slots.release()
+        return judge_result(sub, run)
+
+    async def judge_all(self, subs: list[Submission], long_batch: bool) -> list[dict]:
+        """Results for `subs`, in order; they run concurrently."""
+        return list(await asyncio.gather(*(self.judge(sub, long_batch) for sub in subs)))
+
+    def status(self) -> dict:
+        return {"queue": self.waiting, "num_workers": self.workers}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# HTTP
+
+
+SERVICE = web.AppKey("service", CodeService)
+
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise BadRequest(("body",), f"the request body is not valid JSON: {error}", "json_invalid") from None
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Bad requests and HTTP errors (404, 405, 413) as JSON, in FastAPI's shape."""
+    try:
+        return await handler(request)
+    except BadRequest as error:
+        logger.debug("bad request to %s: %s", request.path, error.msg)
+        return web.json_response({"detail": [error.detail()]}, status=422)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        return web.json_response({"detail": error.text or error.reason}, status=error.status, headers={
+            key: value for key, value in error.headers.items() if key.lower() == "allow"})
+
+
+def _handlers(with_output: bool) -> tuple:
+    """The single and batch handlers; `with_output=False` drops stdout/stderr (the /judge routes)."""
+
+    def shape(result: dict) -> dict:
+        return result if with_output else {key: value for key, value in result.items() if key not in ("stdout", "stderr")}
+
+    async def run_one(request: web.Request) -> web.Response:
+        sub = parse_submission(await _read_json(request))
+        result = await request.app[SERVICE].judge(sub, long_batch=False)
+        return web.json_response(shape(result))
+
+    def run_batch(long_batch: bool):
+        async def handler(request: web.Request) -> web.Response:
+            sub_id, subs = parse_batch(await _read_json(request))
+            started = time.monotonic()
+            results = await request.app[SERVICE].judge_all(subs, long_batch)
+            logger.debug("batch %s: %d submissions in %.2fs", sub_id, len(subs), time.monotonic() - started)
+            return web.json_response({"sub_id": sub_id, "results": [shape(result) for result in results]})
+        return handler
+
+    return run_one, run_batch(False), run_batch(True)
+
+
+async def _ping(request: web.Request) -> web.Response:
+    return web.json_response("pong")
+
+
+async def _status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SERVICE].status())
+
+
+def make_app(sandbox: Any, workers: int | None = None, queue_timeout: float = QUEUE_TIMEOUT,
+             max_request_mb: int = 64) -> web.Application:
+    """The service's aiohttp app over `sandbox` (anything with `run(code, stdin) -> RunResult`).
+
+    `workers`: how many submissions run at once; give the sandbox's worker count (read from
+    `sandbox.workers` when not given). The app does not close the sandbox: its owner does.
+    """
+    workers = workers or getattr(sandbox, "workers", None)
+    if not workers:
+        raise ValueError("make_app needs workers= (how many programs the sandbox runs at once)")
+    service = CodeService(sandbox, int(workers), queue_timeout)
+    app = web.Application(middlewares=[_json_errors], client_max_size=max_request_mb * 1024 * 1024)
+    app[SERVICE] = service
+    run, run_batch, run_long_batch = _handlers(with_output=True)
+    judge, judge_batch, judge_long_batch = _handlers(with_output=False)
+    app.router.add_post("/run", run)
+    app.router.add_post("/run/batch", run_batch)
+    app.router.add_post("/run/long-batch", run_long_batch)
+    app.router.add_post("/judge", judge)
+    app.router.add_post("/judge/batch", judge_batch)
+    app.router.add_post("/judge/long-batch", judge_long_batch)
+    app.router.add_get("/ping", _ping)
+    app.router.add_get("/status", _status)
+
+    async def close_service(_: web.Application) -> None:
+        service.close()
+
+    app.on_cleanup.append(close_service)
+    return app
+
+
+async def serve(app: web.Application, host: str, port: int, description: str = "") -> None:
+    """Serve `app` until SIGINT or SIGTERM, logging a ready line with the URL (port 0: any free port)."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        bound_host, bound_port = runner.addresses[0][:2]
+        url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+        logger.info("code service ready at http://%s:%d%s", url_host, bound_port, f" ({description})" if description else "")
+        await stop.wait()
+        logger.info("code service stopping")
+    finally:
+        await runner.cleanup()
+
+
+# ----------------------------------------------------------------------------------------------
+# command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m rl2.tools.code_server", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (0: any free port; the ready line says which)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="programs run at once (default: the number of CPUs)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds a program may run (default 10)")
+    parser.add_argument("--memory-mb", type=int, default=512, help="address-space limit of a program (default 512)")
+    parser.add_argument("--output-limit", type=int, default=65536, help="characters of stdout/stderr kept (default 65536)")
+    parser.add_argument("--isolation", default="auto", choices=("auto", "bwrap", "uid", "none"),
+                        help="sandbox isolation (default auto: the strongest that works here)")
+    parser.add_argument("--queue-timeout", type=float, default=QUEUE_TIMEOUT,
+                        help=f"seconds /run and /run/batch let a submission wait for a worker (default {QUEUE_TIMEOUT})")
+    parser.add_argument("--max-request-mb", type=int, default=64, help="largest request body accepted (default 64)")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO; DEBUG logs every batch)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start the sandbox and serve until SIGINT/SIGTERM; the exit status."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sandbox = Sandbox(workers=args.workers, timeout=args.timeout, memory_mb=args.memory_mb,
+                          output_limit=args.output_limit, isolation=args.isolation)
+    except (SandboxError, ValueError) as error:
+        logger.error("cannot start the sandbox: %s", error)
+        return 1
+    with sandbox:
+        description = (f"{args.workers} workers, timeout {args.timeout:g}s, memory {args.memory_mb} MB, "
+                       f"isolation: {sandbox.isolation}")
+        try:
+            asyncio.run(serve(make_app(sandbox, args.workers, args.queue_timeout, args.max_request_mb),
+                              args.host, args.port, description))
+        except OSError as error:  # the port is taken, the address is not ours
+            logger.error("cannot serve on %s:%d: %s", args.host, args.port, error)
+            return 1
+    logger.info("code service stopped; sandbox closed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,425 @@
+"""The code-judge-compatible code service (`rl2.tools.code_server`) and its client
+(`rl2.tools.code_client`): real server processes on 127.0.0.1, the API's shapes and errors,
+batching, concurrency bounds, retries, and a service that dies or is not there."""
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from rl2.tools.code_client import CodeClient
+from rl2.tools.code_server import Submission, judge_result, make_app
+from rl2.tools.sandbox import RunResult, Sandbox
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Server:
+    """`python -m rl2.tools.code_server` in a subprocess; a thread collects its log lines."""
+
+    def __init__(self, port: int = 0, *args: str):
+        command = [sys.executable, "-m", "rl2.tools.code_server", "--host", "127.0.0.1", "--port", str(port),
+                   "--workers", "2", "--timeout", "1", *args]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                                        env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True)
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+            match = re.search(r"code service ready at (http://\S+)", line)
+            if match:
+                self.url = match.group(1)
+                self._ready.set()
+        self._ready.set()  # exited
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout: float = 30.0) -> str:
+        self._ready.wait(timeout)
+        if self.url is None:
+            self.kill()
+            raise AssertionError(f"code server did not become ready:\n{self.log()}")
+        return self.url
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"code server ignored SIGTERM:\n{self.log()}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application):
+    """Serve `app` in this process on a free port; yields its URL."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def request(method: str, url: str, **kwargs) -> tuple[int, object]:
+    """(status, decoded JSON body) of one request."""
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, url, **kwargs) as response:
+            return response.status, await response.json(content_type=None)
+
+
+def py(solution: str, **fields) -> dict:
+    return {"type": "python", "solution": solution, **fields}
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A code server (2 workers, 1 s time limit, 1 MB request limit) shared by the module's tests."""
+    server = Server(0, "--max-request-mb", "1")
+    server.wait_ready()
+    yield server
+    assert server.stop() == 0, server.log()
+    assert "sandbox closed" in server.log()
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    with Sandbox(workers=2, timeout=5) as box:
+        yield box
+
+
+# ----------------------------------------------------------------------------------------------
+# the server's API
+
+
+def test_run_single_ok_error_timeout(server):
+    url = server.url
+
+    async def main():
+        return await asyncio.gather(
+            request("POST", url + "/run", json=py("print(input()[::-1])", input="abc", sub_id="s1")),
+            request("POST", url + "/run", json=py("print(input())", input="a", expected_output="b")),
+            request("POST", url + "/run", json=py("print(' 7 ')", expected_output="7\n")),
+            request("POST", url + "/run", json=py("import sys\nprint('partial')\nsys.exit(3)")),
+            request("POST", url + "/run", json=py("raise ValueError('boom')")),
+            request("POST", url + "/run", json=py("while True: pass")),
+            request("POST", url + "/judge", json=py("print(1)", expected_output="1")),
+        )
+
+    (s1, ok), (s2, mismatch), (s3, match), (s4, exit3), (s5, raised), (s6, slow), (s7, judged) = asyncio.run(main())
+    assert {s1, s2, s3, s4, s5, s6, s7} == {200}
+    assert set(ok) == {"sub_id", "success", "run_success", "cost", "stdout", "stderr", "reason"}
+    assert ok["sub_id"] == "s1" and ok["stdout"] == "cba\n" and ok["stderr"] == ""
+    assert ok["success"] is True and ok["run_success"] is True and ok["reason"] == ""
+    assert isinstance(ok["cost"], float) and 0 < ok["cost"] < 1
+    assert mismatch["run_success"] is True and mismatch["success"] is False  # ran, but the output differs
+    assert match["success"] is True  # compared after stripping, as code-judge does
+    assert exit3["stdout"] == "partial\n" and exit3["run_success"] is False and exit3["success"] is False
+    assert exit3["reason"] == ""
+    assert "ValueError: boom" in raised["stderr"] and raised["run_success"] is False
+    assert slow["reason"] == "worker_timeout" and slow["run_success"] is False and slow["success"] is False
+    assert 0.9 < slow["cost"] < 5
+    assert judged["success"] is True and "stdout" not in judged and "stderr" not in judged
+
+
+def test_batch_and_long_batch_concurrently_in_order(server):
+    def batch(b: int, with_ids: bool) -> dict:
+        # later submissions finish sooner, so completion order differs from submission order
+        subs = [py(f"import time\ntime.sleep({(4 - i) * 0.03})\nprint({b * 100 + i})") for i in range(5)]
+        if with_ids:
+            for i, sub in enumerate(subs):
+                sub["sub_id"] = f"b{b}-{i}"
+        return {"type": "batch", "sub_id": f"batch-{b}", "submissions": subs}
+
+    async def main():
+        calls = [request("POST", server.url + ("/run/batch" if b % 2 else "/run/long-batch"), json=batch(b, b < 3))
+                 for b in range(6)]
+        return await asyncio.gather(*calls)
+
+    for b, (status, answer) in enumerate(asyncio.run(main())):
+        assert status == 200 and answer["sub_id"] == f"batch-{b}"
+        assert [r["stdout"] for r in answer["results"]] == [f"{b * 100 + i}\n" for i in range(5)]
+        assert all(r["success"] and r["run_success"] and r["reason"] == "" for r in answer["results"])
+        ids = [r["sub_id"] for r in answer["results"]]
+        if b < 3:
+            assert ids == [f"b{b}-{i}" for i in range(5)]
+        else:
+            assert len(set(ids)) == 5 and all(isinstance(i, str) and i for i in ids)
+
+
+@pytest.mark.parametrize("method,path,body,status,needle", [
+    ("POST", "/run", {"data": b"not json"}, 422, "not valid JSON"),
+    ("POST", "/run", {"json": ["print(1)"]}, 422, "JSON object"),
+    ("POST", "/run", {"json": {"type": "python"}}, 422, "'solution'"),
+    ("POST", "/run", {"json": {"solution": "print(1)"}}, 422, "'type' is missing"),
+    ("POST", "/run", {"json": py("print(1)") | {"type": "cpp"}}, 422, "unsupported type 'cpp'"),
+    ("POST", "/run", {"json": {"type": "python", "solution": 5}}, 422, "'solution' must be a string"),
+    ("POST", "/run", {"json": py("print(1)", input=3)}, 422, "'input' must be a string"),
+    ("POST", "/run/batch", {"json": {"type": "batch", "submissions": []}}, 422, "non-empty"),
+    ("POST", "/run/batch", {"json": py("print(1)")}, 422, "type must be 'batch'"),
+    ("POST", "/run/long-batch", {"json": {"submissions": [py("print(1)"), {"type": "rust", "solution": "x"}]}},
+     422, "unsupported type 'rust'"),
+    ("POST", "/run", {"json": py("x" * (2 * 1024 * 1024))}, 413, "exceeded"),
+    ("GET", "/run", {}, 405, "Method Not Allowed"),
+    ("GET", "/nowhere", {}, 404, "Not Found"),
+])
+def test_bad_requests_get_json_errors(server, method, path, body, status, needle):
+    got, answer = asyncio.run(request(method, server.url + path, **body))
+    assert got == status, answer
+    assert needle in str(answer["detail"])
+    if status == 422:  # FastAPI's shape: a list of {type, loc, msg}
+        (detail,) = answer["detail"]
+        assert set(detail) == {"type", "loc", "msg"} and detail["loc"][0] == "body"
+
+
+def test_bad_item_in_batch_is_located(server):
+    body = {"submissions": [py("print(1)"), py("print(2)"), {"type": "python"}]}
+    status, answer = asyncio.run(request("POST", server.url + "/run/batch", json=body))
+    assert status == 422 and answer["detail"][0]["loc"] == ["body", "submissions", 2, "solution"]
+
+
+def test_ping_and_status(server):
+    assert asyncio.run(request("GET", server.url + "/ping")) == (200, "pong")
+    assert asyncio.run(request("GET", server.url + "/status")) == (200, {"queue": 0, "num_workers": 2})
+
+
+def test_result_mapping_to_code_judge():
+    sub = Submission("id", "code", "", None)
+    expecting = Submission("id", "code", "", "42")
+
+    def mapped(reason: str, stdout: str = "", sub: Submission = sub) -> tuple:
+        result = judge_result(sub, RunResult(stdout, "", 0 if reason == "ok" else 1, 0.5, reason))
+        return result["success"], result["run_success"], result["reason"]
+
+    assert mapped("ok") == (True, True, "")
+    assert mapped("ok", "42\n", expecting) == (True, True, "")
+    assert mapped("ok", "41\n", expecting) == (False, True, "")
+    assert mapped("error") == (False, False, "")
+    assert mapped("timeout") == (False, False, "worker_timeout")
+    assert mapped("memory") == (False, False, "")
+    assert mapped("output_limit") == (False, False, "")
+    assert mapped("sandbox_error") == (False, False, "internal_error")
+
+
+def test_queue_timeout_on_batch_not_on_long_batch(sandbox, caplog):
+    """/run/batch gives up on a submission that cannot start in time; /run/long-batch waits; the
+    client resubmits queue-timed-out submissions."""
+    app = make_app(sandbox, workers=1, queue_timeout=0.3)
+    body = {"submissions": [py("import time\ntime.sleep(0.8)\nprint('a')"), py("print('b')")]}
+
+    async def main():
+        async with serving(app) as url:
+            short = await request("POST", url + "/run/batch", json=body)
+            long = await request("POST", url + "/run/long-batch", json=body)
+            client = CodeClient(url, long_batch=False, retries=3, backoff=0.3)
+            retried = await client.run_many([code["solution"] for code in body["submissions"]])
+            return short, long, retried
+
+    (_, short), (_, long), retried = asyncio.run(main())
+    assert short["results"][0]["stdout"] == "a\n"
+    assert short["results"][1]["reason"] == "queue_timeout" and short["results"][1]["success"] is False
+    assert 0.25 < short["results"][1]["cost"] < 0.8
+    assert [r["stdout"] for r in long["results"]] == ["a\n", "b\n"]
+    assert [r["stdout"] for r in retried] == ["a\n", "b\n"]
+    assert any("queue_timeout" in r.getMessage() for r in caplog.records if r.name == "rl2.tools.code_client")
+
+
+# ----------------------------------------------------------------------------------------------
+# the client
+
+
+def test_client_against_server(server):
+    client = CodeClient(server.url, batch_size=3, concurrency=2)
+    programs = [f"print({i} * {i})" for i in range(6)] + [("print(input().upper())", "shout")]
+    results = asyncio.run(client.run_many(programs))
+    assert [r["stdout"] for r in results] == [f"{i * i}\n" for i in range(6)] + ["SHOUT\n"]
+    assert all(r["success"] for r in results)
+    assert client.run_sync("print(6 * 7)")["stdout"] == "42\n"
+    assert client.run_many_sync([]) == []
+    assert asyncio.run(client.ping()) is True
+    timeout = asyncio.run(client.run("while True: pass"))
+    assert timeout["reason"] == "worker_timeout" and timeout["success"] is False
+
+
+def test_client_batches_and_bounds_requests_in_flight(sandbox):
+    """run_many splits into batch_size batches with at most `concurrency` requests at once, also
+    across concurrent calls on one client."""
+    app = make_app(sandbox, workers=2)
+    in_flight, peak, sizes = [0], [0], []
+
+    @web.middleware
+    async def count(request, handler):
+        in_flight[0] += 1
+        peak[0] = max(peak[0], in_flight[0])
+        sizes.append(len((await request.json())["submissions"]))
+        try:
+            return await handler(request)
+        finally:
+            in_flight[0] -= 1
+
+    app.middlewares.append(count)
+    programs = [f"import time\ntime.sleep(0.05)\nprint({i})" for i in range(11)]
+
+    async def main():
+        async with serving(app) as url:
+            client = CodeClient(url, batch_size=3, concurrency=2)
+            results = await client.run_many(programs)
+            many_peak, many_sizes = peak[0], list(sizes)
+            peak[0] = 0
+            singles = await asyncio.gather(*(client.run(programs[i]) for i in range(6)))  # a session each
+            singles_peak = peak[0]
+            async with client:  # one session for the block
+                shared = await asyncio.gather(*(client.run(programs[i]) for i in range(6)))
+            return results, many_peak, many_sizes, singles, singles_peak, shared
+
+    results, many_peak, many_sizes, singles, singles_peak, shared = asyncio.run(main())
+    assert [r["stdout"] for r in results] == [f"{i}\n" for i in range(11)]
+    assert sorted(many_sizes) == [2, 3, 3, 3]
+    assert many_peak == 2  # bounded, and the bound was reached
+    assert [r["stdout"] for r in singles] == [r["stdout"] for r in shared] == [f"{i}\n" for i in range(6)]
+    assert singles_peak == 2 and peak[0] <= 2
+
+
+def test_client_retries_5xx_and_does_not_retry_4xx():
+    calls = {"flaky": 0, "reject": 0, "garbled": 0}
+
+    async def flaky(request):
+        calls["flaky"] += 1
+        if calls["flaky"] < 3:
+            return web.Response(status=503, text="overloaded")
+        subs = (await request.json())["submissions"]
+        return web.json_response({"sub_id": "x", "results": [
+            {"sub_id": s["sub_id"], "success": True, "run_success": True, "cost": 0.0, "stdout": s["solution"],
+             "stderr": "", "reason": ""} for s in subs]})
+
+    async def reject(request):
+        calls["reject"] += 1
+        return web.json_response({"detail": [{"msg": "unsupported"}]}, status=422)
+
+    async def garbled(request):
+        calls["garbled"] += 1
+        return web.json_response({"sub_id": "x", "results": []})
+
+    app = web.Application()
+    app.router.add_post("/flaky/run/long-batch", flaky)
+    app.router.add_post("/reject/run/long-batch", reject)
+    app.router.add_post("/garbled/run/long-batch", garbled)
+
+    async def main():
+        async with serving(app) as url:
+            def client(path: str) -> CodeClient:
+                return CodeClient(url + path, retries=3, backoff=0.01)
+            return (await client("/flaky").run_many(["a", "b"]), await client("/reject").run("a"),
+                    await client("/garbled").run("a"), url)
+
+    ok, rejected, wrong, url = asyncio.run(main())
+    assert [r["stdout"] for r in ok] == ["a", "b"] and calls["flaky"] == 3
+    assert rejected["reason"] == "invalid_input" and "HTTP 422" in rejected["stderr"] and calls["reject"] == 1
+    assert f"code service at {url}/reject" in rejected["stderr"]
+    assert wrong["reason"] == "internal_error" and "do not match" in wrong["stderr"] and calls["garbled"] == 1
+
+
+def test_client_when_server_is_killed_mid_run():
+    server = Server(0, "--timeout", "10")
+    url = server.wait_ready()
+    client = CodeClient(url, batch_size=2, retries=2, backoff=0.1)
+
+    async def main():
+        task = asyncio.create_task(client.run_many(["import time\ntime.sleep(3)\nprint(1)"] * 3))
+        await asyncio.sleep(0.7)
+        assert not task.done()
+        server.kill()
+        start = time.monotonic()
+        return await task, time.monotonic() - start
+
+    try:
+        results, elapsed = asyncio.run(main())
+    finally:
+        server.kill()
+    assert elapsed < 2.0  # backoff 0.1 + 0.2 and refused connections, not a hang
+    for result in results:
+        assert result["success"] is False and result["run_success"] is False
+        assert result["reason"] == "internal_error"
+        assert f"code service at {url} unreachable" in result["stderr"]
+        assert "gave up after 3 attempts" in result["stderr"]
+
+
+def test_client_retries_until_server_comes_back(caplog):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    client = CodeClient(url, retries=6, backoff=0.25)
+    servers = []
+
+    async def main():
+        task = asyncio.create_task(client.run("print(6 * 7)"))
+        await asyncio.sleep(0.1)  # the first attempt has been refused
+        servers.append(Server(port))
+        return await task
+
+    try:
+        result = asyncio.run(main())
+        assert servers[0].wait_ready() == url
+    finally:
+        for server in servers:
+            server.stop()
+    assert result["success"] is True and result["stdout"] == "42\n", result
+    retries = [r.getMessage() for r in caplog.records if r.name == "rl2.tools.code_client"]
+    assert retries and all("unreachable" in message and "retrying" in message for message in retries)
+
+
+def test_client_with_nothing_listening():
+    url = f"http://127.0.0.1:{free_port()}"
+    client = CodeClient(url, retries=2, backoff=0.05)
+    start = time.monotonic()
+    results = asyncio.run(client.run_many(["print(1)", ("print(input())", "x")]))
+    single = client.run_sync("print(1)")
+    assert time.monotonic() - start < 3.0
+    for result in results + [single]:
+        assert result["success"] is False and result["reason"] == "internal_error"
+        assert result["stderr"].startswith(f"code service at {url} unreachable")
+        assert "gave up after 3 attempts" in result["stderr"]
+    assert asyncio.run(client.ping()) is False
+
+
+def test_client_argument_errors():
+    with pytest.raises(ValueError, match="http"):
+        CodeClient("localhost:8000")
+    with pytest.raises(ValueError, match="concurrency"):
+        CodeClient("http://localhost:8000", concurrency=0)
+    with pytest.raises(TypeError, match="code string"):
+        asyncio.run(CodeClient("http://localhost:8000").run_many([("print(1)",)]))
+
+
+def test_server_exits_cleanly_when_port_taken(server):
+    port = int(server.url.rsplit(":", 1)[1])
+    second = Server(port)
+    assert second.process.wait(timeout=30) == 1
+    assert "cannot serve" in second.log() and "sandbox closed" not in second.log()
