@@ -8,7 +8,7 @@ runs `--runs` programs from `--clients` concurrent callers; the figures are prog
 Target on the 2-core box: at least 210 small programs/s with full isolation, p50 <= 20 ms for
 `print(1+1)`.
 
-    python bench/sandbox.py [--runs 600 --workers 2 --clients 4]
+    python bench/sandbox.py [--runs 600 --workers 2 --clients 4 --isolation auto|bwrap|uid|none --no-service]
 """
 
 import argparse
@@ -105,12 +105,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="sandbox workers (and code-service workers)")
     parser.add_argument("--clients", type=int, default=4, help="concurrent callers")
     parser.add_argument("--no-service", action="store_true", help="skip the HTTP code service")
+    parser.add_argument("--isolation", default="auto", choices=["auto", "bwrap", "uid", "none"],
+                        help="the sandbox's isolation (the service always uses auto)")
     args = parser.parse_args()
 
     rows = []
     for name, code in PROGRAMS.items():
         rows.append((f"subprocess.run, no isolation", name, measure(subprocess_call, code, args.runs, args.clients)))
-    with Sandbox(workers=args.workers) as box:
+    with Sandbox(workers=args.workers, isolation=args.isolation) as box:
         isolation = box.isolation
         for name, code in PROGRAMS.items():
             rows.append(("Sandbox.run", name, measure(lambda c: box.run(c).stdout, code, args.runs, args.clients)))

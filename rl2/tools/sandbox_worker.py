@@ -185,10 +185,28 @@ def clear_scratch(dirs: list[str], keep: str) -> None:
                     pass
 
 
-def clear_owned(dirs: list[str], uid: int) -> None:
-    """Without a private /tmp (the uid fallback): delete what the program's uid left at the top of
-    the host's world-writable directories."""
+SHARED_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # world-writable on the host
+
+
+def modification_times(dirs: tuple[str, ...]) -> dict[str, int]:
+    times = {}
     for directory in dirs:
+        try:
+            times[directory] = os.stat(directory).st_mtime_ns
+        except OSError:
+            pass
+    return times
+
+
+def clear_owned(before: dict[str, int], uid: int) -> None:
+    """Without a private /tmp (the uid fallback): delete what the program's uid left at the top of
+    the host's world-writable directories. A directory whose modification time has not moved has
+    no new entry, so only changed ones are listed (and ones changed just before the run, as the
+    clock behind modification times is coarse)."""
+    recent = time.time_ns() - 20_000_000  # a few timer ticks
+    for directory, mtime in modification_times(tuple(before)).items():
+        if mtime == before[directory] and mtime < recent:
+            continue
         try:
             names = os.listdir(directory)
         except OSError:
@@ -237,6 +255,7 @@ def run(request: dict, base_dir: str, io_dir: str, scratch_dirs: list[str], uid:
     fds = (os.open(paths[0], os.O_RDONLY),) + tuple(
         os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for p in paths[1:]
     )
+    shared_before = modification_times(SHARED_DIRS) if uid is not None and not in_namespace else {}
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
@@ -256,8 +275,8 @@ def run(request: dict, base_dir: str, io_dir: str, scratch_dirs: list[str], uid:
     stdout, out_cut = read_capped(paths[1], limit)
     stderr, err_cut = read_capped(paths[2], limit)
     clear_scratch(scratch_dirs, keep=io_dir)
-    if uid is not None and not in_namespace:
-        clear_owned(["/tmp", "/var/tmp", "/dev/shm"], uid)
+    if shared_before:
+        clear_owned(shared_before, uid)
     cpu_limited = os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL) and (
         usage.ru_utime + usage.ru_stime >= int(request["timeout"] + 0.999) - 0.05
     )
