@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 logger = logging.getLogger("rl2.tools.sandbox")
 
+# Passed to `python -c` rather than run by path: the file may live under /tmp, which bubblewrap
+# replaces with an empty tmpfs.
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
 ISOLATIONS = ("auto", "bwrap", "uid", "none")
 # Imported once by each worker so programs using them start instantly (children share them), and
@@ -112,22 +114,27 @@ def expose_python_args() -> list[str]:
             hidden.setdefault(ancestor, []).append(path)
     args = []
     for ancestor, paths in sorted(hidden.items()):
-        args += ["--perms", "0755", "--tmpfs", ancestor]
-        made, bound = {ancestor}, []
-        for path in paths:  # sorted, so a directory comes before what is inside it
-            if any(path.startswith(done + "/") for done in bound):
-                continue
-            parent = os.path.dirname(path)
-            missing = []
-            while parent not in made:
-                missing.append(parent)
-                parent = os.path.dirname(parent)
-            for directory in reversed(missing):  # bubblewrap would make them 0700
-                args += ["--perms", "0755", "--dir", directory]
-                made.add(directory)
-            args += ["--ro-bind", path, path]
-            made.add(path)
-            bound.append(path)
+        args += ["--perms", "0755", "--tmpfs", ancestor] + bind_back_args(ancestor, paths)
+    return args
+
+
+def bind_back_args(mount: str, paths: list[str]) -> list[str]:
+    """bubblewrap arguments binding `paths` (read-only) into `mount`, a fresh tmpfs, with the
+    directories between made traversable (bubblewrap would make them 0700)."""
+    args, made, bound = [], {mount}, []
+    for path in sorted(paths):  # a directory comes before what is inside it
+        if any(path.startswith(done + "/") for done in bound):
+            continue
+        parent, missing = os.path.dirname(path), []
+        while parent not in made:
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        for directory in reversed(missing):
+            args += ["--perms", "0755", "--dir", directory]
+            made.add(directory)
+        args += ["--ro-bind", path, path]
+        made.add(path)
+        bound.append(path)
     return args
 
 
@@ -153,22 +160,28 @@ class _Worker:
         self.isolation, self.uid, self.base_dir, self.tmpfs_mb, self.preload = isolation, uid, base_dir, tmpfs_mb, preload
         self.process: subprocess.Popen | None = None
         self.network = "shared"
+        with open(WORKER_SCRIPT, encoding="utf-8") as f:
+            self.source = f.read()
+        # An interpreter (a venv, an editable install) under /tmp must stay visible over the private /tmp.
+        self.under_tmp = [p for p in python_paths() if p.startswith("/tmp/")]
 
     def command(self) -> list[str]:
         settings = {
+            "keep": [path.split("/")[2] for path in self.under_tmp] if self.isolation == "bwrap" else [],
             "uid": self.uid,
             "base_dir": "/tmp" if self.isolation == "bwrap" else self.base_dir,
             "in_namespace": self.isolation == "bwrap",
             "unshare_net": self.isolation == "uid",
             "preload": self.preload,
         }
-        python = [sys.executable, "-I", WORKER_SCRIPT, json.dumps(settings)]
+        python = [sys.executable, "-I", "-c", self.source, json.dumps(settings)]
         if self.isolation != "bwrap":
             return python
         wrapper = [
             "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
             "--perms", "1777", "--size", str(self.tmpfs_mb * 1024 * 1024), "--tmpfs", "/tmp",
             "--perms", "1777", "--size", str(self.tmpfs_mb * 1024 * 1024), "--tmpfs", "/dev/shm",
+            *bind_back_args("/tmp", self.under_tmp),
             "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             *_user_namespace_args(), "--die-with-parent", "--new-session", "--chdir", "/tmp",
         ]
@@ -269,6 +282,7 @@ class Sandbox:
             raise ValueError(f"sandbox workers must be at least 1, got {workers}")
         if timeout <= 0 or memory_mb <= 0 or output_limit <= 0:
             raise ValueError("sandbox timeout, memory_mb and output_limit must be positive")
+        self.workers = workers
         self.timeout, self.memory_mb, self.output_limit = float(timeout), int(memory_mb), int(output_limit)
         self.file_size_mb, self.max_processes = int(file_size_mb), int(max_processes)
         kind = resolve_isolation(isolation)

@@ -168,13 +168,13 @@ def run_child(request: dict, run_dir: str, fds: tuple[int, int, int], uid: int |
     os._exit(status & 0xFF)
 
 
-def clear_scratch(dirs: list[str], keep: str) -> None:
+def clear_scratch(dirs: list[str], keep: set[str]) -> None:
     """Delete everything a program left in the writable directories (its run directory and, inside
     the namespace, the private /tmp and /dev/shm), so nothing carries over to the next program."""
     for directory in dirs:
         for name in os.listdir(directory):
             path = os.path.join(directory, name)
-            if path == keep:
+            if path in keep:
                 continue
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
@@ -244,7 +244,8 @@ def classify(status: int, timed_out: bool, cpu_limited: bool, stderr: str, trunc
     return "ok" if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else "error"
 
 
-def run(request: dict, base_dir: str, io_dir: str, scratch_dirs: list[str], uid: int | None, in_namespace: bool) -> dict:
+def run(request: dict, base_dir: str, io_dir: str, scratch_dirs: list[str], keep: set[str], uid: int | None,
+        in_namespace: bool) -> dict:
     """Execute one program and describe what happened."""
     run_dir = tempfile.mkdtemp(dir=base_dir)
     if uid is not None:
@@ -274,7 +275,7 @@ def run(request: dict, base_dir: str, io_dir: str, scratch_dirs: list[str], uid:
     limit = request["output_limit"]
     stdout, out_cut = read_capped(paths[1], limit)
     stderr, err_cut = read_capped(paths[2], limit)
-    clear_scratch(scratch_dirs, keep=io_dir)
+    clear_scratch(scratch_dirs, keep)
     if shared_before:
         clear_owned(shared_before, uid)
     cpu_limited = os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL) and (
@@ -320,10 +321,12 @@ def main() -> None:
     io_dir = tempfile.mkdtemp(dir=base_dir, prefix=".io-")  # mode 0700: the program cannot open it by path
     uid = settings["uid"]
     scratch_dirs = [base_dir] + (["/dev/shm"] if settings["in_namespace"] else [])
+    # What survives the wipe: our io files, and the interpreter's own paths bound in under /tmp.
+    keep = {io_dir} | {os.path.join(base_dir, name) for name in settings["keep"]}
     write_frame(responses, {"ready": True, "pid": os.getpid(), "network": network})
     while (request := read_frame(requests)) is not None:
         try:
-            response = run(request, base_dir, io_dir, scratch_dirs, uid, settings["in_namespace"])
+            response = run(request, base_dir, io_dir, scratch_dirs, keep, uid, settings["in_namespace"])
         except Exception:
             response = {"reason": "sandbox_error", "stdout": "", "stderr": traceback.format_exc(),
                         "exit_code": None, "signal": None, "wall_time": 0.0, "truncated": False}
