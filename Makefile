@@ -3,7 +3,7 @@
 PYTHON ?= python3
 NPROC ?= 2
 
-.PHONY: install sandbox-tools demo demo-tool demo-sft test bench
+.PHONY: install sandbox-tools demo demo-tool demo-sft demo-rm demo-dpo test bench
 
 install:
 	$(PYTHON) -m pip install --quiet torch==2.13.0
@@ -17,6 +17,12 @@ demo-tool: install
 
 demo-sft: install
 	NPROC=$(NPROC) bash recipes/sft_tiny.sh
+
+demo-rm: install
+	NPROC=$(NPROC) bash recipes/rm_tiny.sh
+
+demo-dpo: install
+	NPROC=$(NPROC) bash recipes/dpo_tiny.sh
 
 # bubblewrap gives the code sandbox its namespaces; without it (or without root to install it)
 # the sandbox and its tests use the fallback isolation, and the bwrap tests say they were skipped.

@@ -1,18 +1,19 @@
-"""FSDP2 models on packed micro-batches: the policy (log-probs) and the critic (values), with
-globally normalised updates."""
+"""FSDP2 models on packed micro-batches: the policy (log-probs), the critic (values) and the reward
+model (a score per sequence), with globally normalised updates."""
 
+import contextlib
 import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from rl2.config import ModelConfig
 from rl2.distributed import all_reduce_sum, build_fsdp_mesh, build_sp_group, device, rank, world_size
 from rl2.fsdp import load_fsdp_model, move_optimizer
 from rl2.optim import build_optimizer
-from rl2.packing import pack_micro_batch, plan_micro_batches, unpack_row
+from rl2.packing import pack_micro_batch, plan_grouped_micro_batches, unpack_row
 from rl2.ring_attention import (
     ring_attention_implementation,
     zigzag_cu_seqlens,
@@ -24,7 +25,7 @@ from rl2.ring_attention import (
 logger = logging.getLogger(__name__)
 
 # loss_fn(outputs, micro_batch) -> (loss summed over the micro-batch's tokens, metrics summed likewise);
-# outputs holds the model's per-token tensors [1, T]: "logps" (and "entropy") or "values".
+# outputs holds the model's per-token tensors [1, T]: "logps" (and "entropy"), "values" or "scores".
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -55,7 +56,8 @@ class Actor:
     every rank. With `sp_size > 1` the ranks of a group split each row with ZigZag ring
     attention (`rl2.ring_attention`); a row then holds up to `sp_size × max_length_per_device`
     tokens. `temperature` is the sampling temperature the log-probs are taken at (the policy
-    that generated the tokens). With `trainable=False` (the reference model) no optimizer is built.
+    that generated the tokens). With `trainable=False` (the reference model) no optimizer is built,
+    and `offload_model` keeps the shards in CPU memory except while `compute` runs (on GPU).
     """
 
     model_cls: type = AutoModelForCausalLM
@@ -94,27 +96,46 @@ class Actor:
             )
         else:
             self.model.requires_grad_(False)
+        self.offload_model = config.offload_model and not trainable and self.device.type == "cuda"
+        if self.offload_model:
+            self.model.to("cpu")  # FSDP2 moves the shards and re-registers them (FSDPModule._apply)
         if self.device.type != "cuda" and (config.offload_model or config.offload_optimizer):
             logger.info("offload_model / offload_optimizer have no effect on CPU: the model already lives there")
+        elif config.offload_model and trainable:
+            logger.warning("offload_model is implemented for frozen models (ref_actor.offload_model) only: "
+                           "this trained model stays on the device")
+
+    @contextlib.contextmanager
+    def on_device(self):
+        """The model's shards on the compute device for the duration (a no-op unless offloaded)."""
+        if not self.offload_model:
+            yield
+            return
+        self.model.to(self.device)
+        try:
+            yield
+        finally:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
 
     # ---- packing -------------------------------------------------------------------------
 
     def pack(
-        self, sequences: list[dict[str, torch.Tensor]], max_tokens: int
+        self, sequences: list[dict[str, torch.Tensor]], max_tokens: int, group_size: int = 1
     ) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
         """This rank's share of `sequences` (dicts of 1-D tensors): its index lists and packed rows
         of at most `max_tokens` tokens per device (`sp_size` times that per row, which the ranks of
         a sequence-parallel group split between them).
 
-        A micro-batch with no sequence (fewer sequences than ranks) becomes a one-token row with
-        an all-zero loss mask, so the rank still joins FSDP's collectives.
+        With `group_size` > 1, each run of that many consecutive sequences (a preference pair:
+        chosen, rejected) is planned as one unit, so it lands whole and in order in one row.
+        A micro-batch with no sequence (fewer units than ranks) becomes a row of `group_size`
+        one-token sequences with an all-zero loss mask, so the rank still joins FSDP's collectives.
         """
         lengths = [len(seq["input_ids"]) for seq in sequences]
-        plan = plan_micro_batches(lengths, self.dp_size, max_tokens * self.sp_size)[self.dp_rank]
-        rows = [
-            pack_micro_batch([sequences[i] for i in indices] or [_placeholder_like(sequences[0])])
-            for indices in plan
-        ]
+        plan = plan_grouped_micro_batches(lengths, group_size, self.dp_size, max_tokens * self.sp_size)[self.dp_rank]
+        placeholder = [_placeholder_like(sequences[0])] * group_size
+        rows = [pack_micro_batch([sequences[i] for i in indices] or placeholder) for indices in plan]
         return plan, [{k: v.to(self.device) for k, v in row.items()} for row in rows]
 
     # ---- forward / backward ----------------------------------------------------------------
@@ -138,13 +159,13 @@ class Actor:
         input_ids, cu_seqlens = micro_batch["input_ids"], micro_batch["cu_seqlens"]
         next_ids = F.pad(input_ids[:, 1:], (0, 1))
         if self.sp_group is None:
-            logits = self.model(
+            logits = self._per_token_outputs(
                 input_ids=input_ids, position_ids=micro_batch["position_ids"], use_cache=False
-            ).logits
+            )
             return logits, next_ids
         local_cu = zigzag_cu_seqlens(cu_seqlens, self.sp_size)
         longest = int((local_cu[1:] - local_cu[:-1]).max())
-        logits = self.model(
+        logits = self._per_token_outputs(
             input_ids=zigzag_split(input_ids, cu_seqlens, self.sp_rank, self.sp_size),
             position_ids=zigzag_position_ids(cu_seqlens, self.sp_rank, self.sp_size).to(self.device),
             cu_seq_lens_q=local_cu,
@@ -152,8 +173,12 @@ class Actor:
             max_length_q=longest,
             max_length_k=longest,
             use_cache=False,
-        ).logits
+        )
         return logits, zigzag_split(next_ids, cu_seqlens, self.sp_rank, self.sp_size)
+
+    def _per_token_outputs(self, **inputs) -> torch.Tensor:
+        """The model's head output at every input token, [1, T, ...]."""
+        return self.model(**inputs).logits
 
     def _align(self, next_values: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token values computed at each token for the next one ([1, T], or this rank's zigzag
@@ -172,10 +197,11 @@ class Actor:
         lengths = [len(seq["input_ids"]) for seq in sequences]
         result = [torch.zeros(n) for n in lengths]
         plan, rows = self.pack(sequences, self._inference_max_tokens())
-        for indices, row in zip(plan, rows):
-            per_sequence = unpack_row(self.forward(row)[output].float().cpu(), row["cu_seqlens"].cpu())
-            for i, values in zip(indices, per_sequence):
-                result[i] = values
+        with self.on_device():
+            for indices, row in zip(plan, rows):
+                per_sequence = unpack_row(self.forward(row)[output].float().cpu(), row["cu_seqlens"].cpu())
+                for i, values in zip(indices, per_sequence):
+                    result[i] = values
         # Each sequence was computed by exactly one data-parallel group (whose SP ranks all hold it;
         # the first one reports it), zeros elsewhere: a sum gathers them all.
         local = torch.cat(result) if self.sp_rank == 0 else torch.zeros(sum(lengths))
@@ -185,33 +211,50 @@ class Actor:
         return self.compute(sequences, "logps")
 
     @torch.no_grad()
-    def evaluate(self, sequences: list[dict[str, torch.Tensor]], loss_fn: LossFn) -> dict[str, float]:
-        """`loss_fn`'s loss and metrics over `sequences`, per loss token, without updating."""
+    def evaluate(
+        self,
+        sequences: list[dict[str, torch.Tensor]],
+        loss_fn: LossFn,
+        loss_total: float | None = None,
+        group_size: int = 1,
+    ) -> dict[str, float]:
+        """`loss_fn`'s loss and metrics over `sequences`, divided by `loss_total` (default: per loss
+        token), without updating; `group_size` as in `pack`."""
         self.model.eval()
-        _, rows = self.pack(sequences, self._inference_max_tokens())
-        return self._accumulate(rows, loss_fn, backward=False)
+        _, rows = self.pack(sequences, self._inference_max_tokens(), group_size)
+        with self.on_device():
+            return self._accumulate(rows, loss_fn, backward=False, loss_total=loss_total)
 
     def train_step(
-        self, sequences: list[dict[str, torch.Tensor]], loss_fn: LossFn, loss_total: float | None = None
+        self,
+        sequences: list[dict[str, torch.Tensor]],
+        loss_fn: LossFn,
+        loss_total: float | None = None,
+        group_size: int = 1,
     ) -> dict[str, float]:
         """One optimizer step over all `sequences` (see `accumulate_gradients`)."""
-        metrics = self.accumulate_gradients(sequences, loss_fn, loss_total)
+        metrics = self.accumulate_gradients(sequences, loss_fn, loss_total, group_size)
         metrics["grad_norm"] = self.optimizer_step()
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
     def accumulate_gradients(
-        self, sequences: list[dict[str, torch.Tensor]], loss_fn: LossFn, loss_total: float | None = None
+        self,
+        sequences: list[dict[str, torch.Tensor]],
+        loss_fn: LossFn,
+        loss_total: float | None = None,
+        group_size: int = 1,
     ) -> dict[str, float]:
         """Backward over this rank's micro-batches of `sequences`.
 
         The loss is the sum of `loss_fn`'s per-micro-batch sums divided by `loss_total`: by
         default the number of loss tokens in the whole global batch (a per-token mean); pass 1.0
-        when `loss_fn` already weighs tokens by weights summing to 1. Either way gradients do not
-        depend on the world size, the packing or the number of micro-batches.
+        when `loss_fn` already weighs tokens by weights summing to 1, or the number of pairs for
+        a per-pair loss. Either way gradients do not depend on the world size, the packing or the
+        number of micro-batches. `group_size` keeps groups of sequences together (see `pack`).
         """
         self.model.train()
-        _, rows = self.pack(sequences, self.config.max_length_per_device)
+        _, rows = self.pack(sequences, self.config.max_length_per_device, group_size)
         return self._accumulate(rows, loss_fn, backward=True, loss_total=loss_total)
 
     def _accumulate(
@@ -273,6 +316,43 @@ class Critic(Actor):
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
         scores, _ = self._logits(micro_batch)
         return {"values": self._align(scores.float().squeeze(-1), micro_batch)}
+
+
+class RewardModel(Actor):
+    """A reward model: the causal LM's body with a scalar head (sequence classification, one label).
+
+    `forward` gives the head's score at every token, [1, T]; a sequence's reward is the score of
+    its last token, which is what `AutoModelForSequenceClassification` returns for the sequence
+    alone. The exported folder loads with that class, and with `AutoModelForTokenClassification`
+    (its config says no head bias and no dropout), which gives the score of every token.
+    """
+
+    model_cls = AutoModelForSequenceClassification
+    config_overrides = {"num_labels": 1, "classifier_dropout": 0.0, "token_classification_bias": False}
+
+    def __init__(self, config: ModelConfig, total_steps: int):
+        super().__init__(config, total_steps)
+        head = getattr(self.model, "score", None)
+        if not isinstance(head, torch.nn.Linear):
+            raise ValueError(f"{type(self.model).__name__} has no linear `score` head to read per-token rewards from")
+        # The sequence-classification forward keeps only each row's last score; the head sees them all.
+        self._head_output: torch.Tensor | None = None
+        head.register_forward_hook(self._keep_head_output)
+
+    def _keep_head_output(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        self._head_output = output
+
+    def _per_token_outputs(self, **inputs) -> torch.Tensor:
+        self.model(**inputs)
+        scores, self._head_output = self._head_output, None
+        return scores
+
+    def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        scores, _ = self._logits(micro_batch)
+        scores = scores.float().squeeze(-1)
+        if self.sp_group is not None:
+            scores = zigzag_gather(scores, micro_batch["cu_seqlens"], self.sp_group)
+        return {"scores": scores}
 
 
 def _placeholder_like(sequence: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -71,9 +71,20 @@ class ModelConfig:
 
 
 @dataclass
+class ActorConfig(ModelConfig):
+    beta: float = _f(0.1, "DPO: strength of the implicit KL to the reference model (rewards are beta x log-ratio)")
+    label_smoothing: float = _f(0.0, "DPO: assumed probability that a pair's preference label is flipped (conservative DPO), in [0, 0.5)")
+
+
+@dataclass
 class CriticConfig(ModelConfig):
     clip: float = _f(0.5, "clip range of the value update")
     lr: float = _f(5e-6, "learning rate of the optimizer")
+
+
+@dataclass
+class RefActorConfig:
+    offload_model: bool = _f(False, "keep the frozen reference model's shards in CPU memory between uses (GPU only)")
 
 
 @dataclass
@@ -127,8 +138,9 @@ class TrainerConfig:
 @dataclass
 class Config:
     data: DataConfig = _section(DataConfig, "dataset")
-    actor: ModelConfig = _section(ModelConfig, "policy model")
-    critic: CriticConfig = _section(CriticConfig, "value model (used with adv.estimator=gae)")
+    actor: ActorConfig = _section(ActorConfig, "policy model (SFT, DPO, PPO)")
+    critic: CriticConfig = _section(CriticConfig, "value model (PPO with adv.estimator=gae) or reward model (rl2.trainer.rm)")
+    ref_actor: RefActorConfig = _section(RefActorConfig, "frozen reference model (DPO; PPO with kl.coef > 0): a copy of actor.model_name")
     rollout: RolloutConfig = _section(RolloutConfig, "generation")
     kl: KLConfig = _section(KLConfig, "KL regularisation against the reference model")
     adv: AdvConfig = _section(AdvConfig, "advantage estimation")

@@ -2,8 +2,9 @@
 
 Every rank must run the same number of micro-batches (FSDP collectives have to line up), each
 micro-batch is one row of concatenated sequences under a token cap, and ranks should carry nearly
-equal token totals. `plan_micro_batches` decides which sequence goes where, `pack_micro_batch`
-builds a row, `unpack_row` splits a per-token output of that row back into sequences.
+equal token totals. `plan_micro_batches` decides which sequence goes where (`plan_grouped_micro_batches`
+keeps groups such as preference pairs together), `pack_micro_batch` builds a row, `unpack_row`
+splits a per-token output of that row back into sequences.
 """
 
 import heapq
@@ -348,6 +349,27 @@ def plan_micro_batches(lengths: list[int], dp_size: int, max_tokens: int) -> lis
         micro.sort(key=lambda mb: (-sum(lengths[i] for i in mb), mb[0] if mb else len(lengths)))
         plan.append(micro)
     return plan
+
+
+def plan_grouped_micro_batches(
+    lengths: list[int], group_size: int, dp_size: int, max_tokens: int
+) -> list[list[list[int]]]:
+    """`plan_micro_batches` for sequences that come in groups: each run of `group_size` consecutive
+    sequences (a preference pair: chosen, rejected) is placed as one unit, so a group lands whole
+    in one micro-batch, its sequences adjacent and in order. Returns sequence indices."""
+    if group_size < 1 or len(lengths) % group_size:
+        raise ValueError(f"{len(lengths)} sequences do not form groups of {group_size}")
+    group_lengths = [sum(lengths[start : start + group_size]) for start in range(0, len(lengths), group_size)]
+    for group, length in enumerate(group_lengths):
+        if group_size > 1 and length > max_tokens:
+            raise ValueError(
+                f"group {group} (sequences {group * group_size}-{group * group_size + group_size - 1}) has {length} "
+                f"tokens, more than max_tokens={max_tokens}; its sequences must share a micro-batch"
+            )
+    return [
+        [[group * group_size + j for group in micro for j in range(group_size)] for micro in rank_plan]
+        for rank_plan in plan_micro_batches(group_lengths, dp_size, max_tokens)
+    ]
 
 
 def pack_micro_batch(sequences: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

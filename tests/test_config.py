@@ -4,10 +4,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from rl2.config import (
+    ActorConfig,
     Config,
     ConfigError,
     CriticConfig,
-    ModelConfig,
     config_help,
     config_to_dict,
     load_config,
@@ -16,7 +16,9 @@ from rl2.config import (
 
 def test_defaults():
     c = load_config()
-    assert isinstance(c, Config) and type(c.actor) is ModelConfig and type(c.critic) is CriticConfig
+    assert isinstance(c, Config) and type(c.actor) is ActorConfig and type(c.critic) is CriticConfig
+    assert c.actor.beta == 0.1 and c.actor.label_smoothing == 0.0 and c.ref_actor.offload_model is False
+    assert not hasattr(c.critic, "beta")  # DPO keys live on the actor only
     assert c.data.batch_size == 8 and c.data.path is None and c.data.shuffle is True
     assert c.actor.lr == 1e-6 and c.actor.clip == 0.2 and c.actor.dtype == "bfloat16"
     assert c.critic.lr == 5e-6 and c.critic.clip == 0.5
@@ -97,7 +99,7 @@ def test_unknown_section():
     with pytest.raises(ConfigError) as e:
         load_config(["foo.bar=1"])
     msg = str(e.value)
-    assert "'foo'" in msg and "actor, adv, critic, data, kl, rollout, trainer" in msg
+    assert "'foo'" in msg and "actor, adv, critic, data, kl, ref_actor, rollout, trainer" in msg
 
 
 def test_unknown_nested_key():

@@ -16,7 +16,7 @@ from rl2.checkpoint import (
     save_checkpoint,
     save_hf_model,
 )
-from rl2.config import Config, ConfigError, config_to_dict
+from rl2.config import Config, ConfigError, ModelConfig, config_to_dict
 from rl2.data import DataError, load_rows, split_rows, validate_rows
 from rl2.env import EnvError
 from rl2.distributed import init_distributed, is_rank0, world_size
@@ -55,12 +55,30 @@ def require(config: Config, *keys: str) -> None:
             raise ConfigError(f"{key} is required (pass {key}=...)")
 
 
+def require_pair_budget(config: Config, section: str) -> None:
+    """Pair trainers: a pair (chosen and rejected, up to `data.max_length` tokens each) must fit in
+    one micro-batch, since both are packed side by side."""
+    model = getattr(config, section)
+    budget = model.max_length_per_device * model.sp_size
+    if config.data.max_length is not None and 2 * config.data.max_length > budget:
+        raise ConfigError(
+            f"data.max_length={config.data.max_length} allows pairs of {2 * config.data.max_length} tokens (chosen and "
+            f"rejected share a micro-batch), more than {section}.max_length_per_device x {section}.sp_size = {budget}; "
+            f"raise {section}.max_length_per_device or lower data.max_length"
+        )
+
+
 class Trainer:
     """Base of the trainers: holds the config, the tokenizer and the metrics logger; saves and resumes.
 
     Subclasses build their models, set `self.total_steps`, list what a checkpoint holds in
-    `checkpointed_models()`, and call `resume()` once their models and sampler exist.
+    `checkpointed_models()` (keyed by config section), and call `resume()` once their models and
+    sampler exist. `main_section` names the model a run is about: its tokenizer is the run's, its
+    `save_dir`, `save_freq` and `save_optimizer` rule the checkpoints, and the checkpoint folder
+    holds it at its root (other models in sub-folders named after their section).
     """
+
+    main_section = "actor"
 
     def __init__(self, config: Config):
         init_distributed()
@@ -71,7 +89,8 @@ class Trainer:
                 raise ConfigError(f"{section}.sp_size={sp_size} must divide the number of ranks ({world_size()})")
         torch.manual_seed(config.trainer.seed)
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer_name or config.actor.model_name)
+        main = self.main_config
+        self.tokenizer = AutoTokenizer.from_pretrained(main.tokenizer_name or main.model_name)
         self.step = 0
         self.metrics: MetricsLogger | None = None
 
@@ -90,6 +109,10 @@ class Trainer:
             )
         return dataset_cls(data.path, tokenizer, max_length), None
 
+    @property
+    def main_config(self) -> ModelConfig:
+        return getattr(self.config, self.main_section)
+
     def is_test_step(self, step: int) -> bool:
         freq = self.config.trainer.test_freq
         return step == self.total_steps or (freq is not None and step % freq == 0)
@@ -107,7 +130,8 @@ class Trainer:
 
     def resume(self) -> None:
         """Restore from `trainer.load_ckpt_from` if set, then open the metrics log at that step."""
-        path = resolve_checkpoint(self.config.trainer.load_ckpt_from, self.config.actor.save_dir)
+        save_dir = self.main_config.save_dir
+        path = resolve_checkpoint(self.config.trainer.load_ckpt_from, save_dir)
         if path is not None:
             state = load_checkpoint(path, self.checkpointed_models())
             self.step = state["step"]
@@ -115,14 +139,14 @@ class Trainer:
             logger.info(f"resumed from {path} at step {self.step}")
         else:
             if self.config.trainer.load_ckpt_from == "latest":
-                logger.info(f"no checkpoint under {self.config.actor.save_dir} yet: starting from scratch")
+                logger.info(f"no checkpoint under {save_dir} yet: starting from scratch")
             for name, (model, optimizer) in self.checkpointed_models().items():
                 optimizer_dir = getattr(self.config, name).optimizer_dir
                 if optimizer_dir is not None:
                     load_optimizer_state(optimizer_dir, name, model, optimizer)
                     logger.info(f"{name} optimizer state loaded from {optimizer_dir}")
         self.metrics = MetricsLogger(
-            save_dir=self.config.actor.save_dir,
+            save_dir=save_dir,
             project=self.config.trainer.project,
             experiment_name=self.config.trainer.experiment_name,
             config=config_to_dict(self.config),
@@ -133,16 +157,16 @@ class Trainer:
 
     def save(self, step: int) -> str:
         """Write the checkpoint of `step`: HF folders for users, sharded state to resume from."""
-        path = checkpoint_dir(self.config.actor.save_dir, step)
+        path = checkpoint_dir(self.main_config.save_dir, step)
         models = self.checkpointed_models()
         for name, (model, _) in models.items():
-            model_path = path if name == "actor" else os.path.join(path, name)
+            model_path = path if name == self.main_section else os.path.join(path, name)
             save_hf_model(model, model_path, getattr(self.config, name).dtype, self.tokenizer)
-        if not self.config.actor.save_optimizer:
+        if not self.main_config.save_optimizer:
             models = {name: (model, None) for name, (model, _) in models.items()}
         save_checkpoint(path, models, {"step": step, **self.extra_state()})
         return path
 
     def should_save(self, step: int) -> bool:
-        freq = self.config.actor.save_freq
+        freq = self.main_config.save_freq
         return step == self.total_steps or (freq is not None and step % freq == 0)

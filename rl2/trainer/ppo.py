@@ -73,7 +73,10 @@ class PPOTrainer(Trainer):
         temperature = self.train_params.temperature or 1.0
         optimizer_steps = self.total_steps * config.actor.update_per_rollout
         self.actor = Actor(config.actor, optimizer_steps, temperature)
-        self.reference = Actor(config.actor, 0, temperature, trainable=False) if config.kl.coef > 0 else None
+        self.reference = None
+        if config.kl.coef > 0:
+            reference_config = dataclasses.replace(config.actor, offload_model=config.ref_actor.offload_model)
+            self.reference = Actor(reference_config, 0, temperature, trainable=False)
         self.critic = None
         if config.adv.estimator == "gae":
             critic_config = dataclasses.replace(

@@ -1,0 +1,107 @@
+"""The loop shared by the trainers that step through a fixed dataset: SFT, reward modelling, DPO."""
+
+import logging
+import time
+
+import torch
+from tqdm import tqdm
+
+from rl2.actor import Actor
+from rl2.config import Config
+from rl2.distributed import is_rank0
+from rl2.sampler import BatchSampler
+from rl2.trainer.base import Trainer, require
+
+class OfflineTrainer(Trainer):
+    """One optimizer step per batch of `data.batch_size` rows, in a seeded, resumable order.
+
+    A step: the next rows from the sampler → `sequences(rows)` → `train_batch` (one optimizer step)
+    → test metrics from `evaluate` at test steps (logged as `test/<name>`) → metrics.jsonl →
+    checkpoint at save steps. Subclasses set `name` and `dataset_cls` (and `main_section` when the
+    trained model is not the actor), build their models in `build_models` (setting `self.trained`,
+    the model the optimizer steps), and define `train_batch` and `evaluate`.
+    """
+
+    name: str
+    dataset_cls: type
+    # Log the test metrics once before the first step (step 0), the start of the test curve.
+    evaluate_before_training = False
+
+    def __init__(self, config: Config):
+        self.check_config(config)
+        require(config, "data.path", f"{self.main_section}.model_name")
+        super().__init__(config)
+        self.train_data, self.test_data = self.load_datasets(self.dataset_cls, config.data.max_length)
+        self.sampler = BatchSampler(
+            len(self.train_data), config.data.batch_size, config.data.shuffle, config.trainer.seed
+        )
+        self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
+        self.trained: Actor = self.build_models()
+        self.resume()
+        # The subclass's logger, e.g. "rl2.trainer.sft" (not __name__, "__main__" under `python -m`).
+        logging.getLogger(f"rl2.trainer.{self.name.lower()}").info(
+            f"{self.name}: {len(self.train_data)} training rows, {len(self.test_data) if self.test_data else 0} "
+            f"test rows, {self.total_steps} steps of {config.data.batch_size} rows"
+        )
+
+    # ---- what subclasses define --------------------------------------------------------------
+
+    def check_config(self, config: Config) -> None:
+        """Raise ConfigError for values this trainer cannot run with (before anything loads)."""
+
+    def build_models(self) -> Actor:
+        """Build the models; return the one being trained."""
+        raise NotImplementedError
+
+    def sequences(self, rows: list) -> list[dict[str, torch.Tensor]]:
+        """The sequences (dicts of 1-D tensors) that a batch of dataset items trains on."""
+        return rows
+
+    def train_batch(self, sequences: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """One optimizer step on `sequences`; returns its metrics."""
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        """Metrics over the test set (logged with a `test/` prefix)."""
+        raise NotImplementedError
+
+    # ---- checkpointing -------------------------------------------------------------------------
+
+    def checkpointed_models(self) -> dict:
+        return {self.main_section: (self.trained.model, self.trained.optimizer)}
+
+    def extra_state(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "scheduler": self.trained.scheduler.state_dict()}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.trained.scheduler.load_state_dict(state["scheduler"])
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def test_metrics(self) -> dict[str, float]:
+        return {f"test/{key}": value for key, value in self.evaluate().items()}
+
+    def train(self) -> None:
+        testing = self.test_data is not None
+        if testing and self.evaluate_before_training and self.step == 0 and self.config.trainer.test_freq is not None:
+            self.metrics.log(self.test_metrics(), 0)
+        progress = tqdm(total=self.total_steps, initial=self.step, desc=self.name, disable=not is_rank0())
+        while self.step < self.total_steps:
+            self.step += 1
+            start = time.perf_counter()
+            truncated_before = self.train_data.num_truncated
+            sequences = self.sequences([self.train_data[i] for i in self.sampler.next_batch()])
+            metrics = self.train_batch(sequences)
+            metrics["truncated"] = self.train_data.num_truncated - truncated_before
+            metrics["step_time"] = time.perf_counter() - start
+            metrics["tokens_per_second"] = sum(len(s["input_ids"]) for s in sequences) / metrics["step_time"]
+            if testing and self.is_test_step(self.step):
+                metrics.update(self.test_metrics())
+            self.metrics.log(metrics, self.step)
+            progress.update(1)
+            progress.set_postfix(loss=f"{metrics['loss']:.4f}")
+            if self.should_save(self.step):
+                self.save(self.step)
+        progress.close()
+        self.metrics.finish()

@@ -1,0 +1,288 @@
+"""The reward-model and DPO trainers: a step on 1 rank equals the same step on 2 ranks, both learn a
+small preference set (held-out accuracy), checkpoints reload (the reward model scores text, also
+through an env file), resume is exact, they run in a notebook, and bad configs stop them early."""
+
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+)
+
+from conftest import run_python, run_torchrun
+from rl2.actor import token_logps
+from rl2.config import ConfigError, load_config
+from rl2.data import PairDataset, load_rows
+from rl2.env import Env, EnvError
+from rl2.metrics import read_metrics
+from rl2.preference import pair_sequences
+from rl2.reward_scorer import RewardScorer
+
+TIMING_KEYS = {"step_time", "tokens_per_second", "time/reference"}
+SECTION = {"rm": "critic", "dpo": "actor"}
+
+
+@pytest.fixture(scope="module")
+def pair_data(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("pairs"))
+    run_python(["recipes/make_pair_data.py", out, "--rows", "96", "--test-rows", "32"])
+    return out
+
+
+def pair_args(trainer: str, model_dir: str, data: str, save_dir: str, steps: int, *extra: str) -> list[str]:
+    section = SECTION[trainer]
+    return [
+        "-m", f"rl2.trainer.{trainer}", f"data.path={data}/train.jsonl", f"data.test_path={data}/test.jsonl",
+        "data.batch_size=16", f"{section}.model_name={model_dir}", f"{section}.dtype=float32",
+        f"{section}.gradient_checkpointing=false", f"{section}.lr=1e-3", f"{section}.max_length_per_device=160",
+        f"{section}.save_dir={save_dir}", f"trainer.total_steps={steps}", "trainer.test_freq=6",
+        "trainer.disable_wandb=true", *extra,
+    ]
+
+
+# ---- world-size invariance ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_rank_step(tiny_model_dir, pair_data, tmp_path_factory):
+    """One step on one process, per trainer (lr 1e-4: Adam turns rounding noise in near-zero
+    gradients into lr-sized steps, so parameters are compared where that stays small)."""
+    results = {}
+
+    def result(trainer: str) -> str:
+        if trainer not in results:
+            save_dir = str(tmp_path_factory.mktemp(f"{trainer}_one"))
+            run_python(pair_args(trainer, tiny_model_dir, pair_data, save_dir, 1, *step_overrides(trainer)))
+            results[trainer] = save_dir
+        return results[trainer]
+
+    return result
+
+
+def step_overrides(trainer: str) -> list[str]:
+    section = SECTION[trainer]
+    # A budget of 100 tokens holds one pair (about 70 tokens): 16 micro-batches on one rank, 8 on each of two.
+    extra = ["actor.beta=0.5", "actor.label_smoothing=0.1"] if trainer == "dpo" else []
+    return [f"{section}.lr=1e-4", f"{section}.max_grad_norm=1e9", f"{section}.max_length_per_device=100", *extra]
+
+
+@pytest.mark.parametrize(
+    "trainer,sequence_parallel", [("rm", False), ("dpo", False), ("rm", True), ("dpo", True)],
+    ids=["rm", "dpo", "rm-sequence-parallel", "dpo-sequence-parallel"],
+)
+def test_one_step_is_world_size_invariant(one_rank_step, tiny_model_dir, pair_data, tmp_path, trainer, sequence_parallel):
+    """The same batch gives the same metrics and parameters on 1 rank and on 2 ranks (2 data-parallel
+    ranks, or one sequence-parallel pair splitting each row, with half the per-device budget)."""
+    section = SECTION[trainer]
+    one = one_rank_step(trainer)
+    two = str(tmp_path / "two")
+    extra = [f"{section}.sp_size=2", f"{section}.max_length_per_device=50"] if sequence_parallel else []
+    run_torchrun(pair_args(trainer, tiny_model_dir, pair_data, two, 1, *step_overrides(trainer), *extra))
+
+    ours, theirs = read_metrics(f"{two}/metrics.jsonl")[-1], read_metrics(f"{one}/metrics.jsonl")[-1]
+    assert ours.keys() == theirs.keys() and ours["step"] == 1 and theirs["pairs"] == 16
+    for key in theirs.keys() - TIMING_KEYS:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
+
+    initial = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    one_params, two_params = load_file(f"{one}/step1/model.safetensors"), load_file(f"{two}/step1/model.safetensors")
+    # (A 2-rank export also writes the tied lm_head.weight; the 1-rank one leaves it to the tie.)
+    assert one_params.keys() <= two_params.keys()
+    assert max((one_params[k] - initial[k]).abs().max().item() for k in initial if k in one_params) > 5e-5
+    # Sequence parallelism reorders more sums: a few near-zero gradients flip Adam's step by a fraction of lr.
+    atol = 3e-5 if sequence_parallel else 1e-6
+    for name, value in one_params.items():
+        torch.testing.assert_close(two_params[name], value, atol=atol, rtol=0, msg=name)
+
+
+# ---- reward model end to end ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rm_run(tiny_model_dir, pair_data, tmp_path_factory) -> str:
+    save_dir = str(tmp_path_factory.mktemp("rm_run"))
+    run_torchrun(pair_args("rm", tiny_model_dir, pair_data, save_dir, 12, "critic.save_freq=6"))
+    return save_dir
+
+
+def conversation(row: dict, field: str) -> list[dict]:
+    return list(row["messages"]) + [{"role": "assistant", "content": row[field]}]
+
+
+def test_reward_model_learns_reloads_and_scores_text(rm_run, pair_data):
+    metrics = read_metrics(f"{rm_run}/metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(13))  # step 0: the test set before training
+    tests = [m for m in metrics if "test/accuracy" in m]
+    assert [m["step"] for m in tests] == [0, 6, 12]
+    assert tests[0]["test/accuracy"] < 0.7 and tests[-1]["test/accuracy"] >= 0.9, tests
+    assert tests[-1]["test/loss"] < tests[0]["test/loss"] - 0.3
+    assert tests[-1]["test/margin"] > 1.0
+    assert all(m["pairs"] == 16 and m["grad_norm"] > 0 for m in metrics[1:])
+
+    # The exported folder is a sequence classifier that reproduces the logged test loss and accuracy.
+    final = f"{rm_run}/step12"
+    scorer = RewardScorer(final, device="cpu", dtype=torch.float32)
+    assert type(scorer.model).__name__ == "Qwen2ForSequenceClassification"
+    test_set = PairDataset(f"{pair_data}/test.jsonl", scorer.tokenizer, None)
+    rows = list(test_set.rows)
+    chosen = torch.tensor([scorer.score(conversation(row, "chosen")) for row in rows])
+    rejected = torch.tensor([scorer.score(conversation(row, "rejected")) for row in rows])
+    loss = -torch.nn.functional.logsigmoid(chosen - rejected).mean().item()
+    assert loss == pytest.approx(tests[-1]["test/loss"], abs=1e-4)
+    assert (chosen > rejected).float().mean().item() == tests[-1]["test/accuracy"]
+    # The scorer scores exactly what training saw.
+    assert scorer.token_ids(conversation(rows[0], "chosen")) == test_set[0]["chosen"]["input_ids"].tolist()
+
+    # The same folder as a token classifier: every token's score, the last one being the reward.
+    token_model = AutoModelForTokenClassification.from_pretrained(final, dtype=torch.float32).eval()
+    sequence_model = AutoModelForSequenceClassification.from_pretrained(final, dtype=torch.float32).eval()
+    ids = test_set[0]["rejected"]["input_ids"].unsqueeze(0)
+    with torch.no_grad():
+        per_token = token_model(input_ids=ids).logits[0, :, 0]
+        assert per_token[-1].item() == pytest.approx(rejected[0].item(), abs=1e-5)
+        assert sequence_model(input_ids=ids).logits[0, 0].item() == pytest.approx(rejected[0].item(), abs=1e-5)
+
+
+def test_env_file_serves_the_reward_model(rm_run, pair_data, monkeypatch):
+    rows = list(load_rows(f"{pair_data}/test.jsonl"))[:8]
+    monkeypatch.setenv("RL2_REWARD_MODEL", f"{rm_run}/step12")
+    monkeypatch.setenv("RL2_REWARD_DEVICE", "cpu")
+    with Env("envs/reward_model.py") as env:
+        chosen = env.rewards([conversation(row, "chosen") for row in rows], [None] * len(rows))
+        rejected = env.rewards([conversation(row, "rejected") for row in rows], [None] * len(rows))
+    assert all(result.error is None for result in chosen + rejected)
+    scorer = RewardScorer(f"{rm_run}/step12", device="cpu")
+    for row, result in zip(rows, chosen):
+        assert result.value == pytest.approx(scorer.score(conversation(row, "chosen")), abs=1e-6)
+    assert sum(c.value > r.value for c, r in zip(chosen, rejected)) >= 7
+
+    monkeypatch.delenv("RL2_REWARD_MODEL")
+    with pytest.raises(EnvError, match="RL2_REWARD_MODEL"):
+        Env("envs/reward_model.py")
+
+
+# ---- DPO end to end --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dpo_run(tiny_model_dir, pair_data, tmp_path_factory) -> str:
+    save_dir = str(tmp_path_factory.mktemp("dpo_run"))
+    run_torchrun(pair_args("dpo", tiny_model_dir, pair_data, save_dir, 12, "actor.save_freq=6"))
+    return save_dir
+
+
+def response_logps(model, sequence: dict) -> float:
+    ids = sequence["input_ids"].unsqueeze(0)
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        logps = token_logps(model(input_ids=ids, use_cache=False).logits, ids, positions)[0]
+    return (logps * sequence["loss_mask"]).sum().item()
+
+
+def test_dpo_learns_and_reloads(dpo_run, tiny_model_dir, pair_data):
+    metrics = read_metrics(f"{dpo_run}/metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(13))
+    tests = [m for m in metrics if "test/accuracy" in m]
+    # Before training the policy is the reference: every implicit reward is 0, every pair a tie.
+    assert tests[0]["test/accuracy"] == 0.5 and tests[0]["test/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert tests[0]["test/margin"] == 0
+    assert tests[-1]["test/accuracy"] >= 0.9 and tests[-1]["test/margin"] > 0.5, tests
+    assert metrics[1]["loss"] == pytest.approx(math.log(2), abs=1e-6) and metrics[-1]["loss"] < 0.5
+    assert all(m["reward/chosen"] > m["reward/rejected"] for m in metrics[2:])
+
+    # The exported policy, against the starting model as reference, gives the logged test metrics.
+    policy = AutoModelForCausalLM.from_pretrained(f"{dpo_run}/step12", dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    test_set = PairDataset(f"{pair_data}/test.jsonl", AutoTokenizer.from_pretrained(f"{dpo_run}/step12"), None)
+    sequences = pair_sequences([test_set[i] for i in range(len(test_set))])
+    ratios = [response_logps(policy, s) - response_logps(reference, s) for s in sequences]
+    margins = torch.tensor([0.1 * (c - r) for c, r in zip(ratios[0::2], ratios[1::2])])  # actor.beta = 0.1
+    assert -torch.nn.functional.logsigmoid(margins).mean().item() == pytest.approx(tests[-1]["test/loss"], abs=1e-4)
+    assert margins.mean().item() == pytest.approx(tests[-1]["test/margin"], abs=1e-4)
+    assert (margins > 0).float().mean().item() == tests[-1]["test/accuracy"]
+
+
+# ---- resume, notebook, errors ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("trainer", ["rm", "dpo"])
+def test_resume_continues_exactly(request, tiny_model_dir, pair_data, tmp_path, trainer):
+    """From the step-6 checkpoint of the 12-step run, a new run makes the same steps 7-12."""
+    reference_dir = request.getfixturevalue(f"{trainer}_run")
+    save_dir = tmp_path / "resumed"
+    shutil.copytree(f"{reference_dir}/step6", save_dir / "step6")
+    result = run_torchrun(
+        pair_args(trainer, tiny_model_dir, pair_data, str(save_dir), 12, "trainer.load_ckpt_from=latest")
+    )
+    assert "resumed from" in result.stdout + result.stderr
+    resumed = read_metrics(str(save_dir / "metrics.jsonl"))
+    reference = read_metrics(f"{reference_dir}/metrics.jsonl")[7:]
+    assert [m["step"] for m in resumed] == list(range(7, 13))
+    for ours, theirs in zip(resumed, reference):
+        assert ours.keys() == theirs.keys()
+        for key in ours.keys() - TIMING_KEYS:
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (ours["step"], key)
+
+
+def test_notebook_runs_both_trainers_in_one_process(tiny_model_dir, pair_data, tmp_path):
+    """Both classes import from `rl2` and run one after the other in one process, without torchrun.
+    The DPO reference is switched to offloading (a round trip through `model.to`, which on CPU
+    moves nothing): its log-probs still equal the policy's at step 1, so the loss is log 2."""
+    script = f"""
+from rl2 import DPOTrainer, RMTrainer, load_config
+common = ["data.path={pair_data}/train.jsonl", "data.batch_size=8", "trainer.total_steps=2", "trainer.disable_wandb=true"]
+rm = RMTrainer(load_config(common + ["critic.model_name={tiny_model_dir}", "critic.save_dir={tmp_path}/rm"]))
+rm.train()
+dpo = DPOTrainer(load_config(common + ["actor.model_name={tiny_model_dir}", "actor.save_dir={tmp_path}/dpo"]))
+dpo.reference.offload_model = True
+dpo.train()
+print("done")
+"""
+    assert "done" in run_python(["-c", script]).stdout
+    for trainer in ("rm", "dpo"):
+        metrics = read_metrics(f"{tmp_path}/{trainer}/metrics.jsonl")
+        assert [m["step"] for m in metrics] == [1, 2]
+        assert os.path.exists(f"{tmp_path}/{trainer}/step2/model.safetensors")
+    assert read_metrics(f"{tmp_path}/dpo/metrics.jsonl")[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "trainer,args,message",
+    [
+        ("rm", ["critic.model_name=M", "data.max_length=100", "critic.max_length_per_device=160"],
+         "data.max_length=100 allows pairs of 200 tokens (chosen and rejected share a micro-batch), more than "
+         "critic.max_length_per_device x critic.sp_size = 160"),
+        ("dpo", ["actor.model_name=M", "actor.beta=0"], "actor.beta must be > 0, got 0.0"),
+        ("dpo", ["actor.model_name=M", "actor.label_smoothing=0.5"], "actor.label_smoothing must be in [0, 0.5)"),
+        ("dpo", ["actor.model_name=M", "actor.betta=1"], "unknown config key 'actor.betta'"),
+    ],
+)
+def test_bad_configs_fail_before_anything_loads(tmp_path, trainer, args, message):
+    """Checked before the process group, tokenizer or model: in this process, no torchrun."""
+    from rl2 import DPOTrainer, RMTrainer
+
+    with pytest.raises(ConfigError) as error:
+        {"rm": RMTrainer, "dpo": DPOTrainer}[trainer](load_config([f"data.path={tmp_path}/x.jsonl", *args]))
+    assert message in str(error.value)
+
+
+def test_command_line_errors_are_one_clear_line(tiny_model_dir, tmp_path):
+    from test_sft import run_python_raw
+
+    misplaced = run_python_raw(["-m", "rl2.trainer.rm", "data.path=x.jsonl", "actor.model_name=M"])
+    assert misplaced.returncode == 2 and "Traceback" not in misplaced.stderr, misplaced.stderr
+    assert "critic.model_name is required: rl2.trainer.rm trains the reward model in the critic section" in misplaced.stderr
+    assert "did you mean critic.model_name?" in misplaced.stderr
+
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    sft_rows = run_python_raw(["-m", "rl2.trainer.dpo", f"data.path={rows}", f"actor.model_name={tiny_model_dir}",
+                               "trainer.disable_wandb=true"])
+    assert sft_rows.returncode == 2 and "missing column 'chosen'" in sft_rows.stderr, sft_rows.stderr
