@@ -111,7 +111,7 @@ def main() -> None:
 
     rows = []
     for name, code in PROGRAMS.items():
-        rows.append((f"subprocess.run, no isolation", name, measure(subprocess_call, code, args.runs, args.clients)))
+        rows.append(("subprocess.run, no isolation", name, measure(subprocess_call, code, args.runs, args.clients)))
     with Sandbox(workers=args.workers, isolation=args.isolation) as box:
         isolation = box.isolation
         for name, code in PROGRAMS.items():
