@@ -3,66 +3,20 @@ serving of an aiohttp app, and one-shot requests."""
 
 import contextlib
 import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
 
 import aiohttp
 from aiohttp import web
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from server_process import REPO, ServerProcess
 SAMPLE_CORPUS = os.path.join(REPO, "recipes", "data", "search_corpus.jsonl")
 
 
-class RetrievalServer:
-    """`python -m rl2.tools.retrieval_server --port 0 ...` in a subprocess; a thread collects its
-    log lines and the URL from its ready line."""
+class RetrievalServer(ServerProcess):
+    """`python -m rl2.tools.retrieval_server --port 0 ...` in a subprocess."""
 
     def __init__(self, corpus: str, *args: str):
-        command = [sys.executable, "-m", "rl2.tools.retrieval_server", "--corpus", corpus, "--host", "127.0.0.1",
-                   "--port", "0", *args]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                                        env=python_env(), start_new_session=True)
-        self.lines: list[str] = []
-        self.url: str | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line)
-            match = re.search(r"retrieval server ready on (http://\S+)", line)
-            if match:
-                self.url = match.group(1)
-                self._ready.set()
-        self._ready.set()  # exited
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def wait_ready(self, timeout: float = 30.0) -> str:
-        """The server's base URL once it is ready; fails with its log if it exits or hangs first."""
-        self._ready.wait(timeout)
-        if self.url is None:
-            self.kill()
-            raise AssertionError(f"retrieval server did not become ready:\n{self.log()}")
-        return self.url
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"retrieval server ignored SIGTERM:\n{self.log()}")
+        super().__init__("rl2.tools.retrieval_server", ["--corpus", corpus, "--host", "127.0.0.1", "--port", "0", *args],
+                         r"retrieval server ready on (http://\S+)", "retrieval server")
 
 
 @contextlib.contextmanager
@@ -75,18 +29,6 @@ def running(corpus: str, *args: str):
     finally:
         if server.process.poll() is None:
             assert server.stop() == 0, server.log()
-
-
-def python_env() -> dict:
-    """os.environ with the repository first on PYTHONPATH."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-
-
-def free_port() -> int:
-    """A port nobody listens on (closed again at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

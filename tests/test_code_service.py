@@ -4,13 +4,6 @@ batching, concurrency bounds, retries, and a service that dies or is not there."
 
 import asyncio
 import contextlib
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 
 import aiohttp
@@ -20,60 +13,16 @@ from aiohttp import web
 from rl2.tools.code_client import CodeClient
 from rl2.tools.code_server import Submission, judge_result, make_app
 from rl2.tools.sandbox import RunResult, Sandbox
+from server_process import ServerProcess, free_port
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-class Server:
-    """`python -m rl2.tools.code_server` in a subprocess; a thread collects its log lines."""
+class Server(ServerProcess):
+    """`python -m rl2.tools.code_server` in a subprocess (2 workers, 1 s per program)."""
 
     def __init__(self, port: int = 0, *args: str):
-        command = [sys.executable, "-m", "rl2.tools.code_server", "--host", "127.0.0.1", "--port", str(port),
-                   "--workers", "2", "--timeout", "1", *args]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                                        env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True)
-        self.lines: list[str] = []
-        self.url: str | None = None
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.lines.append(line)
-            match = re.search(r"code service ready at (http://\S+)", line)
-            if match:
-                self.url = match.group(1)
-                self._ready.set()
-        self._ready.set()  # exited
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def wait_ready(self, timeout: float = 30.0) -> str:
-        self._ready.wait(timeout)
-        if self.url is None:
-            self.kill()
-            raise AssertionError(f"code server did not become ready:\n{self.log()}")
-        return self.url
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"code server ignored SIGTERM:\n{self.log()}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        super().__init__("rl2.tools.code_server", ["--host", "127.0.0.1", "--port", str(port), "--workers", "2",
+                                                   "--timeout", "1", *args],
+                         r"code service ready at (http://\S+)", "code server")
 
 
 @contextlib.asynccontextmanager

@@ -3,9 +3,6 @@ sandbox and the code service behind `interact`, and the env end to end through t
 
 import asyncio
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -16,6 +13,7 @@ from rl2.engines import SamplingParams
 from rl2.env import Env, _load_module
 from rl2.rollout import assign_rewards, rollout
 from scripted_engine import ScriptedEngine
+from server_process import ServerProcess
 
 ENV_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "envs", "python_tool.py")
 
@@ -93,26 +91,12 @@ def test_too_many_calls_in_one_turn(tool, monkeypatch):
     assert [r["content"] for r in replies] == ["0", "1", "Error: at most 2 tool calls are run per turn; 2 were skipped."]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_interact_with_the_code_service(tool, monkeypatch):
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "rl2.tools.code_server", "--host", "127.0.0.1", "--port",
-                               str(port), "--workers", "2", "--timeout", "2"], stderr=subprocess.DEVNULL)
+    server = ServerProcess("rl2.tools.code_server", ["--host", "127.0.0.1", "--port", "0", "--workers", "2",
+                                                     "--timeout", "2"], r"code service ready at (http://\S+)",
+                           "code server")
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "code server did not start"
-                time.sleep(0.1)
-        monkeypatch.setenv("CODE_SERVER_URL", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("CODE_SERVER_URL", server.wait_ready())
         monkeypatch.setenv("PYTHON_TOOL_TIMEOUT", "1")
         messages = [{"role": "assistant", "content": call("print(6*7)") + call("import sys; sys.exit('boom')")
                      + call("import time; time.sleep(10)")}]
@@ -120,7 +104,6 @@ def test_interact_with_the_code_service(tool, monkeypatch):
         assert texts[0] == "42" and texts[1].endswith("boom") and "did not finish" in texts[2]
     finally:
         server.kill()
-        server.wait()
     start = time.monotonic()
     (dead,) = run(tool.interact([{"role": "assistant", "content": call("print(1)")}]))
     assert dead["content"].startswith("Tool error:") and "unreachable" in dead["content"]

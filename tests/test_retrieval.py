@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from retrieval_helpers import REPO, SAMPLE_CORPUS, python_env, request, running, serving
+from retrieval_helpers import SAMPLE_CORPUS, request, running, serving
+from server_process import REPO, python_env
 from rl2.tools.retrieval_index import BM25Index, CorpusError, open_index
 from rl2.tools.retrieval_server import make_app
 

@@ -14,7 +14,8 @@ import pytest
 from aiohttp import web
 from transformers import AutoTokenizer
 
-from retrieval_helpers import REPO, SAMPLE_CORPUS, free_port, running, serving
+from retrieval_helpers import SAMPLE_CORPUS, running, serving
+from server_process import REPO, free_port
 from rl2.data import tokenize_prompt
 from rl2.engines import Engine, Generation, SamplingParams
 from rl2.env import Env
