@@ -1,13 +1,10 @@
-"""Helpers shared by the retrieval tests: the retrieval server as a real process, in-process
-serving of an aiohttp app, and one-shot requests."""
+"""Helpers shared by the retrieval tests: the sample corpus and the retrieval server as a real process."""
 
 import contextlib
 import os
 
-import aiohttp
-from aiohttp import web
-
 from server_process import REPO, ServerProcess
+
 SAMPLE_CORPUS = os.path.join(REPO, "recipes", "data", "search_corpus.jsonl")
 
 
@@ -29,23 +26,3 @@ def running(corpus: str, *args: str):
     finally:
         if server.process.poll() is None:
             assert server.stop() == 0, server.log()
-
-
-@contextlib.asynccontextmanager
-async def serving(app: web.Application):
-    """Serve `app` in this process on a free port; yields its base URL."""
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
-
-
-async def request(method: str, url: str, **kwargs) -> tuple[int, object]:
-    """(status, decoded JSON body) of one request."""
-    async with aiohttp.ClientSession() as session:
-        async with session.request(method, url, **kwargs) as response:
-            return response.status, await response.json(content_type=None)

@@ -9,6 +9,9 @@ import subprocess
 import sys
 import threading
 
+import aiohttp
+from aiohttp import web
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -70,3 +73,23 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.kill()
             raise AssertionError(f"{self.name} ignored SIGTERM:\n{self.log()}")
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application):
+    """Serve `app` in this process on a free port; yields its base URL."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def request(method: str, url: str, **kwargs) -> tuple[int, object]:
+    """(status, decoded JSON body) of one request."""
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, url, **kwargs) as response:
+            return response.status, await response.json(content_type=None)

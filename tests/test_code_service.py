@@ -3,17 +3,15 @@
 batching, concurrency bounds, retries, and a service that dies or is not there."""
 
 import asyncio
-import contextlib
 import time
 
-import aiohttp
 import pytest
 from aiohttp import web
 
 from rl2.tools.code_client import CodeClient
 from rl2.tools.code_server import Submission, judge_result, make_app
 from rl2.tools.sandbox import RunResult, Sandbox
-from server_process import ServerProcess, free_port
+from server_process import ServerProcess, free_port, request, serving
 
 
 class Server(ServerProcess):
@@ -23,26 +21,6 @@ class Server(ServerProcess):
         super().__init__("rl2.tools.code_server", ["--host", "127.0.0.1", "--port", str(port), "--workers", "2",
                                                    "--timeout", "1", *args],
                          r"code service ready at (http://\S+)", "code server")
-
-
-@contextlib.asynccontextmanager
-async def serving(app: web.Application):
-    """Serve `app` in this process on a free port; yields its URL."""
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
-
-
-async def request(method: str, url: str, **kwargs) -> tuple[int, object]:
-    """(status, decoded JSON body) of one request."""
-    async with aiohttp.ClientSession() as session:
-        async with session.request(method, url, **kwargs) as response:
-            return response.status, await response.json(content_type=None)
 
 
 def py(solution: str, **fields) -> dict:

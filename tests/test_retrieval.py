@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from retrieval_helpers import SAMPLE_CORPUS, request, running, serving
-from server_process import REPO, python_env
+from retrieval_helpers import SAMPLE_CORPUS, running
+from server_process import REPO, python_env, request, serving
 from rl2.tools.retrieval_index import BM25Index, CorpusError, open_index
 from rl2.tools.retrieval_server import make_app
 

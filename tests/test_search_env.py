@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 from transformers import AutoTokenizer
 
-from retrieval_helpers import SAMPLE_CORPUS, running, serving
-from server_process import REPO, free_port
+from retrieval_helpers import SAMPLE_CORPUS, running
+from server_process import REPO, free_port, serving
 from rl2.data import tokenize_prompt
 from rl2.engines import Engine, Generation, SamplingParams
 from rl2.env import Env
