@@ -74,6 +74,7 @@ class ModelConfig:
 class ActorConfig(ModelConfig):
     beta: float = _f(0.1, "DPO: strength of the implicit KL to the reference model (rewards are beta x log-ratio)")
     label_smoothing: float = _f(0.0, "DPO: assumed probability that a pair's preference label is flipped (conservative DPO), in [0, 0.5)")
+    recompute_logprobs: bool = _f(True, "RL: old log-probs from a forward pass of the actor (true) or the engine's sampling log-probs (false)")
 
 
 @dataclass

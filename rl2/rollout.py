@@ -79,6 +79,8 @@ def rollout(
         for g, prompt in enumerate(prompts)
         for _ in range(responses_per_prompt)
     ]
+    if max_turns > 1 and (env is None or not env.has_interact):
+        raise ValueError("rollout.max_turns > 1 needs an env file that defines interact(messages)")
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos and tokenizer.eos_token_id is not None:
         stop_ids.add(tokenizer.eos_token_id)
@@ -87,9 +89,10 @@ def rollout(
             if not trajectory.done and _room(trajectory, max_length) <= 0:
                 trajectory.truncated = trajectory.done = True  # a prompt that fills the limit
         active = [t for t in trajectories if not t.done]
-        if not active:
+        if not active and not engine.lockstep:
             break
-        room = max(_room(t, max_length) for t in active)
+        # A shared (lockstep) engine needs this rank's call even with nothing to generate.
+        room = max((_room(t, max_length) for t in active), default=1)
         generations = engine.generate(
             [t.token_ids for t in active], dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
         )
@@ -99,9 +102,7 @@ def rollout(
                 trajectory.done = True
         waiting = [t for t in active if not t.done]
         if not waiting:
-            break
-        if env is None or not env.has_interact:
-            raise ValueError("rollout.max_turns > 1 needs an env file that defines interact(messages)")
+            continue
         for trajectory, result in zip(waiting, env.interact([t.messages for t in waiting])):
             if result.error is not None:
                 trajectory.errors.append(result.error)
@@ -138,6 +139,9 @@ def _append_generation(
     content_tokens = tokens[:-1] if ends_with_stop else tokens
     content = tokenizer.decode(content_tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     trajectory.messages.append({"role": "assistant", "content": content})
+    if generation.finish_reason == "abort":
+        trajectory.errors.append(generation.error or "the engine aborted the generation")
+        trajectory.done = True
     if cut or generation.finish_reason == "length" or _room(trajectory, max_length) <= 0:
         trajectory.truncated = True
         trajectory.done = True

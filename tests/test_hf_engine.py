@@ -251,7 +251,7 @@ def test_build_engine(tiny_model_dir, tokenizer):
     assert isinstance(built, HFEngine) and isinstance(built, Engine) and built.max_batch_size == 4
     built.sleep()
     built.wake()  # no-ops on CPU
-    with pytest.raises(NotImplementedError, match="rollout.engine=sglang is not available yet"):
-        build_engine("sglang", tiny_model_dir, tokenizer, CPU, "float32", 0)
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[gpu\]"'):
+        build_engine("sglang", tiny_model_dir, tokenizer, CPU, "float32", 0)  # SGLang is not installed here
     with pytest.raises(ValueError, match="unknown rollout engine"):
         build_engine("vllm", tiny_model_dir, tokenizer, CPU, "float32", 0)

@@ -11,11 +11,14 @@ __all__ = ["Engine", "Generation", "HFEngine", "SamplingParams", "build_engine"]
 def build_engine(
     name: str, model_path: str, tokenizer, device: torch.device, dtype: str, seed: int, **kwargs
 ) -> Engine:
-    """The rollout engine called `name` ("hf" or "sglang"); `kwargs` go to its constructor."""
+    """The rollout engine called `name` ("hf" or "sglang"); `kwargs` go to its constructor.
+
+    `device` places the embedded engine; SGLang places its engine from the rank's TP group.
+    """
     if name == "hf":
         return HFEngine(model_path, tokenizer, device, dtype=dtype, seed=seed, **kwargs)
     if name == "sglang":
-        raise NotImplementedError(
-            "rollout.engine=sglang is not available yet; use rollout.engine=hf (the built-in engine)"
-        )
+        from rl2.engines.sglang import SGLangEngine  # imports sglang only when chosen
+
+        return SGLangEngine(model_path, tokenizer, dtype=dtype, seed=seed, **kwargs)
     raise ValueError(f"unknown rollout engine {name!r}; choose 'hf' or 'sglang'")

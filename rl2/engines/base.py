@@ -52,16 +52,27 @@ class Generation:
     `token_ids` include the token that stopped it (eos, a stop token id, or the token that
     completed a stop string). `logprobs[i]` is log p(token_ids[i]) under softmax(logits / T),
     T the temperature (T = 1 when greedy); top_p / top_k filtering does not change them.
-    `finish_reason` is "stop" or "length".
+    `finish_reason` is "stop", "length" or "abort" (cut short by `Engine.abort` or refused by
+    the engine; `error` then says why).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    error: str | None = None
 
 
 class Engine(ABC):
-    """Generates completions of tokenized prompts and takes weight updates from the trainer."""
+    """Generates completions of tokenized prompts and takes weight updates from the trainer.
+
+    The trainer drives every engine in the same order each step: `generate` (rollout) → `sleep`
+    (free accelerator memory for training) → `update_weights` (the new policy) → `wake` →
+    `generate` … An engine may drop its weights in `sleep`; `update_weights` brings them back.
+    """
+
+    # True when the ranks of a group share one engine: every rank must then call `generate` (and
+    # the other methods) the same number of times, with an empty prompt list if it has none.
+    lockstep: bool = False
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -80,3 +91,10 @@ class Engine(ABC):
 
     def wake(self) -> None:
         """Undo `sleep` (no-op by default)."""
+
+    def abort(self) -> None:
+        """Stop the generations in flight (callable from another thread): they return what they
+        have so far with finish_reason "abort" (no-op by default)."""
+
+    def shutdown(self) -> None:
+        """Free the engine's memory and processes; it cannot be used afterwards (no-op by default)."""

@@ -7,6 +7,7 @@ cache) as soon as they finish.
 """
 
 import logging
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -43,6 +44,7 @@ class HFEngine(Engine):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.asleep = False
+        self.aborting = threading.Event()
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -53,6 +55,7 @@ class HFEngine(Engine):
             raise RuntimeError("HFEngine.generate called while asleep: call wake() first")
         if any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("every prompt needs at least one token")
+        self.aborting.clear()
         # Longest first: similar lengths share a chunk (less padding), and memory peaks early.
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         results: list[Generation | None] = [None] * len(prompts)
@@ -90,6 +93,10 @@ class HFEngine(Engine):
         finish: list[str | None] = [None] * batch
         active = list(range(batch))  # chunk rows still generating, in cache order
         while True:
+            if self.aborting.is_set():
+                for row in active:
+                    finish[row] = "abort"
+                break
             next_tokens, next_logprobs = sample(logits, params, self.generator)
             for row, token, logprob in zip(active, next_tokens.tolist(), next_logprobs.tolist()):
                 tokens[row].append(token)
@@ -114,7 +121,10 @@ class HFEngine(Engine):
                 use_cache=True,
             ).logits[:, -1]
             next_positions = next_positions + 1
-        return [Generation(tokens[row], logprobs[row], finish[row]) for row in range(batch)]
+        return [
+            Generation(tokens[row], logprobs[row], finish[row], "aborted" if finish[row] == "abort" else None)
+            for row in range(batch)
+        ]
 
     def _finish_reason(self, tokens: list[int], stop_ids: set[int], params: SamplingParams) -> str | None:
         """"stop" / "length" if the row is done after its last token, else None."""
@@ -167,6 +177,16 @@ class HFEngine(Engine):
                 f"update_weights: {len(names)} parameters were not updated (the engine now mixes old and new "
                 f"weights): {', '.join(names[:5])}{more}"
             )
+
+    def abort(self) -> None:
+        """Make the running `generate` return at its next token, the unfinished rows with "abort"."""
+        self.aborting.set()
+
+    def shutdown(self) -> None:
+        """Drop the model."""
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def reseed(self, seed: int) -> None:
         """Restart sampling from `seed`: the same prompts and parameters then give the same samples."""

@@ -29,6 +29,7 @@ from rl2.config import Config, ConfigError, load_config
 from rl2.data import RLDataset
 from rl2.distributed import all_gather_objects, device, exit_process, is_rank0, rank, world_size
 from rl2.engines import SamplingParams, build_engine
+from rl2.engines.sglang import load_sglang
 from rl2.env import Env
 from rl2.metrics import PhaseTimer, curve_summary, read_metrics
 from rl2.rollout import Trajectory, assign_rewards, rollout
@@ -46,6 +47,8 @@ class PPOTrainer(Trainer):
     def __init__(self, config: Config):
         require(config, "data.path", "actor.model_name", "rollout.env_path")
         _check_config(config)
+        if config.rollout.engine == "sglang":
+            load_sglang()  # without SGLang, fail before anything is loaded
         super().__init__(config)
         # The env file first: a broken one fails before any model is loaded.
         self.env = Env(
@@ -62,6 +65,13 @@ class PPOTrainer(Trainer):
         self.train_params = SamplingParams.from_dict(config.rollout.train_sampling_params)
         self.test_params = SamplingParams.from_dict(config.rollout.test_sampling_params)
         # The engine before the actor's optimizer: a GPU engine sizes its KV cache from free memory.
+        engine_options = {}
+        if config.rollout.engine == "sglang":
+            engine_options = {
+                "tp_size": config.rollout.tp_size,
+                "memory_fraction": config.rollout.gpu_memory_utilization,
+                "bucket_mb": config.rollout.sync_bucket_mb,
+            }
         self.engine = build_engine(
             config.rollout.engine,
             config.actor.model_name,
@@ -69,6 +79,7 @@ class PPOTrainer(Trainer):
             device(),
             config.actor.dtype,
             seed=config.trainer.seed,
+            **engine_options,
         )
         temperature = self.train_params.temperature or 1.0
         optimizer_steps = self.total_steps * config.actor.update_per_rollout
@@ -121,9 +132,11 @@ class PPOTrainer(Trainer):
         responses_per_prompt: int,
         seed: int,
         timer: PhaseTimer | None = None,
+        release_after: bool = False,
     ) -> list[Trajectory]:
         """Roll out this rank's share of `prompts` (whole groups), score it, and gather every
-        rank's trajectories on every rank, in prompt order."""
+        rank's trajectories on every rank, in prompt order. `release_after` puts the engine to
+        sleep once generation is done (training follows; the next `sync_weights` wakes it)."""
         timer = timer or PhaseTimer()
         start, end = _share(len(prompts), rank(), world_size())
         self.engine.wake()
@@ -140,17 +153,19 @@ class PPOTrainer(Trainer):
                 self.max_length,
                 first_group=start,
             )
-        self.engine.sleep()
+        if release_after:
+            self.engine.sleep()
         with timer("reward"):
             assign_rewards(self.env, trajectories)
         return all_gather_objects(trajectories)
 
     def sync_weights(self) -> None:
-        """Push the actor's new weights into the engine, bucket by bucket."""
-        self.engine.wake()
+        """Push the actor's weights into the engine, bucket by bucket, then wake it: with SGLang,
+        weight memory is resumed, the weights pushed, and only then the KV cache resumed."""
         self.engine.update_weights(
             iter_full_weights(self.actor.model, self.config.actor.dtype, self.config.rollout.sync_bucket_mb)
         )
+        self.engine.wake()
 
     def prepare(self, trajectories: list[Trajectory]) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
         """Per-sequence tensors for the updates: old / reference log-probs, values, advantages."""
@@ -164,12 +179,15 @@ class PPOTrainer(Trainer):
             for t in trajectories
         ]
         metrics = {}
-        old_logps = self.actor.compute(sequences, "logps")
         masks = [seq["loss_mask"] for seq in sequences]
         all_masks = torch.cat(masks)
-        mismatch = (torch.cat(old_logps) - torch.cat([s["engine_logps"] for s in sequences])).abs()
-        metrics["logp_mismatch/mean"] = masked_mean(mismatch, all_masks).item()
-        metrics["logp_mismatch/max"] = (mismatch * all_masks).max().item()
+        if config.actor.recompute_logprobs:
+            old_logps = self.actor.compute(sequences, "logps")
+            mismatch = (torch.cat(old_logps) - torch.cat([s["engine_logps"] for s in sequences])).abs()
+            metrics["logp_mismatch/mean"] = masked_mean(mismatch, all_masks).item()
+            metrics["logp_mismatch/max"] = (mismatch * all_masks).max().item()
+        else:  # the mismatch is then measured in the first minibatch's forward pass (actor_loss)
+            old_logps = [seq["engine_logps"] for seq in sequences]
         ref_logps = self.reference.compute(sequences, "logps") if self.reference is not None else None
         if ref_logps is not None:
             kl = [kl_penalty(o, r, config.kl.reward_estimator) for o, r in zip(old_logps, ref_logps)]
@@ -217,7 +235,11 @@ class PPOTrainer(Trainer):
                 minibatch = [{**seq, "loss_weight": w} for seq, w in zip(minibatch, weights)]
                 for key, value in model.train_step(minibatch, loss_fn, loss_total=1.0).items():
                     metrics.setdefault(f"{name}/{key}", []).append(value)
-        return {key: sum(values) / len(values) for key, values in metrics.items()}
+        averaged = {key: sum(values) / len(values) for key, values in metrics.items()}
+        if "actor/logp_mismatch" in metrics:  # only the first minibatch ran the old policy
+            averaged["logp_mismatch/mean"] = metrics["actor/logp_mismatch"][0]
+            del averaged["actor/logp_mismatch"]
+        return averaged
 
     def _minibatches(self, sequences: list[dict], n: int, step: int) -> list[list[dict]]:
         """`n` minibatches of whole groups, shuffled the same way on every rank."""
@@ -234,6 +256,10 @@ class PPOTrainer(Trainer):
             outputs["logps"], batch["old_logps"], batch["advantages"], config.actor.clip, config.actor.clip_high
         )
         metrics = {"clip_ratio": (clipped * weight).sum(), "entropy": (outputs["entropy"] * weight).sum()}
+        if not config.actor.recompute_logprobs:
+            # Before the first optimizer step this forward pass is the old policy's.
+            mismatch = (outputs["logps"].detach() - batch["engine_logps"]).abs()
+            metrics["logp_mismatch"] = (mismatch * weight).sum()
         if self.reference is not None and config.kl.type == "loss":
             kl = kl_penalty(outputs["logps"], batch["ref_logps"], config.kl.loss_estimator)
             loss = loss + config.kl.coef * kl
@@ -253,7 +279,12 @@ class PPOTrainer(Trainer):
         config, timer = self.config, PhaseTimer()
         prompts = [self.train_data[i] for i in self.sampler.next_batch()]
         trajectories = self.generate(
-            prompts, self.train_params, config.data.responses_per_prompt, config.trainer.seed + self.step, timer
+            prompts,
+            self.train_params,
+            config.data.responses_per_prompt,
+            config.trainer.seed + self.step,
+            timer,
+            release_after=True,
         )
         metrics = rollout_metrics(trajectories)
         self.dump(trajectories, f"step_{self.step}")
@@ -261,14 +292,15 @@ class PPOTrainer(Trainer):
             trajectories, metrics["dynamic_filter/dropped_ratio"] = self.filter_groups(trajectories)
         if not trajectories:
             logger.info(f"step {self.step}: every group has equal rewards; no update")
+            self.sync_weights()  # the engine may have dropped its weights while asleep
             return {**metrics, **{f"time/{k}": v for k, v in timer.times.items()}}
         with timer("logps"):
             sequences, prepared = self.prepare(trajectories)
         with timer("update"):
             updated = self.update(sequences, self.step)
         with timer("sync"):
-            if self.step > config.actor.freeze_steps:
-                self.sync_weights()
+            # Also while the actor is frozen: the engine may have dropped its weights while asleep.
+            self.sync_weights()
         total = sum(timer.times.values())
         return {
             **metrics,

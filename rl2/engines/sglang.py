@@ -1,0 +1,463 @@
+"""The SGLang rollout engine: one tensor-parallel SGLang engine per group of `rollout.tp_size` ranks.
+
+Every rank is one trainer process. The ranks of a group (see `tp_group`) share one in-process
+`sglang.Engine` owned by the group's first rank, the leader; SGLang runs its TP ranks as
+scheduler processes on the group's GPUs. Each call is collective over the group:
+
+- `generate`: the group's prompts are gathered on the leader, generated in one batch, and the
+  outputs broadcast back; each rank keeps its own.
+- `update_weights`: every rank flattens each bucket of its full weights (on its own GPU) and
+  serialises it as CUDA IPC handles; the leader gathers one payload per TP rank, in TP-rank
+  order, and posts them with `update_weights_from_tensor(load_format="flattened_bucket")`, so
+  each SGLang TP rank reads the copy on its own GPU. The first sync is checked by reading
+  parameters back from the engine (SGLang only logs names it does not know).
+- `sleep` / `wake`: `release_memory_occupation` / `resume_memory_occupation` (SGLang's memory
+  saver). Released weights are not backed up: after `sleep`, `update_weights` brings them
+  back (it resumes the weights' memory first), then `wake` resumes the KV cache.
+
+Stop strings: started with `skip_tokenizer_init`, SGLang rejects them. A stop string that is a
+single token becomes a stop token id, so the engine stops on it; every stop string is also
+looked for in the returned tokens, which are cut after the token that completes it, as the
+embedded engine does (the engine may have generated past a multi-token stop string: that
+costs time, not correctness).
+
+SGLang cannot be installed on CPU machines: `sglang` is imported only when this engine is
+built (`pip install -e ".[gpu]"`), and everything here around the SGLang calls is tested on
+CPU against a stand-in package that follows the API recorded from SGLang's source.
+"""
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+
+from rl2.distributed import rank, world_size
+from rl2.engines.base import Engine, Generation, SamplingParams
+from rl2.engines.tp_group import TPGroupLayout, new_tp_group, plan_tp_group
+from rl2.weight_sync import bucketed, engine_named_tensors
+
+logger = logging.getLogger(__name__)
+
+# sglang 0.5.20 / 0.5.21 are built against torch 2.13.0, the torch rl2 is tested with; 0.5.22+
+# require torch 2.14.1.
+SGLANG_REQUIREMENT = "sglang>=0.5.20,<0.5.22"
+SGLANG_INSTALL = 'pip install -e ".[gpu]"'
+# Parameters read back from the engine after the first weight sync, when the model has them.
+VERIFIED_PARAMETERS = ("model.embed_tokens.weight", "model.norm.weight")
+_SAMPLE_SIZE = 64
+# Environment variables SGLang sets in the calling process that the trainer's own NCCL and CUDA
+# use; restored after the engine starts (its processes keep SGLang's values).
+_TRAINER_ENV_PREFIXES = ("NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING", "TORCHELASTIC_USE_AGENT_STORE")
+_RESTORED_SIGNALS = ("SIGINT", "SIGTERM", "SIGCHLD")
+
+
+@dataclass
+class SGLangAPI:
+    """The parts of SGLang the adapter uses."""
+
+    Engine: Callable[..., Any]
+    FlattenedTensorBucket: Callable[..., Any]
+    MultiprocessingSerializer: Any
+    monkey_patch_torch_reductions: Callable[[], None]
+    version: str
+
+
+def load_sglang() -> SGLangAPI:
+    """Import SGLang; without it, an error that says how to install the supported version."""
+    try:
+        import sglang
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    except ImportError as error:
+        raise ImportError(
+            f"rollout.engine=sglang needs SGLang ({SGLANG_REQUIREMENT}, built for torch 2.13.0) on a CUDA "
+            f"machine: {SGLANG_INSTALL}, or use rollout.engine=hf (import failed: {error})"
+        ) from error
+    version = getattr(sglang, "__version__", "unknown")
+    if not version.startswith(("0.5.20", "0.5.21")):
+        logger.warning(f"SGLang {version} is installed; rl2 is written and pinned for {SGLANG_REQUIREMENT}")
+    return SGLangAPI(
+        sglang.Engine, FlattenedTensorBucket, MultiprocessingSerializer, monkey_patch_torch_reductions, version
+    )
+
+
+# ---- pure conversions (tested on CPU) ---------------------------------------------------------
+
+
+def engine_args(model_path: str, layout: TPGroupLayout, dtype: str, memory_fraction: float, seed: int, nccl_port: int) -> dict:
+    """`sglang.Engine` keyword arguments for the engine of `layout`'s group."""
+    return {
+        "model_path": model_path,
+        "tp_size": layout.tp_size,
+        "dtype": dtype,
+        "mem_fraction_static": memory_fraction,
+        "enable_memory_saver": True,
+        "base_gpu_id": layout.base_gpu_id,
+        "gpu_id_step": 1,
+        # Engines on one node need their own ports; their base GPUs differ.
+        "port": 30000 + 100 * layout.base_gpu_id,
+        "nccl_port": nccl_port,
+        "skip_tokenizer_init": True,
+        "random_seed": seed,
+        "nnodes": 1,
+        "node_rank": 0,
+        "log_level": "error",
+    }
+
+
+def sampling_params_dict(params: SamplingParams, stop_token_ids: Iterable[int]) -> dict:
+    """SGLang's sampling parameters for `params`; stop strings are given as `stop_token_ids`."""
+    return {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "max_new_tokens": params.max_new_tokens,
+        "stop_token_ids": sorted(set(params.stop_token_ids) | set(stop_token_ids)),
+        "ignore_eos": params.ignore_eos,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+
+
+def single_token_stops(stops: list[str], tokenizer) -> list[int]:
+    """Token ids of the stop strings that are one token of the vocabulary."""
+    ids = []
+    for stop in stops:
+        tokens = tokenizer(stop, add_special_tokens=False)["input_ids"]
+        if len(tokens) == 1:
+            ids.append(tokens[0])
+    return ids
+
+
+def to_generation(output: dict) -> Generation:
+    """Our `Generation` from one SGLang `generate` output (`return_logprob=True`).
+
+    Tokens and log-probs come from `meta_info.output_token_logprobs` ([(logprob, token_id, text)]),
+    which keeps the token that stopped generation; `output_ids`, when given, must agree with them.
+    """
+    meta = output.get("meta_info") or {}
+    if "output_token_logprobs" not in meta:
+        raise ValueError("SGLang output has no meta_info.output_token_logprobs: generate needs return_logprob=True")
+    entries = meta["output_token_logprobs"] or []
+    token_ids = [int(entry[1]) for entry in entries]
+    logprobs = [float(entry[0]) if entry[0] is not None else 0.0 for entry in entries]
+    output_ids = output.get("output_ids")
+    if output_ids is not None and list(output_ids) != token_ids[: len(output_ids)]:
+        raise ValueError(
+            f"SGLang output_ids {list(output_ids)[:8]}... disagree with the token ids of its log-probs {token_ids[:8]}..."
+        )
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind in ("stop", "length"):
+        return Generation(token_ids, logprobs, kind)
+    if kind == "abort":
+        message = reason.get("message") if isinstance(reason, dict) else None
+        return Generation(token_ids, logprobs, "abort", f"SGLang aborted the request: {message or 'no reason given'}")
+    raise ValueError(f"SGLang output has an unknown finish_reason {reason!r}")
+
+
+def cut_at_stop_string(generation: Generation, stops: list[str], tokenizer) -> Generation:
+    """`generation` cut after the first token that completes one of `stops` (finish "stop")."""
+    if not stops or not generation.token_ids:
+        return generation
+
+    def contains_stop(length: int) -> bool:
+        text = tokenizer.decode(
+            generation.token_ids[:length], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        return any(stop in text for stop in stops)
+
+    if not contains_stop(len(generation.token_ids)):
+        return generation
+    low, high = 1, len(generation.token_ids)  # the shortest prefix containing a stop lies in [low, high]
+    while low < high:
+        middle = (low + high) // 2
+        if contains_stop(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return Generation(generation.token_ids[:high], generation.logprobs[:high], "stop")
+
+
+def check_result(result: Any, what: str) -> None:
+    """Raise if an SGLang control call reports failure ((success, message), a dict or an object)."""
+    if result is None:
+        return
+    if isinstance(result, (tuple, list)):
+        success, message = bool(result[0]), result[1] if len(result) > 1 else ""
+    elif isinstance(result, dict):
+        success, message = bool(result.get("success", True)), result.get("message", "")
+    else:
+        success, message = bool(getattr(result, "success", True)), getattr(result, "message", "")
+    if not success:
+        raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+@contextmanager
+def sglang_process_state() -> Iterator[None]:
+    """Around `sglang.Engine(...)`: drop TORCHELASTIC_USE_AGENT_STORE (SGLang hangs with it under
+    torchrun), then put back the NCCL / CUDA variables, signal handlers and multiprocessing start
+    method that SGLang changes in the calling process and the trainer relies on."""
+    saved = {key: value for key, value in os.environ.items() if key.startswith(_TRAINER_ENV_PREFIXES)}
+    main_thread = threading.current_thread() is threading.main_thread()
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in _RESTORED_SIGNALS}
+    start_method = multiprocessing.get_start_method(allow_none=True)
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        for key in [key for key in os.environ if key.startswith(_TRAINER_ENV_PREFIXES)]:
+            if key not in saved:
+                del os.environ[key]
+        os.environ.update(saved)
+        if main_thread:
+            for name, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(getattr(signal, name), handler)
+        if multiprocessing.get_start_method(allow_none=True) != start_method:
+            multiprocessing.set_start_method(start_method, force=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+# ---- the engine -----------------------------------------------------------------------------
+
+
+class SGLangEngine(Engine):
+    """This rank's handle on its group's SGLang engine (the engine itself lives on the leader)."""
+
+    lockstep = True
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        tp_size: int = 1,
+        memory_fraction: float = 0.5,
+        bucket_mb: int = 512,
+        api: SGLangAPI | None = None,
+    ):
+        self.api = api or load_sglang()
+        self.tokenizer = tokenizer
+        self.bucket_bytes = bucket_mb * 2**20
+        self.layout = plan_tp_group(
+            rank(),
+            world_size(),
+            int(os.environ.get("LOCAL_RANK", rank())),
+            int(os.environ.get("LOCAL_WORLD_SIZE", world_size())),
+            tp_size,
+        )
+        self.group = new_tp_group(self.layout, world_size()) if tp_size > 1 else None
+        self.tied_embeddings = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
+        self.released: set[str] = set()
+        self.verified = False
+        self.engine = None
+
+        def start() -> None:
+            with sglang_process_state():
+                self.engine = self.api.Engine(
+                    **engine_args(model_path, self.layout, dtype, memory_fraction, seed, _free_port())
+                )
+            logger.info(
+                f"SGLang {self.api.version} engine {self.layout.group_index}: TP {tp_size} on GPUs "
+                f"{self.layout.base_gpu_id}..{self.layout.base_gpu_id + tp_size - 1}, ranks {list(self.layout.ranks)}"
+            )
+
+        self._on_leader(start, "engine start")
+
+    # ---- group plumbing --------------------------------------------------------------------
+
+    def _broadcast(self, value: Any) -> Any:
+        """The leader's `value`, on every rank of the group."""
+        if self.group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=self.layout.leader, group=self.group)
+        return box[0]
+
+    def _on_leader(self, action: Callable[[], Any], what: str) -> Any:
+        """Run `action` on the leader; its result on every rank, and its failure raised on every rank."""
+        result, error = None, None
+        if self.layout.is_leader:
+            try:
+                result = action()
+            except Exception as exc:  # re-raised below, on every rank of the group
+                error = f"{what} on the SGLang engine of ranks {list(self.layout.ranks)} failed: {exc}"
+                logger.error(error)
+        result, error = self._broadcast((result, error))
+        if error is not None:
+            raise RuntimeError(error)
+        return result
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """One generation per prompt; collective over the group (an empty list takes part too)."""
+        prompts = [list(map(int, prompt)) for prompt in prompts]
+        if any(len(prompt) == 0 for prompt in prompts):
+            raise ValueError("every prompt needs at least one token")
+        parts = [(prompts, params)]
+        if self.group is not None:  # ranks may differ in prompts and in room left (max_new_tokens)
+            parts = [None] * self.layout.tp_size
+            dist.all_gather_object(parts, (prompts, params), group=self.group)
+
+        def run() -> list[list[Generation]]:
+            requests = [(prompt, part_params) for part_prompts, part_params in parts for prompt in part_prompts]
+            generations = self._generate_batch(requests) if requests else []
+            split, start = [], 0
+            for part_prompts, _ in parts:
+                split.append(generations[start : start + len(part_prompts)])
+                start += len(part_prompts)
+            return split
+
+        return self._on_leader(run, "generate")[self.layout.tp_rank]
+
+    def _generate_batch(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+        if self.released:
+            raise RuntimeError(f"generate while SGLang's {sorted(self.released)} memory is released: call wake() first")
+        outputs = self.engine.generate(
+            input_ids=[prompt for prompt, _ in requests],
+            sampling_params=[self._sampling_params(params) for _, params in requests],
+            return_logprob=True,
+        )
+        if len(outputs) != len(requests):
+            raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(requests)} prompts")
+        return [
+            cut_at_stop_string(to_generation(output), params.stop, self.tokenizer)
+            for output, (_, params) in zip(outputs, requests)
+        ]
+
+    def _sampling_params(self, params: SamplingParams) -> dict:
+        stop_ids = single_token_stops(params.stop, self.tokenizer)
+        if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
+            stop_ids.append(self.tokenizer.eos_token_id)
+        return sampling_params_dict(params, stop_ids)
+
+    def abort(self) -> None:
+        """Abort every request in flight (leader; callable from another thread)."""
+        if self.layout.is_leader and self.engine is not None:
+            self.engine.tokenizer_manager.abort_request(abort_all=True)
+
+    def reseed(self, seed: int) -> None:
+        """No-op: SGLang seeds its sampler once, from `random_seed` at start (rollouts on SGLang are
+        not bit-reproducible across runs)."""
+
+    # ---- memory ----------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Release the engine's weights, KV cache and CUDA graphs on every GPU of the group."""
+
+        def release() -> None:
+            if not self.released:
+                check_result(self.engine.release_memory_occupation(), "release_memory_occupation")
+                self.released = {"weights", "kv_cache", "cuda_graph"}
+
+        self._on_leader(release, "release memory")
+
+    def wake(self) -> None:
+        """Resume the KV cache and CUDA graphs; the weights must have been pushed since `sleep`."""
+
+        def resume() -> None:
+            if "weights" in self.released:
+                raise RuntimeError("its weights were released and not pushed since: update_weights comes before wake")
+            tags = sorted(self.released)
+            if tags:
+                check_result(self.engine.resume_memory_occupation(tags=tags), "resume_memory_occupation")
+                self.released.clear()
+                check_result(self.engine.flush_cache(), "flush_cache")
+
+        self._on_leader(resume, "resume memory")
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Push full weights bucket by bucket (collective over the group; every rank streams the
+        same tensors, in the same order). Resumes released weight memory first."""
+
+        def begin() -> None:
+            if "weights" in self.released:
+                check_result(self.engine.resume_memory_occupation(tags=["weights"]), "resume_memory_occupation")
+                self.released.discard("weights")
+            if hasattr(self.engine, "begin_weight_update"):  # SGLang >= 0.5.21
+                check_result(self.engine.begin_weight_update(), "begin_weight_update")
+
+        self._on_leader(begin, "weight update")
+        self.api.monkey_patch_torch_reductions()
+        samples: dict[str, torch.Tensor] = {}
+        for bucket in bucketed(engine_named_tensors(named_tensors, self.tied_embeddings), self.bucket_bytes):
+            payload = self._serialize(bucket)
+            payloads = [payload]
+            if self.group is not None:
+                payloads = [None] * self.layout.tp_size if self.layout.is_leader else None
+                dist.gather_object(payload, payloads, dst=self.layout.leader, group=self.group)
+            if self.layout.is_leader and not self.verified:
+                for name, tensor in bucket:
+                    if name in VERIFIED_PARAMETERS:
+                        samples[name] = tensor.detach().flatten()[:_SAMPLE_SIZE].float().cpu()
+
+            def post() -> None:
+                result = self.engine.update_weights_from_tensor(
+                    named_tensors=payloads, load_format="flattened_bucket", flush_cache=False
+                )
+                check_result(result, "update_weights_from_tensor")
+
+            # Also keeps every rank's bucket alive until the engine has read it.
+            self._on_leader(post, "weight update")
+
+        def end() -> None:
+            if hasattr(self.engine, "end_weight_update"):
+                check_result(self.engine.end_weight_update(), "end_weight_update")
+            if "kv_cache" not in self.released:
+                check_result(self.engine.flush_cache(), "flush_cache")
+            if not self.verified:
+                self._verify(samples)
+
+        self._on_leader(end, "weight update")
+        self.verified = True
+
+    def _serialize(self, bucket: list[tuple[str, torch.Tensor]]) -> Any:
+        flat = self.api.FlattenedTensorBucket(named_tensors=bucket)
+        return self.api.MultiprocessingSerializer.serialize(
+            {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}, output_str=True
+        )
+
+    def _verify(self, samples: dict[str, torch.Tensor]) -> None:
+        """Read pushed parameters back: a name SGLang did not recognise kept its old value."""
+        if not samples:
+            logger.warning(f"weight sync not verified: none of {VERIFIED_PARAMETERS} was sent")
+            return
+        for name, sent in samples.items():
+            got = self.engine.get_weights_by_name(name, truncate_size=_SAMPLE_SIZE)
+            if got is None:
+                raise RuntimeError(f"SGLang has no parameter {name!r}: the pushed names do not match its model")
+            got = torch.as_tensor(got, dtype=torch.float32).flatten()
+            n = min(len(got), len(sent))
+            if n == 0 or not torch.allclose(got[:n], sent[:n], rtol=1e-2, atol=1e-3):
+                raise RuntimeError(
+                    f"after the weight sync SGLang's {name!r} differs from the actor's (engine {got[:4].tolist()}, "
+                    f"actor {sent[:4].tolist()}): the engine did not load the pushed weights"
+                )
+        logger.info(f"weight sync verified on {', '.join(samples)}")
+
+    def shutdown(self) -> None:
+        """Stop the engine and its processes."""
+        if self.layout.is_leader and self.engine is not None:
+            self.engine.shutdown()
+        self.engine = None

@@ -1,0 +1,71 @@
+"""Tensor-parallel groups of the rollout engine: which ranks share one engine, and on which GPUs.
+
+torchrun numbers ranks node by node (rank = node_rank × local_world_size + local_rank), so
+`tp_size` consecutive ranks that divide a node sit on consecutive GPUs of one node. The first
+rank of each group leads it: it owns the engine, whose TP rank i runs on GPU
+`base_gpu_id + i`, the GPU of the group's i-th rank.
+"""
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPGroupLayout:
+    """This rank's place among the engine groups."""
+
+    tp_size: int
+    group_index: int  # which engine
+    ranks: tuple[int, ...]  # the global ranks sharing the engine, in TP-rank order
+    tp_rank: int  # this rank's index in `ranks`
+    base_gpu_id: int  # local GPU index of TP rank 0 (the leader's local rank)
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.tp_rank == 0
+
+
+def plan_tp_group(rank: int, world_size: int, local_rank: int, local_world_size: int, tp_size: int) -> TPGroupLayout:
+    """The engine group of `rank`; a clear error when `tp_size` does not fit the world or a node."""
+    if tp_size < 1:
+        raise ValueError(f"rollout.tp_size must be >= 1, got {tp_size}")
+    if world_size % tp_size != 0:
+        raise ValueError(
+            f"rollout.tp_size={tp_size} must divide the number of ranks (world size {world_size})"
+        )
+    if local_world_size % tp_size != 0:
+        raise ValueError(
+            f"rollout.tp_size={tp_size} must divide the GPUs per node ({local_world_size} ranks on this node, "
+            f"torchrun --nproc_per_node): an engine's TP ranks must share one node"
+        )
+    if rank % local_world_size != local_rank:
+        raise ValueError(
+            f"rank {rank} has local rank {local_rank} with {local_world_size} ranks per node: ranks are not "
+            f"numbered node by node as torchrun numbers them, so engine groups cannot be placed"
+        )
+    group_index, tp_rank = divmod(rank, tp_size)
+    ranks = tuple(range(group_index * tp_size, (group_index + 1) * tp_size))
+    return TPGroupLayout(tp_size, group_index, ranks, tp_rank, base_gpu_id=local_rank - tp_rank)
+
+
+def all_tp_groups(world_size: int, tp_size: int) -> list[tuple[int, ...]]:
+    """The ranks of every engine group, in group order."""
+    return [tuple(range(start, start + tp_size)) for start in range(0, world_size, tp_size)]
+
+
+def new_tp_group(layout: TPGroupLayout, world_size: int) -> dist.ProcessGroup:
+    """A gloo process group for this rank's engine group (CPU objects: prompts, outputs, payloads).
+
+    Collective: every rank creates every group, in the same order, as `new_group` requires.
+    """
+    mine = None
+    for ranks in all_tp_groups(world_size, layout.tp_size):
+        group = dist.new_group(list(ranks), backend="gloo")
+        if ranks == layout.ranks:
+            mine = group
+    return mine

@@ -1,0 +1,187 @@
+"""Stand-in for `sglang.Engine`: the calls rl2 makes, with SGLang's outputs and failure modes.
+
+Generation runs rl2's embedded engine on CPU in this process. Every call is appended to
+`calls` and, when STAND_IN_SGLANG_LOG names a file, to that file as a JSON line.
+"""
+
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from types import SimpleNamespace
+
+import torch
+
+from sglang.srt.utils import producer_and_payload
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+logger = logging.getLogger("sglang.stand_in")
+
+ALL_TAGS = ("kv_cache", "weights", "cuda_graph")
+REQUIRED_ARGS = ("model_path", "tp_size", "mem_fraction_static", "base_gpu_id", "random_seed")
+
+
+class Engine:
+    def __init__(self, **kwargs):
+        from rl2.engines.hf import HFEngine
+
+        missing = [key for key in REQUIRED_ARGS if key not in kwargs]
+        if missing:
+            raise TypeError(f"stand-in sglang.Engine: missing {missing}")
+        if "TORCHELASTIC_USE_AGENT_STORE" in os.environ:
+            raise RuntimeError("TORCHELASTIC_USE_AGENT_STORE is set: SGLang hangs at start-up under torchrun")
+        self.args = kwargs
+        self.tp_size = kwargs["tp_size"]
+        self.skip_tokenizer_init = kwargs.get("skip_tokenizer_init", False)
+        self.rank = int(os.environ.get("RANK", 0))
+        self.calls: list[tuple] = []
+        self.released: set[str] = set()
+        self.in_update = False
+        self.unknown_names: list[str] = []
+        # SGLang's start-up changes the calling process (server_args / _set_envs_and_config).
+        os.environ.update({"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "8",
+                           "CUDA_MODULE_LOADING": "AUTO", "SGLANG_RUN_ID": "stand-in"})
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        multiprocessing.set_start_method("spawn", force=True)
+        no_tokenizer = SimpleNamespace(eos_token_id=None, pad_token_id=None)  # eos from the model's config
+        dtype = kwargs.get("dtype", "float32")
+        self.hf = HFEngine(kwargs["model_path"], no_tokenizer, "cpu", dtype=dtype if dtype != "auto" else "float32",
+                           seed=kwargs["random_seed"])
+        self.context_length = getattr(self.hf.model.config, "max_position_embeddings", 1 << 30)
+        self.tokenizer_manager = SimpleNamespace(abort_request=self._abort_request)
+        self._record("start", tp_size=self.tp_size, base_gpu_id=kwargs["base_gpu_id"])
+
+    def _record(self, name: str, **details) -> None:
+        self.calls.append((name, details))
+        path = os.environ.get("STAND_IN_SGLANG_LOG")
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps({"rank": self.rank, "call": name, **details}, default=str) + "\n")
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(self, input_ids=None, sampling_params=None, return_logprob=False, **kwargs):
+        from rl2.engines.base import SamplingParams
+
+        if self.released:
+            raise RuntimeError(f"generate with released memory {sorted(self.released)}: SGLang would crash here")
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        prompts = [input_ids] if single else list(input_ids)
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(prompts)
+        self._record("generate", prompts=len(prompts), max_new_tokens=sorted({p.get("max_new_tokens") for p in params_list}))
+        outputs = [None] * len(prompts)
+        by_params: dict[str, list[int]] = {}
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            if params.get("stop") and self.skip_tokenizer_init:
+                raise ValueError("stop strings need the tokenizer: SGLang rejects them with skip_tokenizer_init")
+            if len(prompt) >= self.context_length:
+                outputs[i] = _output([], [], {"type": "abort", "message": f"input of {len(prompt)} tokens is longer "
+                                              f"than the model's context length {self.context_length}"}, return_logprob)
+                continue
+            by_params.setdefault(json.dumps(params, sort_keys=True), []).append(i)
+        for key, indices in by_params.items():
+            params = json.loads(key)
+            ours = SamplingParams(
+                temperature=params.get("temperature", 1.0), top_p=params.get("top_p", 1.0), top_k=params.get("top_k", -1),
+                max_new_tokens=params.get("max_new_tokens", 128), stop_token_ids=params.get("stop_token_ids") or [],
+                ignore_eos=params.get("ignore_eos", False),
+            )
+            for i, generation in zip(indices, self.hf.generate([prompts[i] for i in indices], ours)):
+                if generation.finish_reason == "stop":
+                    reason = {"type": "stop", "matched": generation.token_ids[-1]}
+                elif generation.finish_reason == "length":
+                    reason = {"type": "length", "length": len(generation.token_ids)}
+                else:
+                    reason = {"type": "abort", "message": "Abort in waiting queue"}
+                outputs[i] = _output(generation.token_ids, generation.logprobs, reason, return_logprob)
+        return outputs[0] if single else outputs
+
+    def _abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self._record("abort", abort_all=abort_all)
+        if abort_all:
+            self.hf.abort()
+
+    # ---- memory ----------------------------------------------------------------------------
+
+    def release_memory_occupation(self, tags=None):
+        tags = list(tags or ALL_TAGS)
+        self._record("release", tags=sorted(tags))
+        if "weights" in tags:  # no CPU backup: the weights are gone until pushed again
+            with torch.no_grad():
+                for parameter in self.hf.model.parameters():
+                    parameter.zero_()
+        self.released |= set(tags)
+
+    def resume_memory_occupation(self, tags=None):
+        tags = list(tags or ALL_TAGS)
+        self._record("resume", tags=sorted(tags))
+        self.released -= set(tags)
+
+    def flush_cache(self):
+        self._record("flush_cache")
+        if "kv_cache" in self.released:
+            raise RuntimeError("flush_cache with the KV cache released")
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def begin_weight_update(self):
+        assert not self.in_update, "begin_weight_update called while a weight-update session is already open"
+        self.in_update = True
+        self._record("begin_weight_update")
+        return True, "Success"
+
+    def end_weight_update(self):
+        assert self.in_update, "end_weight_update without begin_weight_update"
+        self.in_update = False
+        self._record("end_weight_update")
+        return True, "Success"
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        if load_format != "flattened_bucket":
+            return False, f"stand-in supports load_format='flattened_bucket' only, got {load_format!r}"
+        if "weights" in self.released:
+            return False, "weights are released: resume_memory_occupation(['weights']) first"
+        if len(named_tensors) != self.tp_size:
+            return False, f"{len(named_tensors)} payloads for {self.tp_size} TP ranks"
+        buckets = []
+        for tp_rank, payload in enumerate(named_tensors):
+            producer, flattened = producer_and_payload(payload)
+            if producer != self.rank + tp_rank:
+                return False, f"payload {tp_rank} was made by rank {producer}, not by TP rank {tp_rank}'s rank"
+            buckets.append(FlattenedTensorBucket(flattened_tensor=flattened["flattened_tensor"],
+                                                 metadata=flattened["metadata"]).reconstruct_tensors())
+        names = [name for name, _ in buckets[0]]
+        self._record("update_weights_from_tensor", names=names, dtypes=sorted({str(t.dtype) for _, t in buckets[0]}),
+                     in_session=self.in_update)
+        for other in buckets[1:]:
+            if [n for n, _ in other] != names or any(not torch.equal(a, b) for (_, a), (_, b) in zip(buckets[0], other)):
+                return False, "TP ranks sent different weights"
+        state = self.hf.model.state_dict()
+        tied = getattr(self.hf.model.config, "tie_word_embeddings", False)
+        with torch.no_grad():
+            for name, tensor in buckets[0]:
+                if tied and name == "lm_head.weight":
+                    continue  # SGLang skips it and ties the head to embed_tokens
+                if name not in state:
+                    logger.warning(f"unknown parameter {name} (ignored, as SGLang does)")
+                    self.unknown_names.append(name)
+                    continue
+                state[name].copy_(tensor)
+        return True, "Succeeded to update parameter online."
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100):
+        parameter = self.hf.model.state_dict().get(name)
+        return None if parameter is None else parameter[:truncate_size].tolist()
+
+    def shutdown(self):
+        self._record("shutdown")
+
+
+def _output(token_ids, logprobs, finish_reason, return_logprob) -> dict:
+    meta = {"finish_reason": finish_reason, "prompt_tokens": 0, "completion_tokens": len(token_ids)}
+    if return_logprob:
+        meta["output_token_logprobs"] = [(logprob, token, None) for logprob, token in zip(logprobs, token_ids)]
+    return {"output_ids": list(token_ids), "meta_info": meta}
