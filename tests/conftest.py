@@ -17,10 +17,13 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return save_tiny(str(tmp_path_factory.mktemp("tiny") / "model"))
 
 
-def run_torchrun(args: list[str], nproc: int = 2, timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node=nproc ARGS` on CPU; the output is shown when it fails."""
+def run_torchrun(
+    args: list[str], nproc: int = 2, timeout: int = 300, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=nproc ARGS` on CPU; the output is shown when it fails; `env`
+    entries override."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO}
+    env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO, **(env or {})}
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-5000:]}\n{result.stderr[-8000:]}")

@@ -41,9 +41,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from rl2.distributed import rank, world_size
+from rl2.distributed import world_size
 from rl2.engines.base import Engine, Generation, SamplingParams
-from rl2.engines.tp_group import TPGroupLayout, new_tp_group, plan_tp_group
+from rl2.engines.tp_group import TPGroupLayout, new_tp_group, plan_this_rank
 from rl2.weight_sync import bucketed, engine_named_tensors
 
 logger = logging.getLogger(__name__)
@@ -257,13 +257,7 @@ class SGLangEngine(Engine):
         self.api = api or load_sglang()
         self.tokenizer = tokenizer
         self.bucket_bytes = bucket_mb * 2**20
-        self.layout = plan_tp_group(
-            rank(),
-            world_size(),
-            int(os.environ.get("LOCAL_RANK", rank())),
-            int(os.environ.get("LOCAL_WORLD_SIZE", world_size())),
-            tp_size,
-        )
+        self.layout = plan_this_rank(tp_size)
         self.group = new_tp_group(self.layout, world_size()) if tp_size > 1 else None
         self.tied_embeddings = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
         self.released: set[str] = set()
@@ -400,7 +394,8 @@ class SGLangEngine(Engine):
 
         self._on_leader(begin, "weight update")
         self.api.monkey_patch_torch_reductions()
-        samples: dict[str, torch.Tensor] = {}
+        samples: dict[str, torch.Tensor] = {}  # what was sent of the parameters read back later
+        first: dict[str, torch.Tensor] = {}
         for bucket in bucketed(engine_named_tensors(named_tensors, self.tied_embeddings), self.bucket_bytes):
             payload = self._serialize(bucket)
             payloads = [payload]
@@ -409,8 +404,9 @@ class SGLangEngine(Engine):
                 dist.gather_object(payload, payloads, dst=self.layout.leader, group=self.group)
             if self.layout.is_leader and not self.verified:
                 for name, tensor in bucket:
-                    if name in VERIFIED_PARAMETERS:
-                        samples[name] = tensor.detach().flatten()[:_SAMPLE_SIZE].float().cpu()
+                    if name in VERIFIED_PARAMETERS or not first:
+                        sample = tensor.detach().flatten()[:_SAMPLE_SIZE].float().cpu()
+                        (samples if name in VERIFIED_PARAMETERS else first)[name] = sample
 
             def post() -> None:
                 result = self.engine.update_weights_from_tensor(
@@ -427,7 +423,7 @@ class SGLangEngine(Engine):
             if "kv_cache" not in self.released:
                 check_result(self.engine.flush_cache(), "flush_cache")
             if not self.verified:
-                self._verify(samples)
+                self._verify(samples or first)
 
         self._on_leader(end, "weight update")
         self.verified = True
@@ -439,10 +435,8 @@ class SGLangEngine(Engine):
         )
 
     def _verify(self, samples: dict[str, torch.Tensor]) -> None:
-        """Read pushed parameters back: a name SGLang did not recognise kept its old value."""
-        if not samples:
-            logger.warning(f"weight sync not verified: none of {VERIFIED_PARAMETERS} was sent")
-            return
+        """Read pushed parameters back (those of VERIFIED_PARAMETERS, else the first one sent): SGLang
+        only logs a name it does not know, and the parameter keeps its old value."""
         for name, sent in samples.items():
             got = self.engine.get_weights_by_name(name, truncate_size=_SAMPLE_SIZE)
             if got is None:

@@ -6,9 +6,12 @@ rank of each group leads it: it owns the engine, whose TP rank i runs on GPU
 `base_gpu_id + i`, the GPU of the group's i-th rank.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from rl2.distributed import rank, world_size
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,14 @@ def plan_tp_group(rank: int, world_size: int, local_rank: int, local_world_size:
     group_index, tp_rank = divmod(rank, tp_size)
     ranks = tuple(range(group_index * tp_size, (group_index + 1) * tp_size))
     return TPGroupLayout(tp_size, group_index, ranks, tp_rank, base_gpu_id=local_rank - tp_rank)
+
+
+def plan_this_rank(tp_size: int) -> TPGroupLayout:
+    """`plan_tp_group` for this process, from torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE (one node
+    when run without torchrun)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", rank()))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+    return plan_tp_group(rank(), world_size(), local_rank, local_world_size, tp_size)
 
 
 def all_tp_groups(world_size: int, tp_size: int) -> list[tuple[int, ...]]:

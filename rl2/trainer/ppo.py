@@ -30,6 +30,7 @@ from rl2.data import RLDataset
 from rl2.distributed import all_gather_objects, device, exit_process, is_rank0, rank, world_size
 from rl2.engines import SamplingParams, build_engine
 from rl2.engines.sglang import load_sglang
+from rl2.engines.tp_group import plan_this_rank
 from rl2.env import Env
 from rl2.metrics import PhaseTimer, curve_summary, read_metrics
 from rl2.rollout import Trajectory, assign_rewards, rollout
@@ -47,9 +48,9 @@ class PPOTrainer(Trainer):
     def __init__(self, config: Config):
         require(config, "data.path", "actor.model_name", "rollout.env_path")
         _check_config(config)
-        if config.rollout.engine == "sglang":
-            load_sglang()  # without SGLang, fail before anything is loaded
         super().__init__(config)
+        if config.rollout.engine == "sglang":
+            _check_sglang(config)  # before any model is loaded
         # The env file first: a broken one fails before any model is loaded.
         self.env = Env(
             config.rollout.env_path,
@@ -418,6 +419,15 @@ def _check_config(config: Config) -> None:
             "adv.estimator=reinforce uses the group mean as baseline: set data.responses_per_prompt >= 2 "
             "(or use adv.estimator=gae)"
         )
+
+
+def _check_sglang(config: Config) -> None:
+    """SGLang is installed and `rollout.tp_size` fits the world and the nodes."""
+    try:
+        load_sglang()
+        plan_this_rank(config.rollout.tp_size)
+    except (ImportError, ValueError) as error:
+        raise ConfigError(str(error)) from error
 
 
 def main() -> None:

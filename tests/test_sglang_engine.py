@@ -1,0 +1,349 @@
+"""The SGLang engine adapter, on CPU: conversions of SGLang's outputs and arguments, the process
+state around engine start-up, the error without SGLang, and the adapter's calls in order against
+the stand-in package in tests/sglang_stand_in (SGLang's API, run by the embedded engine)."""
+
+import importlib
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import REPO, run_python, run_torchrun
+from rl2.engines import HFEngine, SamplingParams
+from rl2.engines.base import Generation
+from rl2.engines.sglang import (
+    SGLANG_REQUIREMENT,
+    SGLangEngine,
+    check_result,
+    cut_at_stop_string,
+    engine_args,
+    load_sglang,
+    sampling_params_dict,
+    sglang_process_state,
+    single_token_stops,
+    to_generation,
+)
+from rl2.engines.tp_group import plan_tp_group
+from rl2.metrics import read_metrics
+from rl2.rollout import rollout
+
+STAND_IN = os.path.join(REPO, "tests", "sglang_stand_in")
+SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None and STAND_IN not in sys.path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def stand_in():
+    """The stand-in `sglang` importable for one test; the real one (if any) is put back after."""
+    saved = {name: module for name, module in sys.modules.items() if name == "sglang" or name.startswith("sglang.")}
+    for name in saved:
+        del sys.modules[name]
+    sys.path.insert(0, STAND_IN)
+    try:
+        yield load_sglang()
+    finally:
+        sys.path.remove(STAND_IN)
+        for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+# ---- conversions ----------------------------------------------------------------------------
+
+
+def test_outputs_become_generations():
+    """Recorded SGLang output shapes: stop (eos kept), length, abort with its message, and
+    output_ids without the stop token (trimmed) next to log-probs that keep it."""
+    stop = {
+        "output_ids": [5, 6, 2],
+        "meta_info": {"output_token_logprobs": [(-0.5, 5, None), (-1.0, 6, None), (-0.1, 2, None)],
+                      "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "completion_tokens": 3},
+    }
+    assert to_generation(stop) == Generation([5, 6, 2], [-0.5, -1.0, -0.1], "stop")
+    trimmed = {**stop, "output_ids": [5, 6]}
+    assert to_generation(trimmed).token_ids == [5, 6, 2]
+    length = {"output_ids": [7], "meta_info": {"output_token_logprobs": [(-2.0, 7, "x")],
+                                               "finish_reason": {"type": "length", "length": 1}}}
+    assert to_generation(length) == Generation([7], [-2.0], "length")
+    abort = {"output_ids": [], "meta_info": {"output_token_logprobs": [],
+                                             "finish_reason": {"type": "abort", "message": "input is too long"}}}
+    generation = to_generation(abort)
+    assert generation.finish_reason == "abort" and generation.token_ids == []
+    assert "input is too long" in generation.error
+    assert to_generation({"meta_info": {"output_token_logprobs": [(-1.0, 3, None)], "finish_reason": "stop"}}).token_ids == [3]
+
+
+@pytest.mark.parametrize(
+    "output,message",
+    [
+        ({"output_ids": [1], "meta_info": {"finish_reason": {"type": "stop"}}}, "return_logprob=True"),
+        ({"output_ids": [9], "meta_info": {"output_token_logprobs": [(-1.0, 1, None)], "finish_reason": {"type": "stop"}}},
+         "disagree"),
+        ({"output_ids": [1], "meta_info": {"output_token_logprobs": [(-1.0, 1, None)], "finish_reason": {"type": "eos"}}},
+         "unknown finish_reason"),
+    ],
+    ids=["no-logprobs", "ids-disagree", "unknown-reason"],
+)
+def test_malformed_outputs_are_errors(output, message):
+    with pytest.raises(ValueError, match=message):
+        to_generation(output)
+
+
+def test_stop_strings(tokenizer):
+    """A multi-token stop string cuts the returned tokens after the token that completes it; a
+    one-token stop string becomes a stop token id for the engine."""
+    tokens = tokenizer("the answer is 42</search> and more text", add_special_tokens=False)["input_ids"]
+    generation = Generation(tokens, [-float(i) for i in range(len(tokens))], "length")
+    cut = cut_at_stop_string(generation, ["</search>"], tokenizer)
+    text = tokenizer.decode(cut.token_ids)
+    assert text.endswith("</search>") and "</search>" not in tokenizer.decode(cut.token_ids[:-1])
+    assert cut.finish_reason == "stop" and cut.logprobs == generation.logprobs[: len(cut.token_ids)]
+    assert cut_at_stop_string(generation, ["never there"], tokenizer) is generation
+    assert cut_at_stop_string(generation, [], tokenizer) is generation
+    one_token = tokenizer.convert_ids_to_tokens(tokens[0])
+    stop = tokenizer.decode([tokens[0]])
+    assert single_token_stops([stop, "</search>"], tokenizer) == [tokens[0]], one_token
+    assert len(tokenizer("</search>", add_special_tokens=False)["input_ids"]) > 1
+
+
+def test_sampling_params_and_engine_args():
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=33, stop=["x"], stop_token_ids=[4])
+    assert sampling_params_dict(params, [9, 4]) == {
+        "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 33, "stop_token_ids": [4, 9],
+        "ignore_eos": False, "skip_special_tokens": False, "no_stop_trim": True,
+    }
+    layout = plan_tp_group(rank=6, world_size=8, local_rank=6, local_world_size=8, tp_size=2)
+    args = engine_args("/models/qwen", layout, "bfloat16", 0.6, 7, nccl_port=12345)
+    assert args["tp_size"] == 2 and args["base_gpu_id"] == 6 and args["gpu_id_step"] == 1
+    assert args["skip_tokenizer_init"] is True and args["enable_memory_saver"] is True
+    assert args["mem_fraction_static"] == 0.6 and args["random_seed"] == 7 and args["nccl_port"] == 12345
+    other = engine_args("/models/qwen", plan_tp_group(2, 8, 2, 8, 2), "bfloat16", 0.6, 7, nccl_port=1)
+    assert other["port"] != args["port"]  # engines on one node need their own ports
+
+
+@pytest.mark.parametrize(
+    "result,ok",
+    [(None, True), ((True, "Success"), True), ([True, "ok", 3], True), ({"success": True}, True),
+     ((False, "bad name"), False), ({"success": False, "message": "bad name"}, False)],
+)
+def test_check_result(result, ok):
+    if ok:
+        check_result(result, "update_weights_from_tensor")
+    else:
+        with pytest.raises(RuntimeError, match="update_weights_from_tensor failed: bad name"):
+            check_result(result, "update_weights_from_tensor")
+
+
+def test_process_state_is_restored(monkeypatch):
+    """SGLang's start-up sets NCCL / CUDA variables, signal handlers and the start method in the
+    caller; the trainer's are put back, and torchrun's agent-store variable is hidden meanwhile."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("NCCL_DEBUG", "WARN")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    handler = signal.getsignal(signal.SIGCHLD)
+    method = multiprocessing.get_start_method(allow_none=True)
+    with sglang_process_state():
+        assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+        os.environ.update({"CUDA_DEVICE_MAX_CONNECTIONS": "8", "NCCL_CUMEM_ENABLE": "0", "NCCL_DEBUG": "INFO",
+                           "SGLANG_RUN_ID": "x"})
+        signal.signal(signal.SIGCHLD, lambda *args: None)
+        multiprocessing.set_start_method("spawn" if method != "spawn" else "fork", force=True)
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True" and os.environ["NCCL_DEBUG"] == "WARN"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ and "NCCL_CUMEM_ENABLE" not in os.environ
+    assert os.environ.pop("SGLANG_RUN_ID") == "x"  # SGLang's own variables stay
+    assert signal.getsignal(signal.SIGCHLD) is handler
+    assert multiprocessing.get_start_method(allow_none=True) == method
+
+
+# ---- without SGLang -------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(SGLANG_INSTALLED, reason="SGLang is installed here")
+def test_missing_sglang_fails_at_start(tiny_model_dir, tmp_path):
+    with pytest.raises(ImportError) as error:
+        load_sglang()
+    assert 'pip install -e ".[gpu]"' in str(error.value) and SGLANG_REQUIREMENT in str(error.value)
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "answer": "1"}) + "\n")
+    args = ["-m", "rl2.trainer.ppo", f"data.path={data}", f"actor.model_name={tiny_model_dir}",
+            "data.responses_per_prompt=2", "rollout.env_path=envs/demo_successor.py", "rollout.engine=sglang",
+            "trainer.disable_wandb=true"]
+    with pytest.raises(AssertionError) as failed:
+        run_python(args, timeout=120)
+    assert "(2)" in str(failed.value) and "rl2: error:" in str(failed.value)
+    assert 'pip install -e ".[gpu]"' in str(failed.value) and "Traceback" not in str(failed.value)
+
+
+# ---- against the stand-in -------------------------------------------------------------------
+
+
+def _calls(engine: SGLangEngine) -> list[str]:
+    return [name for name, _ in engine.engine.calls]
+
+
+def test_generation_matches_the_embedded_engine(stand_in, tiny_model_dir, tokenizer):
+    """Greedy tokens and log-probs through the adapter equal the embedded engine's; eos ends a
+    generation with the eos token kept; a multi-token stop string is cut on our side."""
+    engine = SGLangEngine(tiny_model_dir, tokenizer, dtype="float32", api=stand_in)
+    reference = HFEngine(tiny_model_dir, tokenizer, "cpu")
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("hello world", "a b c d", "x")]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    got, want = engine.generate(prompts, params), reference.generate(prompts, params)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+    stop_text = tokenizer.decode(want[0].token_ids[2:4])  # two generated tokens: a stop string the model says
+    stopped = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=12, stop=[stop_text]))[0]
+    assert stopped.finish_reason == "stop" and stop_text in tokenizer.decode(stopped.token_ids)
+    assert len(stopped.token_ids) <= 4 and stopped.token_ids == want[0].token_ids[: len(stopped.token_ids)]
+    assert engine.generate([], params) == []
+
+
+def test_release_push_resume_order(stand_in, tiny_model_dir, tokenizer):
+    """sleep releases everything; update_weights resumes the weights, pushes in a session and
+    the pushed weights are the ones generating; wake resumes the KV cache. Out of order is an error."""
+    engine = SGLangEngine(tiny_model_dir, tokenizer, dtype="float32", api=stand_in)
+    prompt = [tokenizer("hello world", add_special_tokens=False)["input_ids"]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="call wake"):
+        engine.generate(prompt, params)
+    with pytest.raises(RuntimeError, match="update_weights comes before wake"):
+        engine.wake()
+    changed = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for parameter in changed.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    engine.update_weights(changed.state_dict().items())
+    engine.wake()
+    calls = _calls(engine)
+    assert calls[calls.index("release"):] == [
+        "release", "resume", "begin_weight_update", "update_weights_from_tensor", "end_weight_update", "resume",
+        "flush_cache",
+    ]
+    tags = [details["tags"] for name, details in engine.engine.calls if name in ("release", "resume")]
+    assert tags == [["cuda_graph", "kv_cache", "weights"], ["weights"], ["cuda_graph", "kv_cache"]]
+    pushed = [details for name, details in engine.engine.calls if name == "update_weights_from_tensor"][0]
+    assert "lm_head.weight" not in pushed["names"] and pushed["in_session"]  # tied to embed_tokens
+    changed_dir = str(tokenizer.name_or_path) + "_changed"
+    changed.save_pretrained(changed_dir)
+    want = HFEngine(changed_dir, tokenizer, "cpu").generate(prompt, params)[0]
+    got = engine.generate(prompt, params)[0]
+    assert got.token_ids == want.token_ids and got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    assert engine.engine.unknown_names == []
+
+
+def test_small_buckets_and_failed_pushes(stand_in, tiny_model_dir, tokenizer):
+    """Many small buckets load the same weights; a push the engine refuses, and names it does not
+    know, fail the sync with the reason instead of leaving stale weights behind."""
+    engine = SGLangEngine(tiny_model_dir, tokenizer, dtype="float32", bucket_mb=0, api=stand_in)
+    state = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    engine.update_weights(state.items())
+    pushes = [d for name, d in engine.engine.calls if name == "update_weights_from_tensor"]
+    assert len(pushes) == len(state) - 1  # every tensor alone (bucket size 0), the tied head left out
+    engine.verified = False
+    with pytest.raises(RuntimeError, match="SGLang has no parameter 'bogus.model.embed_tokens.weight'"):
+        engine.update_weights((f"bogus.{name}", tensor) for name, tensor in state.items())
+    engine.engine.update_weights_from_tensor = lambda **kwargs: (False, "shape mismatch in layer 0")
+    with pytest.raises(RuntimeError, match="update_weights_from_tensor failed: shape mismatch in layer 0"):
+        engine.update_weights(state.items())
+
+
+def test_abort_and_refused_prompts(stand_in, tiny_model_dir, tokenizer):
+    """abort() from another thread ends generations in flight with "abort"; a prompt the engine
+    refuses (too long for the model) ends its trajectory with the engine's reason, not the run."""
+    engine = SGLangEngine(tiny_model_dir, tokenizer, dtype="float32", api=stand_in)
+    timer = threading.Timer(0.3, engine.abort)
+    timer.start()
+    start = time.time()
+    aborted = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=100_000, ignore_eos=True))[0]
+    assert aborted.finish_reason == "abort" and "aborted" in aborted.error and time.time() - start < 30
+    assert ("abort", {"abort_all": True}) in engine.engine.calls
+    context = engine.engine.context_length
+    prompts = [
+        {"prompt_ids": [1] * (context + 5), "messages": [{"role": "user", "content": "long"}], "answer": None},
+        {"prompt_ids": [1, 2, 3], "messages": [{"role": "user", "content": "short"}], "answer": None},
+    ]
+    long, short = rollout(engine, None, tokenizer, prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert long.done and long.response_length == 0 and "context length" in long.errors[0]
+    assert short.response_length > 0 and not short.errors
+
+
+def test_tp_size_that_does_not_fit(stand_in, tiny_model_dir, tokenizer):
+    with pytest.raises(ValueError, match=r"rollout.tp_size=2 must divide the number of ranks \(world size 1\)"):
+        SGLangEngine(tiny_model_dir, tokenizer, tp_size=2, api=stand_in)
+
+
+TOOL_ENV = """
+def reward_fn(messages, answer):
+    return float(len(messages[-1]["content"]) % 2)
+
+
+def interact(messages):
+    # Only conversations that ask for it go on: the ranks then need different numbers of turns.
+    return [{"role": "tool", "content": "more"}] if "continue" in messages[0]["content"] else []
+"""
+
+
+def _ppo_args(model_dir: str, data: str, env: str, save_dir: str, *extra: str) -> list[str]:
+    return [
+        "-m", "rl2.trainer.ppo", f"data.path={data}", "data.shuffle=false", "data.prompts_per_rollout=4",
+        "data.responses_per_prompt=2", f"actor.model_name={model_dir}", "actor.dtype=float32", "actor.lr=1e-3",
+        "actor.gradient_checkpointing=false", f"actor.save_dir={save_dir}", f"rollout.env_path={env}",
+        # Every token is a stop token: each turn is one token and ends with "stop", not at the length limit.
+        "rollout.max_turns=3", f"rollout.train_sampling_params={{max_new_tokens: 6, stop_token_ids: {list(range(1024))}}}",
+        "rollout.engine=sglang", "rollout.tp_size=2", "trainer.total_steps=2", "trainer.test_freq=null",
+        "trainer.disable_wandb=true", *extra,
+    ]
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "engine-logprobs"])
+def test_ppo_on_a_two_rank_engine_group(tiny_model_dir, tmp_path, recompute):
+    """PPO on 2 ranks sharing one TP-2 engine: only rank 0 starts an engine; both ranks' prompts
+    reach it, also when only rank 1 still has turns to take (rank 0 joins with no prompts); the
+    weight payloads arrive in TP-rank order (checked by the stand-in); each step releases,
+    resumes the weights, pushes, resumes the KV cache; and the engine's log-probs match the
+    actor's after the push, so the pushed weights are the actor's."""
+    data, env = tmp_path / "train.jsonl", tmp_path / "env.py"
+    env.write_text(TOOL_ENV)
+    # Rows 0-1 go to rank 0 and end after one turn; rows 2-3 go to rank 1 and take three.
+    rows = ["stop", "stop", "continue", "continue"] * 2
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{word} {i}"}], "answer": ""}) + "\n"
+                            for i, word in enumerate(rows)))
+    log = tmp_path / "sglang_calls.jsonl"
+    save_dir = tmp_path / "run"
+    run_torchrun(
+        _ppo_args(tiny_model_dir, str(data), str(env), str(save_dir), f"actor.recompute_logprobs={str(recompute).lower()}"),
+        env={"PYTHONPATH": f"{STAND_IN}{os.pathsep}{REPO}", "STAND_IN_SGLANG_LOG": str(log)},
+    )
+    calls = [json.loads(line) for line in open(log)]
+    assert {call["rank"] for call in calls} == {0}
+    names = [call["call"] for call in calls]
+    assert names.count("start") == 1
+    step_end = names.index("release")
+    # Turn 1: 2 ranks x 2 prompts x 2 responses; turns 2 and 3: rank 1's 4 trajectories only.
+    assert [call.get("prompts") for call in calls[1:step_end]] == [8, 4, 4]
+    assert names[step_end : step_end + 3] == ["release", "resume", "begin_weight_update"]
+    after_push = names.index("end_weight_update")
+    assert set(names[step_end + 3 : after_push]) == {"update_weights_from_tensor"}
+    assert names[after_push + 1 : after_push + 4] == ["resume", "flush_cache", "generate"]
+    assert calls[after_push + 1]["tags"] == ["cuda_graph", "kv_cache"]
+    assert names.count("update_weights_from_tensor") == 2 * names[:after_push].count("update_weights_from_tensor")
+    metrics = read_metrics(str(save_dir / "metrics.jsonl"))
+    assert [row["step"] for row in metrics] == [1, 2]
+    for row in metrics:
+        assert row["logp_mismatch/mean"] < 1e-4, row
+        assert ("logp_mismatch/max" in row) == recompute
+        assert row["turns/mean"] == 2.0  # half the trajectories took 1 turn, half 3
