@@ -60,6 +60,11 @@ def engine_param_name(name: str, tied_embeddings: bool) -> str | None:
         name = name[len("module.") :]
     if name.startswith(_PEFT_PREFIX):
         name = name[len(_PEFT_PREFIX) :]
+    if ".modules_to_save." in name or ".original_module." in name:
+        raise ValueError(
+            f"weight sync: {name!r} belongs to a PEFT modules_to_save copy; merge the adapters into the base "
+            f"weights (peft's merge_and_unload) before syncing them to the engine"
+        )
     if ".lora_" in name:
         raise ValueError(
             f"weight sync: {name!r} is an unmerged LoRA adapter weight; merge the adapters into the base "

@@ -183,10 +183,18 @@ def test_tp_below_one_raises(tp_size):
 def test_rank_not_numbered_node_by_node_raises(rank, local_rank, local_world_size):
     with pytest.raises(
         ValueError,
-        match=rf"rank {rank} has local rank {local_rank} with {local_world_size} ranks per node: "
-        r"ranks are not numbered node by node",
+        match=rf"rollout\.tp_size=2: rank {rank} has local rank {local_rank} with {local_world_size} ranks per node "
+        r"in a world of 16: ranks are not numbered node by node",
     ):
         plan_tp_group(rank, 16, local_rank, local_world_size, 2)
+
+
+def test_single_gpu_engines_take_any_numbering_and_ranks_must_be_in_the_world():
+    """With tp_size 1 every rank runs its own engine on its own GPU, whatever the numbering."""
+    layout = plan_tp_group(5, 8, 1, 4, 1)
+    assert layout.ranks == (5,) and layout.base_gpu_id == 1 and layout.is_leader
+    with pytest.raises(ValueError, match="rank 9 is outside the world of 8 ranks"):
+        plan_tp_group(9, 8, 1, 8, 2)
 
 
 def test_plan_this_rank_without_torchrun(monkeypatch):

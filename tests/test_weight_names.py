@@ -208,6 +208,15 @@ def test_unmerged_lora_weights_raise(name, tied):
         list(engine_named_tensors([("model.norm.weight", torch.zeros(1)), (name, torch.zeros(1))], tied))
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["base_model.model.lm_head.modules_to_save.default.weight", "base_model.model.lm_head.original_module.weight"],
+)
+def test_peft_modules_to_save_raise(name):
+    with pytest.raises(ValueError, match="modules_to_save copy; merge"):
+        engine_param_name(name, tied_embeddings=False)
+
+
 # --- buckets --------------------------------------------------------------------------------------
 
 

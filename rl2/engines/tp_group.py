@@ -37,6 +37,8 @@ def plan_tp_group(rank: int, world_size: int, local_rank: int, local_world_size:
     """The engine group of `rank`; a clear error when `tp_size` does not fit the world or a node."""
     if tp_size < 1:
         raise ValueError(f"rollout.tp_size must be >= 1, got {tp_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
     if world_size % tp_size != 0:
         raise ValueError(
             f"rollout.tp_size={tp_size} must divide the number of ranks (world size {world_size})"
@@ -46,10 +48,11 @@ def plan_tp_group(rank: int, world_size: int, local_rank: int, local_world_size:
             f"rollout.tp_size={tp_size} must divide the GPUs per node ({local_world_size} ranks on this node, "
             f"torchrun --nproc_per_node): an engine's TP ranks must share one node"
         )
-    if rank % local_world_size != local_rank:
+    if tp_size > 1 and (world_size % local_world_size != 0 or rank % local_world_size != local_rank):
         raise ValueError(
-            f"rank {rank} has local rank {local_rank} with {local_world_size} ranks per node: ranks are not "
-            f"numbered node by node as torchrun numbers them, so engine groups cannot be placed"
+            f"rollout.tp_size={tp_size}: rank {rank} has local rank {local_rank} with {local_world_size} ranks per "
+            f"node in a world of {world_size}: ranks are not numbered node by node as torchrun numbers them, so "
+            f"engine groups cannot be placed on one node each"
         )
     group_index, tp_rank = divmod(rank, tp_size)
     ranks = tuple(range(group_index * tp_size, (group_index + 1) * tp_size))
@@ -79,4 +82,6 @@ def new_tp_group(layout: TPGroupLayout, world_size: int) -> dist.ProcessGroup:
         group = dist.new_group(list(ranks), backend="gloo")
         if ranks == layout.ranks:
             mine = group
+    if mine is None:
+        raise ValueError(f"rank group {layout.ranks} is not among the groups of a world of {world_size} ranks")
     return mine
