@@ -25,7 +25,8 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "gpu": ["sglang", "flash-attn", "ring-flash-attn"],
+        # sglang 0.5.20 / 0.5.21 are built for torch 2.13.0 (0.5.22+ need torch 2.14.1).
+        "gpu": ["sglang[srt]>=0.5.20,<0.5.22", "flash-attn", "ring-flash-attn"],
         "test": ["pytest", "pytest-timeout"],
         "dense": ["sentence-transformers", "faiss-cpu"],
     },

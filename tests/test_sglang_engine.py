@@ -347,3 +347,15 @@ def test_ppo_on_a_two_rank_engine_group(tiny_model_dir, tmp_path, recompute):
         assert row["logp_mismatch/mean"] < 1e-4, row
         assert ("logp_mismatch/max" in row) == recompute
         assert row["turns/mean"] == 2.0  # half the trajectories took 1 turn, half 3
+
+
+def test_gpu_smoke_script_runs_against_the_stand_in(tmp_path):
+    """bench/gpu_sglang_smoke.py (written for GPUs with SGLang) runs end to end on the stand-in:
+    the script's own order of calls and its agreement checks work."""
+    result = run_torchrun(
+        ["bench/gpu_sglang_smoke.py", "--tp-size", "2", "--prompts", "4", "--max-new-tokens", "12",
+         "--dtype", "float32", "--lr", "1e-3"],
+        env={"PYTHONPATH": f"{STAND_IN}{os.pathsep}{REPO}", "TMPDIR": str(tmp_path)},
+    )
+    summary = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+    assert summary["ok"] and summary["mismatch_after_mean"] < 1e-5 and summary["step_moved_logps_mean"] > 1e-3
