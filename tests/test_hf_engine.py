@@ -255,3 +255,15 @@ def test_build_engine(tiny_model_dir, tokenizer):
         build_engine("sglang", tiny_model_dir, tokenizer, CPU, "float32", 0)  # SGLang is not installed here
     with pytest.raises(ValueError, match="unknown rollout engine"):
         build_engine("vllm", tiny_model_dir, tokenizer, CPU, "float32", 0)
+
+
+def test_abort_from_another_thread(engine, prompts):
+    """abort() ends the generation in flight at its next token; the next generate runs normally."""
+    import threading
+
+    timer = threading.Timer(0.2, engine.abort)
+    timer.start()
+    aborted = engine.generate(prompts[:2], SamplingParams(max_new_tokens=100_000, ignore_eos=True))
+    assert all(g.finish_reason == "abort" and g.error == "aborted" and 0 < len(g.token_ids) < 100_000 for g in aborted)
+    after = engine.generate(prompts[:2], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert [g.finish_reason for g in after] == ["length", "length"]

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rl2.data import render_chat, tokenize_prompt
-from rl2.engines import SamplingParams
+from rl2.engines import Generation, SamplingParams
 from rl2.env import Env
 from rl2.rollout import assign_rewards, observation_tokens, rollout
 from scripted_engine import ScriptedEngine
@@ -166,3 +166,26 @@ def test_reward_errors_score_zero(tokenizer, env):
     assign_rewards(env, trajectories)
     assert [t.reward for t in trajectories] == [0.0, 0.0]
     assert all("expected a number" in t.errors[0] for t in trajectories)
+
+
+def test_lockstep_engine_is_called_every_turn(tokenizer, env):
+    """An engine shared by a group of ranks gets a call every turn, empty once this rank's
+    trajectories are done (the others may still be taking turns); a plain engine does not."""
+    for lockstep, expected in [(True, [2, 0, 0]), (False, [2])]:
+        engine = ScriptedEngine(tokenizer, lambda text: "The answer is 42")
+        engine.lockstep = lockstep
+        rollout(engine, env, tokenizer, [prompt(tokenizer)], 2, SamplingParams(), max_turns=3)
+        assert [len(call) for call in engine.calls] == expected
+        engine.calls.clear()
+        rollout(engine, env, tokenizer, [], 2, SamplingParams(), max_turns=3)  # no prompts on this rank
+        assert [len(call) for call in engine.calls] == ([0, 0, 0] if lockstep else [])
+
+
+def test_aborted_generation_ends_the_trajectory_with_its_reason(tokenizer, env):
+    class Aborting(ScriptedEngine):
+        def generate(self, prompts, params):
+            return [Generation([5, 6], [-1.0, -1.0], "abort", "SGLang aborted the request: too long") for _ in prompts]
+
+    trajectory = rollout(Aborting(tokenizer, None), env, tokenizer, [prompt(tokenizer)], 1, SamplingParams(), max_turns=3)[0]
+    assert trajectory.done and trajectory.turns == 1 and trajectory.response_length == 2
+    assert trajectory.errors == ["SGLang aborted the request: too long"]
