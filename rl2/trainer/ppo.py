@@ -358,6 +358,7 @@ class PPOTrainer(Trainer):
         progress.close()
         self.metrics.finish()
         self.env.close()
+        self.engine.shutdown()  # SGLang: its scheduler processes end with the run
         if is_rank0():
             rows = read_metrics(os.path.join(self.config.actor.save_dir, "metrics.jsonl"))
             logger.info("\n" + run_summary(rows))
