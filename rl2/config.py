@@ -102,6 +102,7 @@ class RolloutConfig:
     dynamic_filtering: bool = _f(False, "drop groups whose rewards are all equal (zero advantage; DAPO)")
     test_responses_per_prompt: int = _f(1, "responses per test prompt; pass@k uses k = this")
     sync_bucket_mb: int = _f(512, "weights are sent to the engine in buckets of about this many MB")
+    oversample: Optional[int] = _f(None, "GRPO-RoC: responses generated per prompt before down-sampling to data.responses_per_prompt")
 
 
 _KL_ESTIMATORS = ["k1", "k2", "k3"]
@@ -121,6 +122,9 @@ class AdvConfig:
     gamma: float = _f(1.0, "discount factor")
     lamda: float = _f(1.0, "GAE lambda")
     norm_var: bool = _f(False, "divide advantages by their standard deviation")
+    resample_on_correct: bool = _f(False, "GRPO-RoC: generate rollout.oversample responses per prompt, keep data.responses_per_prompt")
+    roc_mode: str = _f("sample", "GRPO-RoC: draw positives with probability ~ 1/penalty (the paper) or take the lowest penalties (the released code)", ["sample", "topk"])
+    roc_min_each: int = _f(2, "GRPO-RoC: keep at least this many positives and negatives where a group has them")
 
 
 @dataclass

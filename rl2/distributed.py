@@ -94,6 +94,15 @@ def all_gather_objects(items: list) -> list:
     return [item for part in gathered for item in part]
 
 
+def broadcast_from_rank0(value):
+    """Rank 0's `value` (picklable), on every rank."""
+    if world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()

@@ -76,6 +76,8 @@ class Env:
         self._reward_fn = _get_function(module, self.path, "reward_fn", ("messages", "answer"), required=True)
         self._interact = _get_function(module, self.path, "interact", ("messages",), required=need_interact)
         self.has_interact = self._interact is not None
+        self._roc_penalty = _get_function(module, self.path, "roc_penalty", ("messages",), required=False)
+        self.has_roc_penalty = self._roc_penalty is not None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rl2-env")
         self._closed = False
 
@@ -91,6 +93,13 @@ class Env:
         if not self.has_interact:
             raise EnvError(f"env file {self.path} does not define interact(messages)")
         return self._run_batch("interact", self._interact, [(messages,) for messages in conversations])
+
+    def roc_penalties(self, conversations: list[list[dict]]) -> list[EnvResult]:
+        """The env file's `roc_penalty(messages)` for each conversation (GRPO-RoC); an error where a
+        call failed (the caller falls back to the default penalty)."""
+        if not self.has_roc_penalty:
+            raise EnvError(f"env file {self.path} does not define roc_penalty(messages)")
+        return self._run_batch("roc_penalty", self._roc_penalty, [(messages,) for messages in conversations])
 
     def close(self) -> None:
         """Shut the worker threads down; calls still running (hung after a timeout) are not waited for
@@ -130,7 +139,8 @@ class Env:
 
     async def _call(self, name: str, fn: Callable, args: tuple) -> EnvResult:
         """One call with a timeout and a checked result; failures become (default value, error)."""
-        default = 0.0 if name == "reward_fn" else []
+        numeric = name in ("reward_fn", "roc_penalty")
+        default = 0.0 if numeric else []
         note = ""
         try:
             result, exc = await asyncio.wait_for(self._invoke(fn, copy.deepcopy(args)), self.timeout)
@@ -143,7 +153,7 @@ class Env:
                 error = f"{name} raised {type(exc).__name__}: {_one_line(str(exc))}"
                 note = _where(exc, self.path)
             else:
-                value, problem = _check_reward(result) if name == "reward_fn" else _check_messages(result)
+                value, problem = _check_reward(result) if numeric else _check_messages(result)
                 if problem is None:
                     return EnvResult(value, None)
                 error = f"{name} {problem}"

@@ -74,6 +74,12 @@ def roc_penalty(messages: list[dict]) -> float:
     min((answers - 1) / turns, 1), with answers counted over all assistant messages (outside tool
     calls) and turns the number of assistant messages.
     """
+    p_err, p_format = roc_penalty_parts(messages)
+    return p_err + p_format
+
+
+def roc_penalty_parts(messages: list[dict]) -> tuple[float, float]:
+    """(p_err, p_format) of `roc_penalty`."""
     tool_replies = [message.get("content") or "" for message in messages if message.get("role") == "tool"]
     if tool_replies:
         p_err = sum(roc_tool_error(reply) for reply in tool_replies) / len(tool_replies)
@@ -81,8 +87,19 @@ def roc_penalty(messages: list[dict]) -> float:
         p_err = 0.5
     turns = [_count_answers(message.get("content") or "") for message in messages if message.get("role") == "assistant"]
     if not turns or turns[-1][0] == 0 or turns[-1][1]:
-        p_format = 1.0
-    else:
-        answers = sum(count for count, _ in turns)
-        p_format = min((answers - 1) / len(turns), 1.0)
-    return p_err + p_format
+        return p_err, 1.0
+    answers = sum(count for count, _ in turns)
+    return p_err, min((answers - 1) / len(turns), 1.0)
+
+
+def roc_error_rates(conversations: list[list[dict]]) -> tuple[float, float]:
+    """(share of all tool messages that report an error, share of conversations whose last
+    assistant message has no well-formed final answer) — GRPO-RoC's logged error rates."""
+    replies = [m.get("content") or "" for messages in conversations for m in messages if m.get("role") == "tool"]
+    tool_error_rate = sum(roc_tool_error(reply) for reply in replies) / len(replies) if replies else 0.0
+    malformed = 0
+    for messages in conversations:
+        turns = [m.get("content") or "" for m in messages if m.get("role") == "assistant"]
+        count, unclosed = _count_answers(turns[-1]) if turns else (0, True)
+        malformed += count == 0 or unclosed
+    return tool_error_rate, malformed / max(len(conversations), 1)

@@ -164,3 +164,53 @@ def test_broken_env_file_fails_at_start(tiny_model_dir, rl_data, tmp_path, env_t
     assert result.returncode == 2
     assert "rl2: error:" in result.stderr and str(env_file) in result.stderr and message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+ROC_ENV = """
+def reward_fn(messages, answer):
+    return float(len(messages[-1]["content"]) % 2)
+
+
+def roc_penalty(messages):
+    with open(LOG, "a") as log:
+        log.write("called\\n")
+    return float(len(messages[-1]["content"]))
+"""
+
+
+def test_grpo_roc_steps(tiny_model_dir, rl_data, tmp_path):
+    """GRPO-RoC on 2 ranks: 4 responses generated per prompt, 2 kept per group that has both a
+    positive and a negative, penalties from the env file's roc_penalty; its metrics are logged."""
+    env_file = tmp_path / "roc_env.py"
+    calls = tmp_path / "roc_calls.txt"
+    env_file.write_text(f"LOG = {str(calls)!r}\n" + ROC_ENV)
+    save_dir = tmp_path / "run"
+    run_torchrun(_ppo_args(tiny_model_dir, rl_data, str(save_dir), f"rollout.env_path={env_file}",
+                           "data.responses_per_prompt=2", "rollout.oversample=4", "adv.resample_on_correct=true",
+                           "adv.roc_mode=topk", "adv.roc_min_each=1", "trainer.total_steps=2", "trainer.test_freq=null"))
+    rows = read_metrics(str(save_dir / "metrics.jsonl"))
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["trajectories"] == 16.0  # 4 prompts x 4 generated
+        assert row["roc/kept_trajectories"] == 2 * (4 - row["roc/dropped_groups"])
+        for key in ("tool_error_rate", "format_error_rate"):
+            assert 0.0 <= row[f"roc/{key}_before"] <= 1.0 and 0.0 <= row[f"roc/{key}_after"] <= 1.0
+    assert any("actor/loss" in row for row in rows)
+    assert calls.read_text().count("called") == 2 * 2 * 16  # every trajectory, on both ranks, both steps
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["adv.resample_on_correct=true", "data.responses_per_prompt=4"], "needs rollout.oversample > data.responses_per_prompt"),
+        (["rollout.oversample=8"], "rollout.oversample is GRPO-RoC's"),
+        (["adv.resample_on_correct=true", "rollout.oversample=8", "data.responses_per_prompt=2", "adv.roc_min_each=2"],
+         "adv.roc_min_each=2 must be between 0 and data.responses_per_prompt / 2"),
+    ],
+    ids=["no-oversample", "oversample-without-roc", "min-each-too-large"],
+)
+def test_grpo_roc_config_errors(tiny_model_dir, rl_data, tmp_path, overrides, message):
+    command = [sys.executable, *_ppo_args(tiny_model_dir, rl_data, str(tmp_path / "run"), *overrides)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO,
+                            env={**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": REPO})
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]

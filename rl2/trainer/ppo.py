@@ -22,17 +22,19 @@ from rl2.algorithms import (
     loss_weights,
     masked_mean,
     policy_loss,
+    resample_on_correct,
     uniform_groups,
     value_loss,
 )
 from rl2.config import Config, ConfigError, load_config
 from rl2.data import RLDataset
-from rl2.distributed import all_gather_objects, device, exit_process, is_rank0, rank, world_size
+from rl2.distributed import all_gather_objects, broadcast_from_rank0, device, exit_process, is_rank0, rank, world_size
 from rl2.engines import SamplingParams, build_engine
 from rl2.engines.sglang import load_sglang
 from rl2.engines.tp_group import plan_this_rank
 from rl2.env import Env
 from rl2.metrics import PhaseTimer, curve_summary, read_metrics
+from rl2.roc_penalty import roc_error_rates, roc_penalty
 from rl2.rollout import Trajectory, assign_rewards, rollout
 from rl2.sampler import BatchSampler
 from rl2.trainer.base import Trainer, require, user_errors_reported
@@ -279,20 +281,24 @@ class PPOTrainer(Trainer):
         """One PPO step; returns its metrics."""
         config, timer = self.config, PhaseTimer()
         prompts = [self.train_data[i] for i in self.sampler.next_batch()]
+        generated = config.rollout.oversample if config.adv.resample_on_correct else config.data.responses_per_prompt
         trajectories = self.generate(
             prompts,
             self.train_params,
-            config.data.responses_per_prompt,
+            generated,
             config.trainer.seed + self.step,
             timer,
             release_after=True,
         )
         metrics = rollout_metrics(trajectories)
         self.dump(trajectories, f"step_{self.step}")
+        if config.adv.resample_on_correct:
+            trajectories, roc_metrics = self.resample_on_correct(trajectories, generated)
+            metrics.update(roc_metrics)
         if config.rollout.dynamic_filtering:
             trajectories, metrics["dynamic_filter/dropped_ratio"] = self.filter_groups(trajectories)
         if not trajectories:
-            logger.info(f"step {self.step}: every group has equal rewards; no update")
+            logger.info(f"step {self.step}: no trajectories left (every group has equal rewards); no update")
             self.sync_weights()  # the engine may have dropped its weights while asleep
             return {**metrics, **{f"time/{k}": v for k, v in timer.times.items()}}
         with timer("logps"):
@@ -310,6 +316,47 @@ class PPOTrainer(Trainer):
             **{f"time/{k}": v for k, v in timer.times.items()},
             "time/step": total,
             "tokens_per_second": sum(len(t.token_ids) for t in trajectories) / total,
+        }
+
+    def resample_on_correct(self, trajectories: list[Trajectory], group_size: int) -> tuple[list[Trajectory], dict]:
+        """GRPO-RoC: each group of `group_size` cut to `data.responses_per_prompt` (see
+        `rl2.algorithms.resample_on_correct`); groups of equal rewards are dropped.
+
+        Penalties are the env file's `roc_penalty(messages)` where it defines one (the default
+        penalty where a call fails), else `rl2.roc_penalty.roc_penalty`; rank 0's are used on every
+        rank, so all ranks keep the same trajectories.
+        """
+        config = self.config
+        conversations = [t.messages for t in trajectories]
+        penalties = [roc_penalty(messages) for messages in conversations]
+        if self.env.has_roc_penalty:
+            for i, result in enumerate(self.env.roc_penalties(conversations)):
+                if result.error is None:
+                    penalties[i] = result.value
+        penalties = broadcast_from_rank0(penalties)
+        generator = torch.Generator().manual_seed(config.trainer.seed * 1_000_003 + self.step)
+        kept, dropped = [], 0
+        for start in range(0, len(trajectories), group_size):
+            group = trajectories[start : start + group_size]
+            chosen = resample_on_correct(
+                [t.reward for t in group],
+                penalties[start : start + group_size],
+                config.data.responses_per_prompt,
+                config.adv.roc_mode,
+                config.adv.roc_min_each,
+                generator,
+            )
+            dropped += not chosen
+            kept += [group[j] for j in chosen]
+        tool_before, format_before = roc_error_rates(conversations)
+        tool_after, format_after = roc_error_rates([t.messages for t in kept])
+        return kept, {
+            "roc/tool_error_rate_before": tool_before,
+            "roc/tool_error_rate_after": tool_after,
+            "roc/format_error_rate_before": format_before,
+            "roc/format_error_rate_after": format_after,
+            "roc/kept_trajectories": float(len(kept)),
+            "roc/dropped_groups": float(dropped),
         }
 
     def filter_groups(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], float]:
@@ -415,6 +462,18 @@ def _check_config(config: Config) -> None:
             f"data.max_length={config.data.max_length} (the longest trajectory) exceeds what one micro-batch holds, "
             f"actor.max_length_per_device x actor.sp_size = {longest}; raise actor.max_length_per_device"
         )
+    if config.adv.resample_on_correct:
+        if config.rollout.oversample is None or config.rollout.oversample <= config.data.responses_per_prompt:
+            raise ConfigError(
+                f"adv.resample_on_correct=true needs rollout.oversample > data.responses_per_prompt "
+                f"({config.data.responses_per_prompt}), e.g. 32 generated and 16 kept; got {config.rollout.oversample}"
+            )
+        if not 0 <= 2 * config.adv.roc_min_each <= config.data.responses_per_prompt:
+            raise ConfigError(
+                f"adv.roc_min_each={config.adv.roc_min_each} must be between 0 and data.responses_per_prompt / 2"
+            )
+    elif config.rollout.oversample is not None:
+        raise ConfigError("rollout.oversample is GRPO-RoC's: set adv.resample_on_correct=true, or leave it unset")
     if config.adv.estimator == "reinforce" and config.data.responses_per_prompt == 1:
         raise ConfigError(
             "adv.estimator=reinforce uses the group mean as baseline: set data.responses_per_prompt >= 2 "
