@@ -313,7 +313,11 @@ class SGLangEngine(Engine):
             dist.all_gather_object(parts, (prompts, params), group=self.group)
 
         def run() -> list[list[Generation]]:
-            requests = [(prompt, part_params) for part_prompts, part_params in parts for prompt in part_prompts]
+            # One SGLang parameter dict per rank (its stop strings tokenised once), shared by its prompts.
+            requests = []
+            for part_prompts, part_params in parts:
+                sglang_params = self._sampling_params(part_params)
+                requests += [(prompt, part_params, sglang_params) for prompt in part_prompts]
             generations = self._generate_batch(requests) if requests else []
             split, start = [], 0
             for part_prompts, _ in parts:
@@ -323,19 +327,19 @@ class SGLangEngine(Engine):
 
         return self._on_leader(run, "generate")[self.layout.tp_rank]
 
-    def _generate_batch(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
+    def _generate_batch(self, requests: list[tuple[list[int], SamplingParams, dict]]) -> list[Generation]:
         if self.released:
             raise RuntimeError(f"generate while SGLang's {sorted(self.released)} memory is released: call wake() first")
         outputs = self.engine.generate(
-            input_ids=[prompt for prompt, _ in requests],
-            sampling_params=[self._sampling_params(params) for _, params in requests],
+            input_ids=[prompt for prompt, _, _ in requests],
+            sampling_params=[sglang_params for _, _, sglang_params in requests],
             return_logprob=True,
         )
         if len(outputs) != len(requests):
             raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(requests)} prompts")
         return [
             cut_at_stop_string(to_generation(output), params.stop, self.tokenizer)
-            for output, (_, params) in zip(outputs, requests)
+            for output, (_, params, _) in zip(outputs, requests)
         ]
 
     def _sampling_params(self, params: SamplingParams) -> dict:
