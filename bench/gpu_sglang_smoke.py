@@ -17,7 +17,6 @@ stand-in, which checks this script, not SGLang.
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
@@ -25,7 +24,16 @@ from transformers import AutoTokenizer
 
 from rl2.actor import Actor
 from rl2.config import load_config
-from rl2.distributed import all_gather_objects, all_reduce_sum, barrier, device, init_distributed, is_rank0, rank
+from rl2.distributed import (
+    all_gather_objects,
+    all_reduce_sum,
+    barrier,
+    device,
+    exit_process,
+    init_distributed,
+    is_rank0,
+    rank,
+)
 from rl2.engines import SamplingParams, build_engine
 from rl2.tiny import save_tiny
 from rl2.weight_sync import iter_full_weights
@@ -154,7 +162,7 @@ def main() -> None:
             print(f"{key:>36}: {value:.4g}" if isinstance(value, float) else f"{key:>36}: {value}")
         print(json.dumps({**results, "ok": ok}))
         print("OK: the engine follows the actor" if ok else "FAILED: engine and actor disagree", flush=True)
-    sys.exit(0 if ok else 1)
+    exit_process(0 if ok else 1)  # gloo can abort a finished rank during interpreter teardown
 
 
 if __name__ == "__main__":

@@ -4,15 +4,25 @@ be contained and the host unchanged afterwards."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import pytest
 
-from rl2.tools.sandbox import RunResult, Sandbox, bwrap_works, closed_ancestor, run_python
+from rl2.tools.sandbox import (
+    RunResult,
+    Sandbox,
+    bind_back_args,
+    bwrap_works,
+    closed_ancestor,
+    expose_python_args,
+    run_python,
+)
 
 UID_BASE = 610000
 WORKERS = 2
@@ -226,15 +236,27 @@ def interpreter_for_everyone() -> str | None:
 
 @pytest.mark.skipif(not ROOT or not bwrap_works() or interpreter_for_everyone() is None,
                     reason="needs root, bubblewrap and a Python that the unprivileged user can run")
-def test_unprivileged_user_sandboxes(tmp_path):
+def test_unprivileged_user_sandboxes():
     """Run as `nobody`: bubblewrap with a user namespace, and the limits-only fallback. Only the
-    standard library is needed, so a system Python does when ours is closed to other users."""
-    worker = os.path.join(os.path.dirname(__file__), "workers", "sandbox_unprivileged.py")
-    os.chmod(tmp_path, 0o777)
-    out = subprocess.run(
-        [interpreter_for_everyone(), worker], user=65534, group=65534, capture_output=True, text=True, timeout=120,
-        cwd=tmp_path, env={"PATH": os.environ["PATH"], "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))},
-    )
+    standard library is needed, so a system Python does when ours is closed to other users. The
+    worker and a copy of the package go to a directory `nobody` can reach (the checkout may sit in a
+    closed `mktemp -d`), with a world-writable working directory the sandboxed code must not write."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shared = tempfile.mkdtemp(prefix="rl2-unprivileged-", dir="/tmp")
+    try:
+        os.chmod(shared, 0o755)
+        shutil.copytree(os.path.join(repo, "rl2"), os.path.join(shared, "rl2"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        worker = shutil.copy(os.path.join(repo, "tests", "workers", "sandbox_unprivileged.py"), shared)
+        work = os.path.join(shared, "work")
+        os.mkdir(work)
+        os.chmod(work, 0o777)
+        out = subprocess.run(
+            [interpreter_for_everyone(), worker], user=65534, group=65534, capture_output=True, text=True,
+            timeout=120, cwd=work, env={"PATH": os.environ["PATH"], "PYTHONPATH": shared},
+        )
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["bwrap"]["isolation"].startswith("bwrap") and "caller's uid" in report["bwrap"]["isolation"]
@@ -242,3 +264,19 @@ def test_unprivileged_user_sandboxes(tmp_path):
     assert report["bwrap"]["after_killing_worker"] == "ok"
     assert report["none"]["isolation"].startswith("none") and report["none"]["timeout"] == "timeout"
     assert "isolation: none" in out.stderr  # the weaker isolation is logged as a warning
+
+
+def test_bind_back_arguments_for_closed_directories(monkeypatch):
+    """A closed directory on sys.path (a checkout in a 0700 `mktemp -d`) is hidden, not bound onto
+    itself: this once looped forever, growing a list until the machine ran out of memory."""
+    assert bind_back_args("/root", ["/root/.pyenv/lib", "/root/.pyenv/lib/python3.11/site-packages"]) == [
+        "--perms", "0755", "--dir", "/root/.pyenv", "--ro-bind", "/root/.pyenv/lib", "/root/.pyenv/lib",
+    ]
+    with pytest.raises(ValueError, match="not inside"):
+        bind_back_args("/root", ["/root"])
+    monkeypatch.setattr("rl2.tools.sandbox.python_paths", lambda: ["/srv/checkout", "/srv/checkout/lib", "/usr/lib"])
+    monkeypatch.setattr("rl2.tools.sandbox.closed_ancestor",
+                        lambda path: "/srv/checkout" if path.startswith("/srv/checkout") else None)
+    assert expose_python_args() == [
+        "--perms", "0755", "--tmpfs", "/srv/checkout", "--ro-bind", "/srv/checkout/lib", "/srv/checkout/lib",
+    ]

@@ -114,13 +114,19 @@ def expose_python_args() -> list[str]:
             hidden.setdefault(ancestor, []).append(path)
     args = []
     for ancestor, paths in sorted(hidden.items()):
-        args += ["--perms", "0755", "--tmpfs", ancestor] + bind_back_args(ancestor, paths)
+        # A path that is itself the closed directory (a checkout in a 0700 `mktemp -d` on sys.path)
+        # stays closed to the uid either way; the worker runs with `-I` and does not need it.
+        inside = [path for path in paths if path != ancestor]
+        args += ["--perms", "0755", "--tmpfs", ancestor] + bind_back_args(ancestor, inside)
     return args
 
 
 def bind_back_args(mount: str, paths: list[str]) -> list[str]:
     """bubblewrap arguments binding `paths` (read-only) into `mount`, a fresh tmpfs, with the
     directories between made traversable (bubblewrap would make them 0700)."""
+    outside = [path for path in paths if not path.startswith(mount.rstrip("/") + "/")]
+    if outside:
+        raise ValueError(f"cannot bind {outside} back into {mount}: not inside it")
     args, made, bound = [], {mount}, []
     for path in sorted(paths):  # a directory comes before what is inside it
         if any(path.startswith(done + "/") for done in bound):
