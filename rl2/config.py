@@ -138,6 +138,15 @@ class TrainerConfig:
     load_ckpt_from: Optional[str] = _f(None, "'latest' or a checkpoint dir to resume from")
     seed: int = _f(42, "random seed")
     dump_trajectories: bool = _f(True, "write each step's trajectories to <save_dir>/trajectories/step_N.jsonl")
+    eval_only: bool = _f(False, "RL: only evaluate actor.model_name on data.test_path (avg@k, pass@k with k = rollout.test_responses_per_prompt), write <save_dir>/eval.json and stop")
+
+
+@dataclass
+class FilterConfig:
+    responses_per_prompt: int = _f(8, "answers sampled per problem (with rollout.train_sampling_params)")
+    pass_rate_below: float = _f(1.0, "keep problems whose pass rate is below this (1.0 drops the ones always solved)")
+    pass_rate_min: float = _f(0.0, "and at least this (e.g. 0.05 also drops the ones never solved)")
+    output: Optional[str] = _f(None, "JSON lines file for the kept rows (all their columns); pass rates go to <output>.pass_rates.jsonl")
 
 
 @dataclass
@@ -150,6 +159,7 @@ class Config:
     kl: KLConfig = _section(KLConfig, "KL regularisation against the reference model")
     adv: AdvConfig = _section(AdvConfig, "advantage estimation")
     trainer: TrainerConfig = _section(TrainerConfig, "training loop, logging and checkpoints")
+    filter: FilterConfig = _section(FilterConfig, "difficulty filter between RL stages (rl2.trainer.difficulty_filter)")
 
 
 def _type_name(tp: Any) -> str:

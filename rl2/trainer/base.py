@@ -55,6 +55,16 @@ def require(config: Config, *keys: str) -> None:
             raise ConfigError(f"{key} is required (pass {key}=...)")
 
 
+def check_local_model_path(name: str | None, key: str) -> None:
+    """A model name that is clearly a path (absolute, ./ or ../, or more than one `/`, which no Hub
+    id has) must be an existing folder: otherwise transformers reports it as a malformed repo id."""
+    if name is None:
+        return
+    looks_local = os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+    if looks_local and not os.path.isdir(os.path.expanduser(name)):
+        raise ConfigError(f"{key}={name}: no such model folder")
+
+
 def require_pair_budget(config: Config, section: str) -> None:
     """Pair trainers: a pair (chosen and rejected, up to `data.max_length` tokens each) must fit in
     one micro-batch, since both are packed side by side."""
@@ -89,6 +99,8 @@ class Trainer:
                 raise ConfigError(f"{section}.sp_size={sp_size} must divide the number of ranks ({world_size()})")
         torch.manual_seed(config.trainer.seed)
         self.config = config
+        for section in ("actor", "critic"):
+            check_local_model_path(getattr(config, section).model_name, f"{section}.model_name")
         main = self.main_config
         self.tokenizer = AutoTokenizer.from_pretrained(main.tokenizer_name or main.model_name)
         self.step = 0

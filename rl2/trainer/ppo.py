@@ -48,7 +48,8 @@ class PPOTrainer(Trainer):
     """Policy-gradient RL on `{"messages", "answer"}` prompts scored by an env file's `reward_fn`."""
 
     def __init__(self, config: Config):
-        require(config, "data.path", "actor.model_name", "rollout.env_path")
+        self.eval_only = config.trainer.eval_only
+        require(config, "data.test_path" if self.eval_only else "data.path", "actor.model_name", "rollout.env_path")
         _check_config(config)
         super().__init__(config)
         if config.rollout.engine == "sglang":
@@ -61,10 +62,16 @@ class PPOTrainer(Trainer):
             need_interact=config.rollout.max_turns > 1,
         )
         self.max_length = config.data.max_length or config.actor.max_length_per_device * config.actor.sp_size
-        self.train_data, self.test_data = self.load_datasets(RLDataset, self.max_length)
         prompts_per_rollout = config.data.prompts_per_rollout or config.data.batch_size
-        self.sampler = BatchSampler(len(self.train_data), prompts_per_rollout, config.data.shuffle, config.trainer.seed)
-        self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
+        if self.eval_only:  # the engine alone serves actor.model_name
+            self.train_data, self.sampler, self.total_steps = None, None, 0
+            self.test_data = RLDataset(config.data.test_path, self.tokenizer, self.max_length)
+        else:
+            self.train_data, self.test_data = self.load_datasets(RLDataset, self.max_length)
+            self.sampler = BatchSampler(
+                len(self.train_data), prompts_per_rollout, config.data.shuffle, config.trainer.seed
+            )
+            self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
         self.train_params = SamplingParams.from_dict(config.rollout.train_sampling_params)
         self.test_params = SamplingParams.from_dict(config.rollout.test_sampling_params)
         # The engine before the actor's optimizer: a GPU engine sizes its KV cache from free memory.
@@ -84,14 +91,19 @@ class PPOTrainer(Trainer):
             seed=config.trainer.seed,
             **engine_options,
         )
+        self.actor = self.reference = self.critic = None
+        if self.eval_only:
+            logger.info(
+                f"evaluating {config.actor.model_name} on {len(self.test_data)} prompts of {config.data.test_path}, "
+                f"{config.rollout.test_responses_per_prompt} responses each, env={config.rollout.env_path}"
+            )
+            return
         temperature = self.train_params.temperature or 1.0
         optimizer_steps = self.total_steps * config.actor.update_per_rollout
         self.actor = Actor(config.actor, optimizer_steps, temperature)
-        self.reference = None
         if config.kl.coef > 0:
             reference_config = dataclasses.replace(config.actor, offload_model=config.ref_actor.offload_model)
             self.reference = Actor(reference_config, 0, temperature, trainable=False)
-        self.critic = None
         if config.adv.estimator == "gae":
             critic_config = dataclasses.replace(
                 config.critic, model_name=config.critic.model_name or config.actor.model_name
@@ -366,18 +378,41 @@ class PPOTrainer(Trainer):
         kept = [t for i, t in enumerate(trajectories) if i // size not in dropped]
         return kept, len(dropped) / max(len(trajectories) // size, 1)
 
-    def evaluate(self) -> dict[str, float]:
-        """Mean reward and pass@k (k = rollout.test_responses_per_prompt) on the test set."""
+    def evaluate(self, name: str | None = None) -> dict[str, float]:
+        """Mean reward, avg@k (the mean share of correct responses, reward > 0) and pass@k (the
+        share of prompts with a correct one), k = rollout.test_responses_per_prompt, on the test set."""
         k = self.config.rollout.test_responses_per_prompt
         prompts = [self.test_data[i] for i in range(len(self.test_data))]
         trajectories = self.generate(prompts, self.test_params, k, seed=self.config.trainer.seed - 1 - self.step)
-        self.dump(trajectories, f"test_step_{self.step}")
+        self.dump(trajectories, name or f"test_step_{self.step}")
         rewards = torch.tensor([t.reward for t in trajectories]).view(-1, k)
         return {
             "test/reward_mean": rewards.mean().item(),
+            f"test/avg@{k}": (rewards > 0).float().mean().item(),
             f"test/pass@{k}": (rewards > 0).any(dim=1).float().mean().item(),
             "test/response_length": sum(t.response_length for t in trajectories) / len(trajectories),
         }
+
+    def evaluate_only(self) -> dict[str, float]:
+        """`trainer.eval_only`: evaluate actor.model_name, write `<save_dir>/eval.json`, print it."""
+        config = self.config
+        results = self.evaluate("eval")
+        self.env.close()
+        self.engine.shutdown()
+        if is_rank0():
+            report = {
+                "model": config.actor.model_name,
+                "test_path": config.data.test_path,
+                "prompts": len(self.test_data),
+                "k": config.rollout.test_responses_per_prompt,
+                **results,
+            }
+            os.makedirs(config.actor.save_dir, exist_ok=True)
+            with open(os.path.join(config.actor.save_dir, "eval.json"), "w") as f:
+                json.dump(report, f, indent=1)
+            logger.info("evaluation: " + ", ".join(f"{key} {value:.4f}" for key, value in results.items()))
+            print(json.dumps(report), flush=True)
+        return results
 
     def dump(self, trajectories: list[Trajectory], name: str) -> None:
         if not (self.config.trainer.dump_trajectories and is_rank0()):
@@ -389,6 +424,9 @@ class PPOTrainer(Trainer):
                 f.write(json.dumps(trajectory.to_json(), default=str) + "\n")
 
     def train(self) -> None:
+        if self.eval_only:
+            self.evaluate_only()
+            return
         if self.step == 0 and self.test_data is not None and self.config.trainer.test_freq is not None:
             self.metrics.log(self.evaluate(), 0)  # the starting point of the test curve
         progress = tqdm(total=self.total_steps, initial=self.step, desc="PPO", disable=not is_rank0())
@@ -474,7 +512,14 @@ def _check_config(config: Config) -> None:
             )
     elif config.rollout.oversample is not None:
         raise ConfigError("rollout.oversample is GRPO-RoC's: set adv.resample_on_correct=true, or leave it unset")
-    if config.adv.estimator == "reinforce" and config.data.responses_per_prompt == 1:
+    if config.trainer.eval_only and config.trainer.load_ckpt_from is not None:
+        raise ConfigError(
+            "trainer.eval_only evaluates actor.model_name: pass actor.model_name=<checkpoint folder> "
+            "(e.g. ckpts/step100), not trainer.load_ckpt_from"
+        )
+    if config.rollout.test_responses_per_prompt < 1:
+        raise ConfigError(f"rollout.test_responses_per_prompt must be >= 1, got {config.rollout.test_responses_per_prompt}")
+    if config.adv.estimator == "reinforce" and config.data.responses_per_prompt == 1 and not config.trainer.eval_only:
         raise ConfigError(
             "adv.estimator=reinforce uses the group mean as baseline: set data.responses_per_prompt >= 2 "
             "(or use adv.estimator=gae)"

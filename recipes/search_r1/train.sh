@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Search-R1: GRPO with a search engine (README: "Recipe: Search-R1").
+#
+#   CORPUS=wiki-18.jsonl TRAIN_FILES="nq_train.jsonl hotpotqa_train.jsonl" TEST_FILES="nq_test.jsonl" \
+#     bash recipes/search_r1/train.sh          # 8 GPUs: Qwen2.5-3B-Instruct, config.yaml
+#   TINY=1 bash recipes/search_r1/train.sh     # CPU: tiny model, shipped corpus and questions, tiny.yaml
+#
+# 1. data: prepare_data.py turns NQ / HotpotQA-style files into rows with Search-R1's prompt
+# 2. retrieval: rl2's retrieval server on CORPUS ({"id", "contents": "title\ntext"} lines; BM25, or
+#    RETRIEVER=dense with ENCODER=<local e5 folder>), on loopback, unless SEARCH_URL is given
+# 3. GRPO (5 responses per prompt, KL loss 0.001, up to 4 turns), resuming from its latest checkpoint
+# 4. evaluation: trainer.eval_only=true on the test rows -> $OUT/eval/eval.json
+# Extra key=value arguments go to the training run.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+TINY=${TINY:-0}
+if [ "$TINY" = 1 ]; then
+  CONFIG=recipes/search_r1/tiny.yaml
+  OUT=${OUT:-outputs/search_r1_tiny}
+  NPROC=${NPROC:-1}
+  CORPUS=${CORPUS:-recipes/data/search_corpus.jsonl}
+  TRAIN_FILES=${TRAIN_FILES:-recipes/search_r1/sample/nq_train.jsonl}
+  TEST_FILES=${TEST_FILES:-recipes/search_r1/sample/hotpotqa_dev.jsonl}
+  STEPS=${STEPS:-2}
+  export WANDB_MODE=${WANDB_MODE:-disabled}
+  MODEL=$OUT/model
+  [ -f "$MODEL/config.json" ] || python -m rl2.tiny "$MODEL" --hidden-size 64 --layers 2
+else
+  CONFIG=recipes/search_r1/config.yaml
+  OUT=${OUT:-outputs/search_r1}
+  NPROC=${NPROC:-8}
+  CORPUS=${CORPUS:?set CORPUS to a JSON lines corpus, e.g. Search-R1s wiki-18.jsonl}
+  TRAIN_FILES=${TRAIN_FILES:?set TRAIN_FILES to NQ / HotpotQA-style training files}
+  TEST_FILES=${TEST_FILES:?set TEST_FILES to NQ / HotpotQA-style test files}
+  STEPS=${STEPS:-1005}
+  MODEL=${MODEL:-Qwen/Qwen2.5-3B-Instruct}
+fi
+mkdir -p "$OUT/data"
+
+echo "== data"
+# shellcheck disable=SC2086  # the file lists may hold several files
+python recipes/search_r1/prepare_data.py $(printf -- '--input %s ' $TRAIN_FILES) --output "$OUT/data/train.jsonl"
+# shellcheck disable=SC2086
+python recipes/search_r1/prepare_data.py $(printf -- '--input %s ' $TEST_FILES) --output "$OUT/data/test.jsonl"
+
+if [ -z "${SEARCH_URL:-}" ]; then
+  RETRIEVER_ARGS=(--retriever "${RETRIEVER:-bm25}")
+  [ -n "${ENCODER:-}" ] && RETRIEVER_ARGS+=(--encoder "$ENCODER")
+  python -m rl2.tools.retrieval_server --corpus "$CORPUS" --host 127.0.0.1 --port 0 "${RETRIEVER_ARGS[@]}" \
+    > "$OUT/retrieval_server.log" 2>&1 &
+  SERVER=$!
+  trap 'kill $SERVER 2>/dev/null || true' EXIT
+  for _ in $(seq 6000); do  # building a large index takes a while; a small one, a second
+    BASE=$(grep -o 'retrieval server ready on http://[^ ]*' "$OUT/retrieval_server.log" | cut -d' ' -f5 || true)
+    [ -n "$BASE" ] && break
+    kill -0 $SERVER 2>/dev/null || { cat "$OUT/retrieval_server.log" >&2; echo "the retrieval server did not start" >&2; exit 1; }
+    sleep 0.1
+  done
+  [ -n "$BASE" ] || { echo "the retrieval server did not become ready: $OUT/retrieval_server.log" >&2; exit 1; }
+  export SEARCH_URL=$BASE/retrieve
+fi
+echo "== retrieval at $SEARCH_URL"
+
+if [ "$TINY" = 1 ]; then
+  WARMUP_STEPS=${WARMUP_STEPS:-150}
+  echo "== warm-up: $WARMUP_STEPS SFT steps on search demonstrations (tiny variant only)"
+  python recipes/make_tool_demos.py --tool search --rows "$OUT/data/train.jsonl" --out "$OUT/data/demos.jsonl"
+  if [ ! -f "$OUT/warmup/step$WARMUP_STEPS/config.json" ]; then
+    torchrun --nproc_per_node="$NPROC" -m rl2.trainer.sft \
+      data.path="$OUT/data/demos.jsonl" data.batch_size=16 actor.model_name="$MODEL" actor.dtype=float32 \
+      actor.gradient_checkpointing=false actor.lr=5e-3 actor.max_length_per_device=2048 \
+      actor.save_dir="$OUT/warmup" trainer.total_steps="$WARMUP_STEPS" trainer.disable_wandb=true
+  fi
+  MODEL=$OUT/warmup/step$WARMUP_STEPS
+fi
+
+echo "== GRPO: $STEPS steps from $MODEL"
+torchrun --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" \
+  actor.model_name="$MODEL" data.path="$OUT/data/train.jsonl" data.test_path="$OUT/data/test.jsonl" \
+  actor.save_dir="$OUT/grpo" trainer.total_steps="$STEPS" "$@"
+
+echo "== evaluation of $OUT/grpo/step$STEPS"
+torchrun --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" trainer.eval_only=true \
+  actor.model_name="$OUT/grpo/step$STEPS" data.test_path="$OUT/data/test.jsonl" \
+  trainer.load_ckpt_from=null actor.save_dir="$OUT/eval"
+echo "results: $OUT/eval/eval.json; trajectories: $OUT/grpo/trajectories/"

@@ -1,0 +1,129 @@
+"""`trainer.eval_only` (avg@k / pass@k of a model on a test file) and the difficulty filter
+(`rl2.trainer.difficulty_filter`), against an env whose pass rates are known exactly."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, run_python, run_torchrun
+
+# Each row's answer says how its responses score: "always" 1.0, "never" 0.0, "half" 1.0 for every
+# other response of that row (a per-row counter, so the share is exact whatever the order).
+ENV = """
+import itertools
+import threading
+
+_counters = {}
+_lock = threading.Lock()
+
+
+def reward_fn(messages, answer):
+    kind = answer.split("-")[0]
+    if kind == "half":
+        with _lock:
+            count = next(_counters.setdefault(answer, itertools.count()))
+        return float(count % 2 == 0)
+    return 1.0 if kind == "always" else 0.0
+"""
+ANSWERS = ["always-1", "never-2", "half-3", "always-4", "half-5", "never-6"]
+
+
+@pytest.fixture()
+def problems(tmp_path):
+    env = tmp_path / "env.py"
+    env.write_text(ENV)
+    rows = tmp_path / "rows.jsonl"
+    with open(rows, "w") as f:
+        for i, answer in enumerate(ANSWERS):
+            row = {"messages": [{"role": "user", "content": f"Problem {i + 1}: what is {i} + {i}?"}],
+                   "answer": answer, "source": f"set-{i % 2}", "id": i + 1}
+            f.write(json.dumps(row) + "\n")
+    return str(env), str(rows)
+
+
+def common(model: str, env: str) -> list[str]:
+    return [
+        f"actor.model_name={model}", "actor.dtype=float32", f"rollout.env_path={env}",
+        "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 4}",
+        "rollout.test_sampling_params={temperature: 1.0, max_new_tokens: 4}",
+        "data.prompts_per_rollout=4", "trainer.disable_wandb=true",
+    ]
+
+
+def test_eval_only_reports_avg_and_pass_at_k(tiny_model_dir, problems, tmp_path):
+    env, rows = problems
+    out = tmp_path / "eval"
+    result = run_python(["-m", "rl2.trainer.ppo", *common(tiny_model_dir, env), "trainer.eval_only=true",
+                         f"data.test_path={rows}", "rollout.test_responses_per_prompt=4", f"actor.save_dir={out}"])
+    report = json.loads((out / "eval.json").read_text())
+    assert report["prompts"] == 6 and report["k"] == 4 and report["model"] == tiny_model_dir
+    assert report["test/avg@4"] == pytest.approx((1 + 0 + 0.5 + 1 + 0.5 + 0) / 6)
+    assert report["test/pass@4"] == pytest.approx(4 / 6)
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == report
+    assert sorted(p.name for p in out.iterdir()) == ["eval.json", "trajectories"]  # no checkpoint, no training
+    assert len((out / "trajectories" / "eval.jsonl").read_text().splitlines()) == 24
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["trainer.load_ckpt_from=latest"], "pass actor.model_name=<checkpoint folder>"),
+        (["data.test_path=null"], "data.test_path is required"),
+        (["rollout.test_responses_per_prompt=0"], "rollout.test_responses_per_prompt must be >= 1"),
+    ],
+)
+def test_eval_only_config_errors(tiny_model_dir, problems, tmp_path, overrides, message):
+    env, rows = problems
+    result = subprocess.run(
+        [sys.executable, "-m", "rl2.trainer.ppo", *common(tiny_model_dir, env), "trainer.eval_only=true",
+         f"data.test_path={rows}", f"actor.save_dir={tmp_path}", *overrides],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_difficulty_filter_keeps_rows_below_the_pass_rate(tiny_model_dir, problems, tmp_path):
+    """Two ranks, prompts in chunks of 4 split over them: pass rates land on the right rows, and
+    the kept rows are written as read, every column and in order."""
+    env, rows = problems
+    output = tmp_path / "hard" / "kept.jsonl"
+    result = run_torchrun(["-m", "rl2.trainer.difficulty_filter", *common(tiny_model_dir, env), f"data.path={rows}",
+                           "filter.responses_per_prompt=4", f"filter.output={output}",
+                           f"actor.save_dir={tmp_path / 'filter'}"])
+    originals = [json.loads(line) for line in open(rows)]
+    kept = [json.loads(line) for line in open(output)]
+    assert kept == [row for row in originals if not row["answer"].startswith("always")]
+    rates = [json.loads(line) for line in open(f"{output}.pass_rates.jsonl")]
+    assert [r["pass_rate"] for r in rates] == [1.0, 0.0, 0.5, 1.0, 0.5, 0.0]
+    assert [r["row"] for r in rates] == [1, 2, 3, 4, 5, 6]
+    assert [r["kept"] for r in rates] == [False, True, True, False, True, True]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary == {"problems": 6.0, "kept": 4.0, "always_solved": 2.0, "never_solved": 2.0, "pass_rate_mean": 0.5}
+
+    # A band: the ones sometimes solved.
+    band = tmp_path / "band.jsonl"
+    run_python(["-m", "rl2.trainer.difficulty_filter", *common(tiny_model_dir, env), f"data.path={rows}",
+                "filter.responses_per_prompt=4", "filter.pass_rate_min=0.1", "filter.pass_rate_below=0.9",
+                f"filter.output={band}", f"actor.save_dir={tmp_path / 'filter2'}"])
+    assert [json.loads(line)["answer"] for line in open(band)] == ["half-3", "half-5"]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["filter.output=null"], "filter.output is required"),
+        (["filter.pass_rate_min=0.5", "filter.pass_rate_below=0.5"], "filter.pass_rate_min < filter.pass_rate_below"),
+        (["filter.responses_per_prompt=0"], "filter.responses_per_prompt must be >= 1"),
+    ],
+)
+def test_difficulty_filter_config_errors(tiny_model_dir, problems, tmp_path, overrides, message):
+    env, rows = problems
+    result = subprocess.run(
+        [sys.executable, "-m", "rl2.trainer.difficulty_filter", *common(tiny_model_dir, env), f"data.path={rows}",
+         f"filter.output={tmp_path / 'out.jsonl'}", *overrides],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "out.jsonl").exists()
