@@ -38,6 +38,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from rl2.tools.lazy import Lazy
+
 logger = logging.getLogger(__name__)
 
 LOG_CHARS = 300  # how much of a message / answer a warning shows
@@ -80,6 +82,7 @@ class Env:
         self.has_roc_penalty = self._roc_penalty is not None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rl2-env")
         self._closed = False
+        self._module = module
 
     def rewards(self, conversations: list[list[dict]], answers: list[Any]) -> list[EnvResult]:
         """`reward_fn(messages, answer)` for each pair; value 0.0 where a call failed."""
@@ -102,10 +105,14 @@ class Env:
         return self._run_batch("roc_penalty", self._roc_penalty, [(messages,) for messages in conversations])
 
     def close(self) -> None:
-        """Shut the worker threads down; calls still running (hung after a timeout) are not waited for
-        here, though Python still waits for their threads when the interpreter exits normally."""
+        """Shut the worker threads down, and close the env file's `Lazy` pools (its sandbox, its
+        grader processes: trainers end with `os._exit`, which would leave them running). Calls still
+        running (hung after a timeout) are not waited for."""
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for value in vars(self._module).values():
+            if isinstance(value, Lazy):
+                value.close()
 
     def __enter__(self) -> "Env":
         return self

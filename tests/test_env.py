@@ -278,3 +278,47 @@ def test_users_own_timeout_error_is_not_our_timeout(tmp_path):
     with Env(path, timeout=5) as env:
         [result] = env.rewards([chat("a")], [None])
     assert result == EnvResult(0.0, "reward_fn raised TimeoutError: http request")
+
+
+def test_close_closes_the_env_files_lazy_pools(tmp_path):
+    """Trainers end with os._exit: an env file's worker pools (made through `Lazy`) must be closed
+    by `Env.close`, or their processes outlive the run (and hold its output pipes open)."""
+    path = tmp_path / "pooled_env.py"
+    path.write_text(
+        "from rl2.tools.lazy import Lazy\n\n"
+        "class Pool:\n"
+        "    closed = 0\n"
+        "    def close(self):\n"
+        "        Pool.closed += 1\n\n"
+        "_pool = Lazy(Pool)\n"
+        "_unused = Lazy(Pool)\n\n"
+        "def reward_fn(messages, answer):\n"
+        "    _pool.get()\n"
+        "    return 1.0\n"
+    )
+    env = Env(str(path))
+    assert [r.value for r in env.rewards([[{"role": "assistant", "content": "x"}]], [None])] == [1.0]
+    module = env._module
+    env.close()
+    assert module.Pool.closed == 1  # the pool that was made; the unused one was never started
+    assert module._pool._value is None
+
+
+def test_grader_workers_end_with_their_parent():
+    """A process that exits without closing its MathGrader (os._exit, a kill) leaves no workers."""
+    import subprocess
+
+    code = (
+        "import os\nfrom rl2.tools.math_grader import MathGrader\ng = MathGrader(workers=2)\n"
+        "print(g.grade('\\\\boxed{2}', '2'))\n"
+        "print(' '.join(str(p.pid) for p in g._pool._processes.values()), flush=True)\nos._exit(0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    grade, pids = out.stdout.split("\n", 1)
+    assert grade == "1.0", out.stderr
+    pids = [int(pid) for pid in pids.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)

@@ -5,6 +5,7 @@ processes, training steps, evaluation)."""
 import glob
 import json
 import os
+import signal
 import subprocess
 
 import pytest
@@ -61,13 +62,25 @@ def test_math_grpo_config():
     assert config.adv.estimator == "reinforce" and config.data.responses_per_prompt > 1
 
 
-def run_tiny(recipe: str, out: str, **env: str) -> subprocess.CompletedProcess:
+def run_tiny(recipe: str, out: str, **env: str) -> str:
+    """`TINY=1 bash recipes/<recipe>/train.sh` into `out`; returns its output. The output goes to a
+    file, not a pipe, so a process left behind cannot keep the test waiting."""
     environment = {**os.environ, "TINY": "1", "OUT": out, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
                    "PYTHONPATH": REPO, **env}
-    result = subprocess.run(["bash", f"recipes/{recipe}/train.sh"], capture_output=True, text=True, timeout=600,
-                            env=environment, cwd=REPO)
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return result
+    log = os.path.join(out, "train.log")
+    os.makedirs(out, exist_ok=True)
+    with open(log, "w") as f:
+        process = subprocess.Popen(["bash", f"recipes/{recipe}/train.sh"], stdout=f, stderr=subprocess.STDOUT,
+                                   env=environment, cwd=REPO, start_new_session=True)
+        try:
+            returncode = process.wait(timeout=600)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    output = open(log).read()
+    assert returncode == 0, output[-8000:]
+    return output
 
 
 def trajectories(folder: str) -> list[dict]:

@@ -9,7 +9,8 @@ T = TypeVar("T")
 class Lazy(Generic[T]):
     """`Lazy(factory).get()` calls `factory` once, at the first `get`, under a lock: env files use it
     for their worker pools (a sandbox, a grader), which must not be started at import or twice when
-    many threads call `reward_fn` / `interact` at once."""
+    many threads call `reward_fn` / `interact` at once. `rl2.env.Env.close()` closes every `Lazy`
+    of its env file, so the pools' processes end with the run."""
 
     def __init__(self, factory: Callable[[], T]):
         self._factory = factory
@@ -21,3 +22,11 @@ class Lazy(Generic[T]):
             if self._value is None:
                 self._value = self._factory()
             return self._value
+
+    def close(self) -> None:
+        """Close the value (when made and closable); a later `get` makes a new one."""
+        with self._lock:
+            value, self._value = self._value, None
+        close = getattr(value, "close", None)
+        if callable(close):
+            close()

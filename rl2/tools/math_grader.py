@@ -10,8 +10,10 @@ strings, numbers, sympy) are tried.
 import concurrent.futures
 import math
 import multiprocessing
+import os
 import re
 import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 from fractions import Fraction
 from typing import Any, Iterable
@@ -238,7 +240,12 @@ class MathGrader:
         with self._lock:
             if self._pool is None:
                 # spawn, not fork: forking a process with threads (torch, the env's thread pool) can deadlock.
-                pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+                pool = concurrent.futures.ProcessPoolExecutor(
+                    self.workers,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_exit_with_parent,
+                    initargs=(os.getpid(),),
+                )
                 # Start the processes now, so start-up time is not counted in a call's timeout.
                 for future in [pool.submit(_warm_up) for _ in range(self.workers)]:
                     future.result()
@@ -252,6 +259,18 @@ class MathGrader:
                 return
             self._pool = None
         _terminate(pool)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """In a worker: end when the parent is gone. A trainer that ends with `os._exit` (or is killed)
+    cannot shut its pool down, and an idle worker would otherwise wait on its queue forever."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="rl2-grader-parent-watch").start()
 
 
 def _terminate(pool: concurrent.futures.ProcessPoolExecutor) -> None:
