@@ -319,3 +319,27 @@ def test_last_boxed_errors(text, error, scripts):
 ])
 def test_gsm8k_answer(solution, expected, scripts):
     assert scripts["math_grpo"].gsm8k_answer(solution) == expected
+
+
+def test_original_hotpotqa_json_is_read(tmp_path):
+    """HotpotQA's own JSON files mix strings and numbers in `supporting_facts` and `context`, which
+    arrow cannot type: the scripts read such a file with the json module instead."""
+    rows = [
+        {"_id": "5a8b", "question": "Which country's currency is the Kenyan shilling", "answer": "Kenya",
+         "supporting_facts": [["Kenya", 0], ["Kenyan shilling", 1]],
+         "context": [["Kenya", ["Kenya is a country.", 3]]], "type": "bridge", "level": "easy"},
+        {"_id": "5a8c", "question": "Where is Paris?", "answer": "France",
+         "supporting_facts": [], "context": [], "type": "comparison", "level": "hard"},
+    ]
+    path = tmp_path / "hotpot_dev_distractor_v1.json"
+    path.write_text(json.dumps(rows))
+    result = run_script("search_r1", ["--input", str(path), "--output", "out.jsonl"], tmp_path)
+    stdout, stderr = result.communicate(timeout=120)
+    assert result.returncode == 0, stderr
+    written = read_jsonl(tmp_path / "out.jsonl")
+    assert [row["answer"] for row in written] == [["Kenya"], ["France"]]
+    assert written[0]["messages"][0]["content"].endswith("Question: Which country's currency is the Kenyan shilling?\n")
+    (tmp_path / "broken.json").write_text('[{"question": "a?", "answer": "b"}, ')
+    result = run_script("search_r1", ["--input", str(tmp_path / "broken.json"), "--output", "out2.jsonl"], tmp_path)
+    _, stderr = result.communicate(timeout=120)
+    assert result.returncode == 2 and "broken.json" in stderr and not (tmp_path / "out2.jsonl").exists()
