@@ -19,27 +19,15 @@ error naming the file and row, and no output is written.
     python recipes/math_grpo/prepare_data.py --input gsm8k_train.parquet --output data/math_grpo/train.jsonl
 """
 
-import argparse
-import json
 import os
-import re
 import sys
-import tempfile
+import re
 
-import datasets
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)  # this checkout's rl2, whether or not (or wherever) rl2 is installed
-
-from rl2.data import DataError, load_rows  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # recipes/, for row_files
+from row_files import RowError, run_cli  # noqa: E402
 
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 BOX_COMMANDS = ("\\boxed", "\\fbox")
-
-
-class RowError(ValueError):
-    """What is wrong with one input row; the caller adds the file and row number."""
 
 
 def convert_row(row: dict) -> dict:
@@ -119,57 +107,8 @@ def last_boxed(text: str) -> str:
     raise ValueError(f"unbalanced braces in the last {command}{{...}}")
 
 
-def prepare(inputs: list[str], output: str, limit: int | None = None) -> str:
-    """Convert the rows of `inputs` into the JSON lines file `output` (created with its folder, or
-    replaced whole); returns the summary line. Raises DataError for an unreadable file or a
-    malformed row, leaving `output` as it was."""
-    folder = os.path.dirname(os.path.abspath(output))
-    os.makedirs(folder, exist_ok=True)
-    # A temporary file renamed at the end: an error or interrupt never leaves a partial output.
-    fd, tmp_path = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(output)}.", suffix=".tmp")
-    per_file, total = [], 0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            for path in inputs:
-                if limit is not None and total >= limit:
-                    break
-                written = 0
-                for number, row in enumerate(load_rows(path), 1):
-                    if limit is not None and total >= limit:
-                        break
-                    try:
-                        converted = convert_row(row)
-                    except RowError as e:
-                        raise DataError(f"{path} row {number}: {e}") from None
-                    out.write(json.dumps(converted, ensure_ascii=False) + "\n")
-                    written += 1
-                    total += 1
-                per_file.append(f"{path}: {written} read, {written} written")
-        os.replace(tmp_path, output)
-    except BaseException:
-        os.unlink(tmp_path)
-        raise
-    return f"read {total} rows, wrote {total} to {output} ({'; '.join(per_file)})"
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", action="append", required=True, metavar="FILE",
-                        help="GSM8K, MATH or MATH-500 rows; repeat for several files")
-    parser.add_argument("--output", required=True, metavar="OUT.jsonl", help="JSON lines file to write")
-    parser.add_argument("--limit", type=int, metavar="N", help="stop after writing N rows")
-    args = parser.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        parser.error("--limit should be at least 1")
-    # Errors are reported below, in one line; datasets' progress bars and logged errors would be noise.
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    try:
-        print(prepare(args.input, args.output, limit=args.limit))
-    except DataError as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(__doc__, "GSM8K, MATH or MATH-500 rows", convert_row, argv)
 
 
 if __name__ == "__main__":

@@ -23,40 +23,17 @@ stops the conversion with an error naming the file and row, and no output is wri
     python recipes/rstar2_agent/prepare_data.py --input dapo-math-17k.parquet --output data/rstar2/train.jsonl
 """
 
-import argparse
-import importlib.util
-import json
 import os
 import sys
-import tempfile
-from types import ModuleType
 
-import datasets
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)  # this checkout's rl2, whether or not (or wherever) rl2 is installed
-
-from rl2.data import DataError, load_rows  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # recipes/, for row_files
+from row_files import RowError, load_env, run_cli  # noqa: E402
 
 DAPO_PREFIX = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
 )
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
-
-
-class RowError(ValueError):
-    """What is wrong with one input row; the caller adds the file and row number."""
-
-
-def load_env(name: str) -> ModuleType:
-    """envs/<name>.py as a module, loaded from its path (putting envs/ on sys.path would let
-    envs/math.py shadow the standard math module)."""
-    spec = importlib.util.spec_from_file_location(f"rstar2_env_{name}", os.path.join(REPO, "envs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 SYSTEM_PROMPT: str = load_env("python_tool").SYSTEM_PROMPT
@@ -115,67 +92,13 @@ def answer_text(value, field: str) -> str:
     return text
 
 
-def prepare(inputs: list[str], output: str, limit: int | None = None, dedup: bool = True) -> str:
-    """Convert the rows of `inputs` into the JSON lines file `output` (created with its folder, or
-    replaced whole); returns the summary line. Raises DataError for an unreadable file or a
-    malformed row, leaving `output` as it was."""
-    folder = os.path.dirname(os.path.abspath(output))
-    os.makedirs(folder, exist_ok=True)
-    # A temporary file renamed at the end: an error or interrupt never leaves a partial output.
-    fd, tmp_path = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(output)}.", suffix=".tmp")
-    seen: set[str] = set()
-    per_file, total_read, total_written = [], 0, 0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            for path in inputs:
-                if limit is not None and total_written >= limit:
-                    break
-                read = written = 0
-                for number, row in enumerate(load_rows(path), 1):
-                    if limit is not None and total_written >= limit:
-                        break
-                    read += 1
-                    try:
-                        converted = convert_row(row)
-                    except RowError as e:
-                        raise DataError(f"{path} row {number}: {e}") from None
-                    if dedup:
-                        problem = converted["messages"][-1]["content"]
-                        if problem in seen:
-                            continue
-                        seen.add(problem)
-                    out.write(json.dumps(converted, ensure_ascii=False) + "\n")
-                    written += 1
-                    total_written += 1
-                per_file.append(f"{path}: {read} read, {written} written")
-                total_read += read
-        os.replace(tmp_path, output)
-    except BaseException:
-        os.unlink(tmp_path)
-        raise
-    dropped = f", dropped {total_read - total_written} duplicate problems" if dedup else ""
-    return f"read {total_read} rows, wrote {total_written} to {output}{dropped} ({'; '.join(per_file)})"
+def problem_text(row: dict) -> str:
+    """What makes two rows the same problem."""
+    return row["messages"][-1]["content"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", action="append", required=True, metavar="FILE",
-                        help="DAPO-Math-17k or plain problem rows; repeat for several files")
-    parser.add_argument("--output", required=True, metavar="OUT.jsonl", help="JSON lines file to write")
-    parser.add_argument("--limit", type=int, metavar="N", help="stop after writing N rows")
-    parser.add_argument("--no-dedup", action="store_true", help="keep repeated problems")
-    args = parser.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        parser.error("--limit should be at least 1")
-    # Errors are reported below, in one line; datasets' progress bars and logged errors would be noise.
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    try:
-        print(prepare(args.input, args.output, limit=args.limit, dedup=not args.no_dedup))
-    except DataError as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(__doc__, "DAPO-Math-17k or plain problem rows", convert_row, argv, dedup_key=problem_text)
 
 
 if __name__ == "__main__":

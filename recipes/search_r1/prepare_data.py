@@ -14,41 +14,17 @@ Output, one JSON line per question:
 
 As in Search-R1's nq_search.py the question is stripped and gets a "?" when it does not end with
 one. A malformed row stops the conversion with an error naming the file and row, and no output is
-written. The original HotpotQA JSON files cannot be read as they are (their `supporting_facts` and
-`context` lists mix strings and numbers, which arrow cannot hold): use the parquet of the
-`hotpotqa/hotpot_qa` dataset, or keep only `_id`, `question` and `answer` first.
+written. The original HotpotQA JSON files (whose `supporting_facts` and `context` lists mix strings
+and numbers, which arrow cannot type) are read with the json module.
 
     python recipes/search_r1/prepare_data.py --input nq_train.parquet --output data/search_r1/train.jsonl
 """
 
-import argparse
-import importlib.util
-import json
 import os
 import sys
-import tempfile
-from types import ModuleType
 
-import datasets
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)  # this checkout's rl2, whether or not (or wherever) rl2 is installed
-
-from rl2.data import DataError, load_rows  # noqa: E402
-
-
-class RowError(ValueError):
-    """What is wrong with one input row; the caller adds the file and row number."""
-
-
-def load_env(name: str) -> ModuleType:
-    """envs/<name>.py as a module, loaded from its path (putting envs/ on sys.path would let
-    envs/math.py shadow the standard math module)."""
-    spec = importlib.util.spec_from_file_location(f"search_r1_env_{name}", os.path.join(REPO, "envs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # recipes/, for row_files
+from row_files import RowError, load_env, run_cli  # noqa: E402
 
 
 make_prompt = load_env("search").make_prompt
@@ -85,57 +61,8 @@ def gold_answers(row: dict) -> list[str]:
     return golds
 
 
-def prepare(inputs: list[str], output: str, limit: int | None = None) -> str:
-    """Convert the rows of `inputs` into the JSON lines file `output` (created with its folder, or
-    replaced whole); returns the summary line. Raises DataError for an unreadable file or a
-    malformed row, leaving `output` as it was."""
-    folder = os.path.dirname(os.path.abspath(output))
-    os.makedirs(folder, exist_ok=True)
-    # A temporary file renamed at the end: an error or interrupt never leaves a partial output.
-    fd, tmp_path = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(output)}.", suffix=".tmp")
-    per_file, total = [], 0
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            for path in inputs:
-                if limit is not None and total >= limit:
-                    break
-                written = 0
-                for number, row in enumerate(load_rows(path), 1):
-                    if limit is not None and total >= limit:
-                        break
-                    try:
-                        converted = convert_row(row)
-                    except RowError as e:
-                        raise DataError(f"{path} row {number}: {e}") from None
-                    out.write(json.dumps(converted, ensure_ascii=False) + "\n")
-                    written += 1
-                    total += 1
-                per_file.append(f"{path}: {written} read, {written} written")
-        os.replace(tmp_path, output)
-    except BaseException:
-        os.unlink(tmp_path)
-        raise
-    return f"read {total} rows, wrote {total} to {output} ({'; '.join(per_file)})"
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", action="append", required=True, metavar="FILE",
-                        help="FlashRAG, HotpotQA or NQ-open rows; repeat for several files")
-    parser.add_argument("--output", required=True, metavar="OUT.jsonl", help="JSON lines file to write")
-    parser.add_argument("--limit", type=int, metavar="N", help="stop after writing N rows")
-    args = parser.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        parser.error("--limit should be at least 1")
-    # Errors are reported below, in one line; datasets' progress bars and logged errors would be noise.
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    try:
-        print(prepare(args.input, args.output, limit=args.limit))
-    except DataError as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(__doc__, "FlashRAG, HotpotQA or NQ-open rows", convert_row, argv)
 
 
 if __name__ == "__main__":
