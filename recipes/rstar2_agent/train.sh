@@ -19,6 +19,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
+# shellcheck source=recipes/lib.sh
+source recipes/lib.sh
 TINY=${TINY:-0}
 EXECUTOR=${EXECUTOR:-sandbox}
 export PYTHON_TOOL_MAX_CHARS=${PYTHON_TOOL_MAX_CHARS:-256}   # tool output shown to the model
@@ -53,18 +55,9 @@ fi
 mkdir -p "$OUT/data"
 
 if [ "$EXECUTOR" = code-judge ] && [ -z "${CODE_SERVER_URL:-}" ]; then
-  python -m rl2.tools.code_server --host 127.0.0.1 --port 0 --timeout "$PYTHON_TOOL_TIMEOUT" \
-    > "$OUT/code_server.log" 2>&1 &
-  SERVER=$!
-  trap 'kill $SERVER 2>/dev/null || true' EXIT
-  for _ in $(seq 300); do
-    CODE_SERVER_URL=$(grep -o 'code service ready at http://[^ ]*' "$OUT/code_server.log" | cut -d' ' -f5 || true)
-    [ -n "$CODE_SERVER_URL" ] && break
-    kill -0 $SERVER 2>/dev/null || { cat "$OUT/code_server.log" >&2; echo "the code server did not start" >&2; exit 1; }
-    sleep 0.1
-  done
-  [ -n "$CODE_SERVER_URL" ] || { echo "the code server did not become ready: $OUT/code_server.log" >&2; exit 1; }
-  export CODE_SERVER_URL
+  start_service "code server" "$OUT/code_server.log" "code service ready at" \
+    python -m rl2.tools.code_server --host 127.0.0.1 --port 0 --timeout "$PYTHON_TOOL_TIMEOUT"
+  export CODE_SERVER_URL=$SERVICE_URL
   echo "== code-judge service at $CODE_SERVER_URL"
 elif [ "$EXECUTOR" != code-judge ] && [ "$EXECUTOR" != sandbox ]; then
   echo "EXECUTOR must be sandbox or code-judge, not $EXECUTOR" >&2; exit 2
@@ -75,18 +68,7 @@ echo "== data"
 python recipes/rstar2_agent/prepare_data.py $(printf -- '--input %s ' $TRAIN_FILES) --output "$OUT/data/train.jsonl"
 python recipes/rstar2_agent/prepare_data.py --input "$TEST_FILE" --output "$OUT/data/test.jsonl"
 
-if [ "$TINY" = 1 ]; then
-  WARMUP_STEPS=${WARMUP_STEPS:-150}
-  echo "== warm-up: $WARMUP_STEPS SFT steps on tool-call demonstrations (tiny variant only)"
-  python recipes/make_tool_demos.py --tool python --rows "$OUT/data/train.jsonl" --out "$OUT/data/demos.jsonl"
-  if [ ! -f "$OUT/warmup/step$WARMUP_STEPS/config.json" ]; then
-    torchrun --nproc_per_node="$NPROC" -m rl2.trainer.sft \
-      data.path="$OUT/data/demos.jsonl" data.batch_size=16 actor.model_name="$MODEL" actor.dtype=float32 \
-      actor.gradient_checkpointing=false actor.lr=5e-3 actor.max_length_per_device=1024 \
-      actor.save_dir="$OUT/warmup" trainer.total_steps="$WARMUP_STEPS" trainer.disable_wandb=true
-  fi
-  MODEL=$OUT/warmup/step$WARMUP_STEPS
-fi
+if [ "$TINY" = 1 ]; then tiny_warmup python; fi
 
 # run_stage NAME DATA STEPS RESPONSE_TOKENS [key=value ...]: one GRPO-RoC stage from $MODEL; then
 # MODEL is its last checkpoint

@@ -14,6 +14,8 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
+# shellcheck source=recipes/lib.sh
+source recipes/lib.sh
 TINY=${TINY:-0}
 if [ "$TINY" = 1 ]; then
   CONFIG=recipes/search_r1/tiny.yaml
@@ -47,33 +49,13 @@ python recipes/search_r1/prepare_data.py $(printf -- '--input %s ' $TEST_FILES) 
 if [ -z "${SEARCH_URL:-}" ]; then
   RETRIEVER_ARGS=(--retriever "${RETRIEVER:-bm25}")
   [ -n "${ENCODER:-}" ] && RETRIEVER_ARGS+=(--encoder "$ENCODER")
-  python -m rl2.tools.retrieval_server --corpus "$CORPUS" --host 127.0.0.1 --port 0 "${RETRIEVER_ARGS[@]}" \
-    > "$OUT/retrieval_server.log" 2>&1 &
-  SERVER=$!
-  trap 'kill $SERVER 2>/dev/null || true' EXIT
-  for _ in $(seq 6000); do  # building a large index takes a while; a small one, a second
-    BASE=$(grep -o 'retrieval server ready on http://[^ ]*' "$OUT/retrieval_server.log" | cut -d' ' -f5 || true)
-    [ -n "$BASE" ] && break
-    kill -0 $SERVER 2>/dev/null || { cat "$OUT/retrieval_server.log" >&2; echo "the retrieval server did not start" >&2; exit 1; }
-    sleep 0.1
-  done
-  [ -n "$BASE" ] || { echo "the retrieval server did not become ready: $OUT/retrieval_server.log" >&2; exit 1; }
-  export SEARCH_URL=$BASE/retrieve
+  start_service "retrieval server" "$OUT/retrieval_server.log" "retrieval server ready on" \
+    python -m rl2.tools.retrieval_server --corpus "$CORPUS" --host 127.0.0.1 --port 0 "${RETRIEVER_ARGS[@]}"
+  export SEARCH_URL=$SERVICE_URL/retrieve
 fi
 echo "== retrieval at $SEARCH_URL"
 
-if [ "$TINY" = 1 ]; then
-  WARMUP_STEPS=${WARMUP_STEPS:-150}
-  echo "== warm-up: $WARMUP_STEPS SFT steps on search demonstrations (tiny variant only)"
-  python recipes/make_tool_demos.py --tool search --rows "$OUT/data/train.jsonl" --out "$OUT/data/demos.jsonl"
-  if [ ! -f "$OUT/warmup/step$WARMUP_STEPS/config.json" ]; then
-    torchrun --nproc_per_node="$NPROC" -m rl2.trainer.sft \
-      data.path="$OUT/data/demos.jsonl" data.batch_size=16 actor.model_name="$MODEL" actor.dtype=float32 \
-      actor.gradient_checkpointing=false actor.lr=5e-3 actor.max_length_per_device=2048 \
-      actor.save_dir="$OUT/warmup" trainer.total_steps="$WARMUP_STEPS" trainer.disable_wandb=true
-  fi
-  MODEL=$OUT/warmup/step$WARMUP_STEPS
-fi
+if [ "$TINY" = 1 ]; then tiny_warmup search; fi
 
 echo "== GRPO: $STEPS steps from $MODEL"
 torchrun --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" \
