@@ -234,8 +234,8 @@ class Actor:
     ) -> dict[str, float]:
         """One optimizer step over all `sequences` (see `accumulate_gradients`)."""
         metrics = self.accumulate_gradients(sequences, loss_fn, loss_total, group_size)
+        metrics["lr"] = self.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler moves on after it)
         metrics["grad_norm"] = self.optimizer_step()
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
     def accumulate_gradients(

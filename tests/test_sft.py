@@ -60,6 +60,9 @@ def test_loss_falls_and_checkpoint_reloads(reference_run, tiny_model_dir, sft_da
     tests = [m["test/loss"] for m in metrics if "test/loss" in m]
     assert len(tests) == 6 and tests[-1] < tests[0]
     assert all(m["loss_tokens"] > 0 and m["grad_norm"] > 0 for m in metrics)
+    # The logged lr is the one each step used: the full rate first, then cosine decay, never 0.
+    lrs = [m["lr"] for m in metrics]
+    assert lrs[0] == pytest.approx(1e-2) and all(a > b > 0 for a, b in zip(lrs, lrs[1:]))
 
     # The final HF folder reloads with the Auto classes and reproduces the logged test loss.
     final = os.path.join(reference_run, "step30")
