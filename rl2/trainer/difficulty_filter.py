@@ -22,7 +22,7 @@ from tqdm import tqdm
 from rl2.config import Config, ConfigError, load_config
 from rl2.distributed import exit_process, is_rank0
 from rl2.trainer.base import require, user_errors_reported
-from rl2.trainer.ppo import PPOTrainer
+from rl2.trainer.ppo import PPOTrainer, correct_by_prompt
 
 logger = logging.getLogger("rl2.trainer.difficulty_filter")
 
@@ -33,7 +33,6 @@ class DifficultyFilter(PPOTrainer):
     def __init__(self, config: Config):
         require(config, "data.path", "filter.output")
         check_filter_config(config)
-        self.filter_config = config.filter
         super().__init__(
             dataclasses.replace(
                 config,
@@ -46,21 +45,18 @@ class DifficultyFilter(PPOTrainer):
 
     def run(self) -> dict[str, float]:
         """Sample, score and write the kept rows; returns counts and the mean pass rate."""
-        config, dataset, n = self.config, self.test_data, self.filter_config.responses_per_prompt
+        config, dataset, n = self.config, self.test_data, self.config.filter.responses_per_prompt
         chunk = config.data.prompts_per_rollout or config.data.batch_size
         pass_rates: list[float] = []
         progress = tqdm(total=len(dataset), desc="difficulty filter", disable=not is_rank0())
         for start in range(0, len(dataset), chunk):
             prompts = [dataset[i] for i in range(start, min(start + chunk, len(dataset)))]
             trajectories = self.generate(prompts, self.train_params, n, seed=config.trainer.seed + start)
-            for g in range(len(prompts)):
-                group = trajectories[g * n : (g + 1) * n]
-                pass_rates.append(sum(t.reward > 0 for t in group) / n)
+            pass_rates += correct_by_prompt(trajectories, n).double().mean(dim=1).tolist()
             progress.update(len(prompts))
         progress.close()
-        self.env.close()
-        self.engine.shutdown()
-        low, high = self.filter_config.pass_rate_min, self.filter_config.pass_rate_below
+        self.close()
+        low, high = config.filter.pass_rate_min, config.filter.pass_rate_below
         kept = [i for i, rate in enumerate(pass_rates) if low <= rate < high]
         summary = {
             "problems": float(len(dataset)),
@@ -74,7 +70,7 @@ class DifficultyFilter(PPOTrainer):
             logger.info(
                 f"kept {len(kept)} of {len(dataset)} problems with pass rate in [{low}, {high}) "
                 f"({int(summary['always_solved'])} always solved, {int(summary['never_solved'])} never) "
-                f"-> {self.filter_config.output}"
+                f"-> {config.filter.output}"
             )
             print(json.dumps(summary), flush=True)
         return summary
@@ -82,7 +78,7 @@ class DifficultyFilter(PPOTrainer):
     def write(self, kept: list[int], pass_rates: list[float]) -> None:
         """The kept rows (as read, every column) and every row's pass rate, each written whole
         under a temporary name first, so an interrupted run leaves no partial file."""
-        output, dataset = self.filter_config.output, self.test_data
+        output, dataset = self.config.filter.output, self.test_data
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         rows = [json.dumps(dataset.rows[dataset.indices[i]], ensure_ascii=False, default=str) for i in kept]
         kept_set = set(kept)

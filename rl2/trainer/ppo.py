@@ -385,11 +385,11 @@ class PPOTrainer(Trainer):
         prompts = [self.test_data[i] for i in range(len(self.test_data))]
         trajectories = self.generate(prompts, self.test_params, k, seed=self.config.trainer.seed - 1 - self.step)
         self.dump(trajectories, name or f"test_step_{self.step}")
-        rewards = torch.tensor([t.reward for t in trajectories]).view(-1, k)
+        correct = correct_by_prompt(trajectories, k)
         return {
-            "test/reward_mean": rewards.mean().item(),
-            f"test/avg@{k}": (rewards > 0).float().mean().item(),
-            f"test/pass@{k}": (rewards > 0).any(dim=1).float().mean().item(),
+            "test/reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
+            f"test/avg@{k}": correct.float().mean().item(),
+            f"test/pass@{k}": correct.any(dim=1).float().mean().item(),
             "test/response_length": sum(t.response_length for t in trajectories) / len(trajectories),
         }
 
@@ -397,8 +397,7 @@ class PPOTrainer(Trainer):
         """`trainer.eval_only`: evaluate actor.model_name, write `<save_dir>/eval.json`, print it."""
         config = self.config
         results = self.evaluate("eval")
-        self.env.close()
-        self.engine.shutdown()
+        self.close()
         if is_rank0():
             report = {
                 "model": config.actor.model_name,
@@ -413,6 +412,11 @@ class PPOTrainer(Trainer):
             logger.info("evaluation: " + ", ".join(f"{key} {value:.4f}" for key, value in results.items()))
             print(json.dumps(report), flush=True)
         return results
+
+    def close(self) -> None:
+        """End the env file's worker pools and the engine (SGLang: its scheduler processes)."""
+        self.env.close()
+        self.engine.shutdown()
 
     def dump(self, trajectories: list[Trajectory], name: str) -> None:
         if not (self.config.trainer.dump_trajectories and is_rank0()):
@@ -442,8 +446,7 @@ class PPOTrainer(Trainer):
                 self.save(self.step)
         progress.close()
         self.metrics.finish()
-        self.env.close()
-        self.engine.shutdown()  # SGLang: its scheduler processes end with the run
+        self.close()
         if is_rank0():
             rows = read_metrics(os.path.join(self.config.actor.save_dir, "metrics.jsonl"))
             logger.info("\n" + run_summary(rows))
@@ -464,6 +467,11 @@ def run_summary(rows: list[dict]) -> str:
         + ", ".join(f"{p} {means[p]:.3f}s ({100 * means[p] / max(step_time, 1e-9):.0f}%)" for p in phases)
     )
     return "\n".join(lines)
+
+
+def correct_by_prompt(trajectories: list[Trajectory], k: int) -> torch.Tensor:
+    """[prompts, k] booleans: which of each prompt's `k` consecutive trajectories scored above 0."""
+    return torch.tensor([t.reward > 0 for t in trajectories]).view(-1, k)
 
 
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
