@@ -63,26 +63,36 @@ def gae(rewards: Tensor, values: Tensor, action_mask: Tensor, gamma: float, lamd
     return advantages, returns
 
 
-def group_advantages(rewards: Tensor, group_size: int, norm_var: bool, eps: float = 1e-6) -> Tensor:
+def group_advantages(
+    rewards: Tensor, group_size: int, norm_var: bool, valid: Tensor | None = None, eps: float = 1e-6
+) -> Tensor:
     """Each reward minus the mean of its group of `group_size` consecutive responses to one prompt.
 
     With `norm_var` (GRPO, Shao et al. 2024, "DeepSeekMath") the result is divided by the group's
     unbiased (Bessel-corrected, as `torch.std`) standard deviation + `eps`; without it this is the
     unnormalised baseline of Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training").
-    A group of equal rewards, including a group of one response, gets advantage exactly 0.
+    `valid` (bool, like `rewards`) leaves responses out: the group's statistics come from its valid
+    members only, and an invalid response gets advantage 0. A group with fewer than two valid
+    responses, or whose valid rewards are all equal, gets advantage exactly 0.
     """
     if group_size < 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}")
-    if group_size == 1:
-        # Its own baseline; the unbiased std of one sample would be NaN.
-        return torch.zeros_like(rewards)
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
     groups = rewards.reshape(-1, group_size)
-    advantages = groups - groups.mean(dim=1, keepdim=True)
+    members = valid.reshape(-1, group_size)
+    count = members.sum(dim=1, keepdim=True)
+    values = torch.where(members, groups, torch.zeros_like(groups))
+    mean = values.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    advantages = groups - mean
     if norm_var:
-        advantages = advantages / (groups.std(dim=1, keepdim=True) + eps)
-    # The mean of equal floats can be off by an ulp, which the std division would blow up to ~1e-2.
-    uniform = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
-    advantages = advantages.masked_fill(uniform, 0.0)
+        squares = torch.where(members, advantages**2, torch.zeros_like(groups)).sum(dim=1, keepdim=True)
+        advantages = advantages / ((squares / (count - 1).clamp(min=1)).sqrt() + eps)
+    # Equal rewards give exactly 0 (their mean can be off by an ulp, which the std division would
+    # blow up to ~1e-2); so do groups of one (their own baseline; an unbiased std of one is NaN).
+    highest = torch.where(members, groups, torch.full_like(groups, -torch.inf)).amax(dim=1, keepdim=True)
+    lowest = torch.where(members, groups, torch.full_like(groups, torch.inf)).amin(dim=1, keepdim=True)
+    no_signal = (count < 2) | (highest == lowest)
+    advantages = advantages.masked_fill(no_signal | ~members, 0.0)
     return advantages.reshape(rewards.shape)
 
 

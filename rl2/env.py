@@ -11,9 +11,13 @@ the dataset row's answer. `interact` returns the messages to append, usually
 `{"role": "tool", "content": ...}`; an empty list ends the trajectory. Either may be `async def`.
 
 A broken file (missing, syntax or import error, missing function) raises `EnvError` at start-up.
-At run time a call that raises, times out or returns the wrong type does not stop training: its
-reward is 0.0 (or, for `interact`, the trajectory ends), a warning with the sample is logged and
-the caller gets the error in `EnvResult.error` to count it.
+At run time a call that raises, times out or returns the wrong type does not stop training: it has
+no reward (value None; for `interact`, the trajectory ends), a warning with the sample is logged
+and the caller gets the error in `EnvResult.error` to count it and to leave the trajectory out of
+training. "Could not score" is never turned into a plausible reward such as 0.0.
+
+Worker pools and clients an env file keeps at module level (in a `rl2.tools.lazy.Lazy`, or a bare
+`rl2.tools.faults.FaultCounter`) report the faults they recovered from through `fault_counts()`.
 
 Sync functions run in a thread pool owned by the `Env`; async ones run on an event loop made for
 each batch, so an async env should not keep loop-bound objects (e.g. an HTTP client session)
@@ -35,9 +39,11 @@ import os
 import sys
 import traceback
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from rl2.tools.faults import FaultCounter
 from rl2.tools.lazy import Lazy
 
 logger = logging.getLogger(__name__)
@@ -53,7 +59,7 @@ class EnvError(Exception):
 class EnvResult:
     """The outcome of one env call: the value to use and, if the call failed, why."""
 
-    value: Any  # float reward, or list[dict] of new messages
+    value: Any  # float reward (None when the call failed), or list[dict] of new messages
     error: str | None  # None when the call succeeded; else a one-line description
 
 
@@ -85,7 +91,7 @@ class Env:
         self._module = module
 
     def rewards(self, conversations: list[list[dict]], answers: list[Any]) -> list[EnvResult]:
-        """`reward_fn(messages, answer)` for each pair; value 0.0 where a call failed."""
+        """`reward_fn(messages, answer)` for each pair; value None where a call failed."""
         if len(conversations) != len(answers):
             raise ValueError(f"{len(conversations)} conversations but {len(answers)} answers")
         calls = [(messages, answer) for messages, answer in zip(conversations, answers)]
@@ -103,6 +109,19 @@ class Env:
         if not self.has_roc_penalty:
             raise EnvError(f"env file {self.path} does not define roc_penalty(messages)")
         return self._run_batch("roc_penalty", self._roc_penalty, [(messages,) for messages in conversations])
+
+    def fault_counts(self) -> dict[str, int]:
+        """Running totals of the faults the env file's pools and clients recovered from (a worker
+        replaced, a call retried): the `faults` counters of its module-level `Lazy` values that have
+        been made, and its module-level `FaultCounter`s, summed by name."""
+        totals: Counter[str] = Counter()
+        for value in vars(self._module).values():
+            if isinstance(value, Lazy):
+                value = value.peek()
+            faults = value if isinstance(value, FaultCounter) else getattr(value, "faults", None)
+            if isinstance(faults, FaultCounter):
+                totals.update(faults.counts())
+        return dict(totals)
 
     def close(self) -> None:
         """Shut the worker threads down, and close the env file's `Lazy` pools (its sandbox, its
@@ -145,9 +164,10 @@ class Env:
         return list(await asyncio.gather(*(one(args) for args in calls)))
 
     async def _call(self, name: str, fn: Callable, args: tuple) -> EnvResult:
-        """One call with a timeout and a checked result; failures become (default value, error)."""
+        """One call with a timeout and a checked result; failures become (default value, error):
+        None for a number, [] (end of the trajectory) for messages."""
         numeric = name in ("reward_fn", "roc_penalty")
-        default = 0.0 if numeric else []
+        default = None if numeric else []
         note = ""
         try:
             result, exc = await asyncio.wait_for(self._invoke(fn, copy.deepcopy(args)), self.timeout)

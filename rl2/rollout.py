@@ -32,12 +32,18 @@ class Trajectory:
     turns: int = 0
     truncated: bool = False  # cut at the length limit
     done: bool = False
-    reward: float = 0.0
+    reward: float | None = None  # None until scored, and when reward_fn failed
     errors: list[str] = field(default_factory=list)
 
     @property
     def response_length(self) -> int:
         return sum(self.action_mask)
+
+    @property
+    def excluded(self) -> bool:
+        """Left out of training: an env call failed or the engine aborted, so the episode's
+        outcome (or its score) is not the policy's doing."""
+        return bool(self.errors) or self.reward is None
 
     def to_json(self) -> dict:
         """What a trajectory dump shows: the conversation and its outcome."""
@@ -201,8 +207,8 @@ def _observation_text_by_template(tokenizer, last_token: int, messages: list[dic
 
 
 def assign_rewards(env: Env, trajectories: list[Trajectory]) -> None:
-    """Score every trajectory with the env's `reward_fn` (concurrently); a failed call scores 0
-    and its error is kept on the trajectory."""
+    """Score every trajectory with the env's `reward_fn` (concurrently); a failed call leaves the
+    reward None and its error is kept on the trajectory."""
     results = env.rewards([t.messages for t in trajectories], [t.answer for t in trajectories])
     for trajectory, result in zip(trajectories, results):
         trajectory.reward = result.value

@@ -204,7 +204,7 @@ def test_reward_fn_raises(caplog):
     with Env(env_path("misbehaving.py")) as env:
         results = env.rewards([chat("a"), chat("b" * 5000), chat("c")], ["ok", "raise", "ok"])
     assert results[0] == results[2] == EnvResult(1.0, None)
-    assert results[1] == EnvResult(0.0, "reward_fn raised ValueError: no reward for you")
+    assert results[1] == EnvResult(None, "reward_fn raised ValueError: no reward for you")
     [warning] = env_warnings(caplog)
     assert "misbehaving.py" in warning and "reward_fn raised ValueError" in warning and "answer='raise'" in warning
     assert "bbbb" in warning and len(warning) < 1000  # the 5000-character message is shortened
@@ -218,7 +218,7 @@ def test_reward_fn_raises(caplog):
 def test_reward_fn_wrong_type(caplog, answer, error):
     with Env(env_path("misbehaving.py")) as env:
         results = env.rewards([chat("a"), chat("a")], [answer, "bool"])
-    assert results == [EnvResult(0.0, error), EnvResult(1.0, None)]
+    assert results == [EnvResult(None, error), EnvResult(1.0, None)]
     [warning] = env_warnings(caplog)
     assert "misbehaving.py" in warning and error in warning
 
@@ -229,7 +229,7 @@ def test_reward_fn_timeout(caplog, name, hung_thread):
         start = time.perf_counter()
         results = env.rewards([chat("a"), chat("a")], ["sleep", "ok"])
         assert time.perf_counter() - start < 0.8
-    assert results == [EnvResult(0.0, "reward_fn timed out after 0.2s"), EnvResult(1.0, None)]
+    assert results == [EnvResult(None, "reward_fn timed out after 0.2s"), EnvResult(1.0, None)]
     [warning] = env_warnings(caplog)
     assert name in warning and "timed out" in warning
     assert ("keeps running" in warning) == hung_thread
@@ -238,7 +238,7 @@ def test_reward_fn_timeout(caplog, name, hung_thread):
 def test_async_reward_fn_raises(caplog):
     with Env(env_path("misbehaving_async.py")) as env:
         results = env.rewards([chat("a"), chat("a")], ["raise", "ok"])
-    assert results == [EnvResult(0.0, "reward_fn raised RuntimeError: async failure"), EnvResult(1.0, None)]
+    assert results == [EnvResult(None, "reward_fn raised RuntimeError: async failure"), EnvResult(1.0, None)]
     [warning] = env_warnings(caplog)
     assert "misbehaving_async.py" in warning
 
@@ -277,7 +277,7 @@ def test_users_own_timeout_error_is_not_our_timeout(tmp_path):
     path = write_env(tmp_path, "def reward_fn(messages, answer):\n    raise TimeoutError('http request')\n")
     with Env(path, timeout=5) as env:
         [result] = env.rewards([chat("a")], [None])
-    assert result == EnvResult(0.0, "reward_fn raised TimeoutError: http request")
+    assert result == EnvResult(None, "reward_fn raised TimeoutError: http request")
 
 
 def test_close_closes_the_env_files_lazy_pools(tmp_path):
@@ -322,3 +322,30 @@ def test_grader_workers_end_with_their_parent():
     while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+
+# ----------------------------------------------------------------------------------------------
+# recovered faults
+
+
+def test_fault_counts_sum_the_env_files_pools_and_counters(tmp_path):
+    path = tmp_path / "pools.py"
+    path.write_text(
+        "from rl2.tools.faults import FaultCounter\n"
+        "from rl2.tools.lazy import Lazy\n"
+        "class Pool:\n"
+        "    def __init__(self):\n"
+        "        self.faults = FaultCounter()\n"
+        "pool = Lazy(Pool)\n"
+        "unused = Lazy(Pool)\n"
+        "counter = FaultCounter()\n"
+        "def reward_fn(messages, answer):\n"
+        "    pool.get().faults.add('worker_restarts', 2)\n"
+        "    counter.add('worker_restarts')\n"
+        "    counter.add('call_retries')\n"
+        "    return 1.0\n"
+    )
+    with Env(str(path)) as env:
+        assert env.fault_counts() == {}  # nothing made, nothing counted
+        env.rewards([chat("a"), chat("b")], ["x", "y"])
+        assert env.fault_counts() == {"worker_restarts": 6, "call_retries": 2}

@@ -100,7 +100,7 @@ def test_difficulty_filter_keeps_rows_below_the_pass_rate(tiny_model_dir, proble
     assert [r["row"] for r in rates] == [1, 2, 3, 4, 5, 6]
     assert [r["kept"] for r in rates] == [False, True, True, False, True, True]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary == {"problems": 6.0, "kept": 4.0, "always_solved": 2.0, "never_solved": 2.0, "pass_rate_mean": 0.5}
+    assert summary == {"problems": 6.0, "kept": 4.0, "always_solved": 2.0, "never_solved": 2.0, "unscored": 0.0, "pass_rate_mean": 0.5}
 
     # A band: the ones sometimes solved.
     band = tmp_path / "band.jsonl"

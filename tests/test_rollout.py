@@ -160,12 +160,14 @@ def test_env_errors_end_the_trajectory_and_are_kept(tokenizer, env, call):
     assert fine.errors == [] and fine.turns == 2
 
 
-def test_reward_errors_score_zero(tokenizer, env):
+def test_reward_errors_leave_the_trajectory_unscored_and_excluded(tokenizer, env):
+    """A failed reward_fn is "could not score", not a reward of 0: no reward, and out of training."""
     engine = ScriptedEngine(tokenizer, lambda text: "bad answer 42")
     trajectories = rollout(engine, env, tokenizer, [prompt(tokenizer)], 2, SamplingParams())
     assign_rewards(env, trajectories)
-    assert [t.reward for t in trajectories] == [0.0, 0.0]
-    assert all("expected a number" in t.errors[0] for t in trajectories)
+    assert [t.reward for t in trajectories] == [None, None]
+    assert all(t.excluded and "expected a number" in t.errors[0] for t in trajectories)
+    assert all(t.to_json()["reward"] is None for t in trajectories)
 
 
 def test_lockstep_engine_is_called_every_turn(tokenizer, env):

@@ -23,6 +23,11 @@ class Lazy(Generic[T]):
                 self._value = self._factory()
             return self._value
 
+    def peek(self) -> T | None:
+        """The value if it has been made, else None (without making it)."""
+        with self._lock:
+            return self._value
+
     def close(self) -> None:
         """Close the value (when made and closable); a later `get` makes a new one."""
         with self._lock:

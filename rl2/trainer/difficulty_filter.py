@@ -7,13 +7,16 @@ problems it does not already solve every time.
 
 Every problem of `data.path` gets `filter.responses_per_prompt` answers (sampled with
 `rollout.train_sampling_params`, through the env file, tools included); its pass rate is the share
-scored above 0. Rows with `pass_rate_min <= pass rate < pass_rate_below` are written to
-`filter.output` with all their columns, and every row's pass rate to `<output>.pass_rates.jsonl`.
+of its scored answers that scored above 0 (answers that could not be scored, env errors, count
+neither way; a problem with none scored has no pass rate and is not kept). Rows with
+`pass_rate_min <= pass rate < pass_rate_below` are written to `filter.output` with all their
+columns, and every row's pass rate (null when unknown) to `<output>.pass_rates.jsonl`.
 """
 
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 
@@ -47,23 +50,25 @@ class DifficultyFilter(PPOTrainer):
         """Sample, score and write the kept rows; returns counts and the mean pass rate."""
         config, dataset, n = self.config, self.test_data, self.config.filter.responses_per_prompt
         chunk = config.data.prompts_per_rollout or config.data.batch_size
-        pass_rates: list[float] = []
+        pass_rates: list[float] = []  # NaN: none of the problem's answers could be scored
         progress = tqdm(total=len(dataset), desc="difficulty filter", disable=not is_rank0())
         for start in range(0, len(dataset), chunk):
             prompts = [dataset[i] for i in range(start, min(start + chunk, len(dataset)))]
             trajectories = self.generate(prompts, self.train_params, n, seed=config.trainer.seed + start)
-            pass_rates += correct_by_prompt(trajectories, n).double().mean(dim=1).tolist()
+            pass_rates += correct_by_prompt(trajectories, n).nanmean(dim=1).tolist()
             progress.update(len(prompts))
         progress.close()
         self.close()
         low, high = config.filter.pass_rate_min, config.filter.pass_rate_below
-        kept = [i for i, rate in enumerate(pass_rates) if low <= rate < high]
+        kept = [i for i, rate in enumerate(pass_rates) if low <= rate < high]  # NaN compares False
+        known = [rate for rate in pass_rates if not math.isnan(rate)]
         summary = {
             "problems": float(len(dataset)),
             "kept": float(len(kept)),
-            "always_solved": float(sum(rate == 1.0 for rate in pass_rates)),
-            "never_solved": float(sum(rate == 0.0 for rate in pass_rates)),
-            "pass_rate_mean": sum(pass_rates) / len(pass_rates),
+            "always_solved": float(sum(rate == 1.0 for rate in known)),
+            "never_solved": float(sum(rate == 0.0 for rate in known)),
+            "unscored": float(len(pass_rates) - len(known)),
+            "pass_rate_mean": sum(known) / max(len(known), 1),
         }
         if is_rank0():
             self.write(kept, pass_rates)
@@ -83,7 +88,7 @@ class DifficultyFilter(PPOTrainer):
         rows = [json.dumps(dataset.rows[dataset.indices[i]], ensure_ascii=False, default=str) for i in kept]
         kept_set = set(kept)
         rates = [
-            json.dumps({"row": dataset.indices[i] + 1, "pass_rate": rate, "kept": i in kept_set})
+            json.dumps({"row": dataset.indices[i] + 1, "pass_rate": None if math.isnan(rate) else rate, "kept": i in kept_set})
             for i, rate in enumerate(pass_rates)
         ]
         for path, lines in ((output, rows), (output + ".pass_rates.jsonl", rates)):

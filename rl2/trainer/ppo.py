@@ -61,6 +61,7 @@ class PPOTrainer(Trainer):
             concurrency=config.rollout.env_concurrency,
             need_interact=config.rollout.max_turns > 1,
         )
+        self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
         self.max_length = config.data.max_length or config.actor.max_length_per_device * config.actor.sp_size
         prompts_per_rollout = config.data.prompts_per_rollout or config.data.batch_size
         if self.eval_only:  # the engine alone serves actor.model_name
@@ -185,10 +186,12 @@ class PPOTrainer(Trainer):
     def prepare(self, trajectories: list[Trajectory]) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
         """Per-sequence tensors for the updates: old / reference log-probs, values, advantages."""
         config = self.config
+        # An excluded trajectory (an env error, an aborted generation) stays in the batch, so groups
+        # keep their shape, but carries no loss and does not count in its group's baseline.
         sequences = [
             {
                 "input_ids": torch.tensor(t.token_ids),
-                "loss_mask": torch.tensor(t.action_mask, dtype=torch.float32),
+                "loss_mask": torch.tensor(t.action_mask, dtype=torch.float32) * (not t.excluded),
                 "engine_logps": torch.tensor(t.logprobs, dtype=torch.float32),
             }
             for t in trajectories
@@ -209,13 +212,14 @@ class PPOTrainer(Trainer):
             metrics["kl"] = masked_mean(torch.cat(kl), all_masks).item()
         values = self.critic.compute(sequences, "values") if self.critic is not None else None
 
-        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+        rewards = torch.tensor([0.0 if t.excluded else t.reward for t in trajectories], dtype=torch.float32)
+        valid = torch.tensor([not t.excluded for t in trajectories])
         kl_in_reward = ref_logps is not None and config.kl.type == "reward"
         if config.adv.estimator == "reinforce":
             scores = rewards.clone()
             if kl_in_reward:
                 scores -= config.kl.coef * torch.stack([(k * m).sum() for k, m in zip(kl, masks)])
-            advantages = group_advantages(scores, config.data.responses_per_prompt, config.adv.norm_var)
+            advantages = group_advantages(scores, config.data.responses_per_prompt, config.adv.norm_var, valid)
             per_token_advantages = [a * m for a, m in zip(advantages, masks)]
         else:
             per_token_advantages, returns = [], []
@@ -302,15 +306,15 @@ class PPOTrainer(Trainer):
             timer,
             release_after=True,
         )
-        metrics = rollout_metrics(trajectories)
+        metrics = {**rollout_metrics(trajectories), **self.fault_metrics()}
         self.dump(trajectories, f"step_{self.step}")
         if config.adv.resample_on_correct:
             trajectories, roc_metrics = self.resample_on_correct(trajectories, generated)
             metrics.update(roc_metrics)
         if config.rollout.dynamic_filtering:
             trajectories, metrics["dynamic_filter/dropped_ratio"] = self.filter_groups(trajectories)
-        if not trajectories:
-            logger.info(f"step {self.step}: no trajectories left (every group has equal rewards); no update")
+        if all(t.excluded for t in trajectories):
+            logger.info(f"step {self.step}: no trajectories left to train on (equal rewards or env errors); no update")
             self.sync_weights()  # the engine may have dropped its weights while asleep
             return {**metrics, **{f"time/{k}": v for k, v in timer.times.items()}}
         with timer("logps"):
@@ -347,19 +351,26 @@ class PPOTrainer(Trainer):
                     penalties[i] = result.value
         penalties = broadcast_from_rank0(penalties)
         generator = torch.Generator().manual_seed(config.trainer.seed * 1_000_003 + self.step)
+        keep = config.data.responses_per_prompt
         kept, dropped = [], 0
         for start in range(0, len(trajectories), group_size):
             group = trajectories[start : start + group_size]
+            usable = [j for j, t in enumerate(group) if not t.excluded]  # env errors are not candidates
             chosen = resample_on_correct(
-                [t.reward for t in group],
-                penalties[start : start + group_size],
-                config.data.responses_per_prompt,
+                [group[j].reward for j in usable],
+                [penalties[start + j] for j in usable],
+                keep,
                 config.adv.roc_mode,
                 config.adv.roc_min_each,
                 generator,
             )
-            dropped += not chosen
-            kept += [group[j] for j in chosen]
+            if not chosen:
+                dropped += 1
+                continue
+            chosen = [usable[j] for j in chosen]
+            # Too few usable ones: excluded trajectories fill the group (they carry no loss).
+            chosen += [j for j in range(len(group)) if group[j].excluded][: keep - len(chosen)]
+            kept += [group[j] for j in sorted(chosen)]
         tool_before, format_before = roc_error_rates(conversations)
         tool_after, format_after = roc_error_rates([t.messages for t in kept])
         return kept, {
@@ -372,11 +383,17 @@ class PPOTrainer(Trainer):
         }
 
     def filter_groups(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], float]:
-        """Drop groups whose rewards are all equal (no advantage signal); returns the dropped ratio."""
+        """Drop groups without advantage signal: fewer than two trajectories that can train, or all
+        their rewards equal; returns the dropped ratio."""
         size = self.config.data.responses_per_prompt
-        dropped = set(uniform_groups([t.reward for t in trajectories], size))
-        kept = [t for i, t in enumerate(trajectories) if i // size not in dropped]
-        return kept, len(dropped) / max(len(trajectories) // size, 1)
+        groups = [trajectories[start : start + size] for start in range(0, len(trajectories), size)]
+        def has_signal(group: list[Trajectory]) -> bool:
+            rewards = [t.reward for t in group if not t.excluded]
+            return len(rewards) > 1 and not uniform_groups(rewards, len(rewards))
+
+        kept_groups = [group for group in groups if has_signal(group)]
+        dropped = len(groups) - len(kept_groups)
+        return [t for group in kept_groups for t in group], dropped / max(len(groups), 1)
 
     def evaluate(self, name: str | None = None) -> dict[str, float]:
         """Mean reward, avg@k (the mean share of correct responses, reward > 0) and pass@k (the
@@ -385,12 +402,17 @@ class PPOTrainer(Trainer):
         prompts = [self.test_data[i] for i in range(len(self.test_data))]
         trajectories = self.generate(prompts, self.test_params, k, seed=self.config.trainer.seed - 1 - self.step)
         self.dump(trajectories, name or f"test_step_{self.step}")
+        # Answers that could not be scored (env errors) count neither as right nor as wrong.
         correct = correct_by_prompt(trajectories, k)
+        scored = ~correct.isnan()
+        rewards = [t.reward for t in trajectories if t.reward is not None]
         return {
-            "test/reward_mean": sum(t.reward for t in trajectories) / len(trajectories),
-            f"test/avg@{k}": correct.float().mean().item(),
-            f"test/pass@{k}": correct.any(dim=1).float().mean().item(),
+            "test/reward_mean": sum(rewards) / max(len(rewards), 1),
+            f"test/avg@{k}": correct[scored].mean().item() if scored.any() else 0.0,
+            f"test/pass@{k}": (correct.nan_to_num(0.0) > 0).any(dim=1)[scored.any(dim=1)].float().mean().item()
+            if scored.any() else 0.0,
             "test/response_length": sum(t.response_length for t in trajectories) / len(trajectories),
+            "test/env_errors": float(sum(len(t.errors) for t in trajectories)),
         }
 
     def evaluate_only(self) -> dict[str, float]:
@@ -412,6 +434,19 @@ class PPOTrainer(Trainer):
             logger.info("evaluation: " + ", ".join(f"{key} {value:.4f}" for key, value in results.items()))
             print(json.dumps(report), flush=True)
         return results
+
+    def fault_metrics(self) -> dict[str, float]:
+        """`faults/<name>`: the faults the env's pools and clients recovered from since the last
+        call (workers replaced, calls retried), summed over ranks; every name seen so far is logged,
+        0 when nothing happened."""
+        totals = self.env.fault_counts()
+        new = {name: max(total - self.faults_logged.get(name, 0), 0) for name, total in totals.items()}
+        self.faults_logged = totals
+        summed: dict[str, float] = {}
+        for rank_counts in all_gather_objects([new]):
+            for name, count in rank_counts.items():
+                summed[f"faults/{name}"] = summed.get(f"faults/{name}", 0.0) + count
+        return summed
 
     def close(self) -> None:
         """End the env file's worker pools and the engine (SGLang: its scheduler processes)."""
@@ -470,13 +505,17 @@ def run_summary(rows: list[dict]) -> str:
 
 
 def correct_by_prompt(trajectories: list[Trajectory], k: int) -> torch.Tensor:
-    """[prompts, k] booleans: which of each prompt's `k` consecutive trajectories scored above 0."""
-    return torch.tensor([t.reward > 0 for t in trajectories]).view(-1, k)
+    """[prompts, k] floats: 1.0 where a prompt's trajectory (of `k` consecutive ones) scored above 0,
+    0.0 where it scored 0 or less, NaN where it could not be scored (excluded: an env error)."""
+    return torch.tensor(
+        [float("nan") if t.excluded else float(t.reward > 0) for t in trajectories], dtype=torch.float64
+    ).view(-1, k)
 
 
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Reward, length, turn and error statistics of a rollout."""
-    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
+    """Reward, length, turn and error statistics of a rollout; rewards of scored trajectories only."""
+    scored = [t.reward for t in trajectories if t.reward is not None]
+    rewards = torch.tensor(scored or [0.0], dtype=torch.float64)
     lengths = torch.tensor([t.response_length for t in trajectories], dtype=torch.float64)
     return {
         "reward/mean": rewards.mean().item(),
@@ -486,6 +525,7 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "turns/mean": sum(t.turns for t in trajectories) / len(trajectories),
         "truncated_ratio": sum(t.truncated for t in trajectories) / len(trajectories),
         "env_errors": float(sum(len(t.errors) for t in trajectories)),
+        "excluded": float(sum(t.excluded for t in trajectories)),
         "trajectories": float(len(trajectories)),
     }
 
