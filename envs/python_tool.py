@@ -13,10 +13,19 @@ or nothing when the message has no call (the trajectory ends). A malformed call 
 saying what is wrong. `reward_fn` is the math reward (`envs/math.py`) on the last message.
 
 Programs run in rl2's local sandbox (`rl2.tools.sandbox`) or, when `CODE_SERVER_URL` is set, on a
-code-judge-compatible service (`python -m rl2.tools.code_server`, or code-judge itself).
+code-judge-compatible service (`python -m rl2.tools.code_server`, or code-judge itself) through one
+`CodeClient` per loaded env file. Both replace what died and retry (the sandbox its workers, the
+client its requests, riding out a service restart of a few seconds), counting it in the step's
+`faults/*` metrics. A program the executor still could not run makes `interact` raise
+`ToolUnavailable`: an env error (the trajectory is left out of training), never a tool message the
+model would learn from. What a program did (its output, an error, a timeout, running out of memory)
+is always a tool message.
+
 Settings, from the environment: CODE_SERVER_URL, PYTHON_TOOL_TIMEOUT (seconds per program, 4),
 PYTHON_TOOL_MAX_CHARS (tool output kept, 1024), PYTHON_TOOL_MAX_CALLS (calls run per turn, 8),
-PYTHON_TOOL_WORKERS (local sandbox workers, 4), PYTHON_TOOL_MEMORY_MB (1024).
+PYTHON_TOOL_WORKERS (local sandbox workers, 4), PYTHON_TOOL_MEMORY_MB (1024), CODE_SERVER_RETRIES
+(retries of a failed request to the code service, 6: about 24 s of backoff). The sandbox's and the
+client's settings are read when they are first used.
 
 Put `SYSTEM_PROMPT` first in the prompts (as the system message) so the model knows the tool.
 """
@@ -26,6 +35,7 @@ import json
 import os
 import re
 
+from rl2.tools import code_client
 from rl2.tools.lazy import Lazy
 from rl2.tools.math_grader import MathGrader
 from rl2.tools.sandbox import Sandbox
@@ -59,6 +69,7 @@ SYSTEM_PROMPT = (
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 UNCLOSED_CALL = re.compile(r"<tool_call>(?!.*</tool_call>)", re.DOTALL)
+NOT_RUN = ("internal_error", "queue_timeout")  # code-judge's (and the client's) reasons for a program that did not run
 
 
 def _setting(name: str, default: float) -> float:
@@ -75,6 +86,15 @@ _sandbox = Lazy(lambda: Sandbox(workers=_setting("PYTHON_TOOL_WORKERS", 4),
                                 timeout=_setting("PYTHON_TOOL_TIMEOUT", 4.0),
                                 memory_mb=_setting("PYTHON_TOOL_MEMORY_MB", 1024)))
 _grader = Lazy(lambda: MathGrader(workers=2, timeout=5.0))
+# Made on first use when CODE_SERVER_URL is set; one per loaded env file, so its fault counts persist.
+_code_client = Lazy(lambda: code_client.CodeClient(os.environ["CODE_SERVER_URL"],
+                                                   timeout=_setting("PYTHON_TOOL_TIMEOUT", 4.0) + 30,
+                                                   retries=_setting("CODE_SERVER_RETRIES", code_client.RETRIES)))
+
+
+class ToolUnavailable(RuntimeError):
+    """The code executor could not run a program (after its own retries): an env error, not a
+    result to show the model."""
 
 
 def parse_tool_calls(text: str) -> list[tuple[str, str] | str]:
@@ -118,7 +138,7 @@ def shorten(text: str, limit: int) -> str:
 
 def format_result(stdout: str, stderr: str, status: str, timeout: float, limit: int) -> str:
     """The tool message for one program. `status`: ok, error, timeout, memory, output_limit or
-    tool_error (the executor itself failed; `stderr` says why)."""
+    tool_error (the executor refused this program, e.g. too large; `stderr` says why)."""
     if status == "tool_error":
         return shorten(f"Tool error: {stderr.strip() or 'the code executor failed'}", limit)
     parts = [stdout] if stdout else []
@@ -133,28 +153,38 @@ def format_result(stdout: str, stderr: str, status: str, timeout: float, limit: 
 
 
 def _status_from_judge(result: dict) -> str:
-    """Our status for a code-judge result dict (from `rl2.tools.code_client`): code-judge's `reason`
-    is "" when the program ran, "worker_timeout", or "queue_timeout" / "internal_error" when it
-    did not run (the client also reports an unreachable service as "internal_error")."""
+    """Our status for a code-judge result dict of a program that ran, or that the service refused
+    (`rl2.tools.code_client`'s "invalid_input"): code-judge's `reason` is "" when the program ran,
+    or "worker_timeout"."""
     reason = result.get("reason") or ""
-    if reason in ("internal_error", "queue_timeout", "invalid_input"):
+    if reason == "invalid_input":
         return "tool_error"
     if reason == "worker_timeout":
         return "timeout"
     return "ok" if result.get("run_success") else "error"
 
 
-async def run_programs(programs: list[tuple[str, str]], timeout: float) -> list[tuple[str, str, str]]:
-    """(stdout, stderr, status) for each (code, stdin), on the code service or the local sandbox."""
-    url = os.environ.get("CODE_SERVER_URL")
-    if url:
-        from rl2.tools.code_client import CodeClient
+def _not_run(executor: str, problems: list[str], total: int) -> ToolUnavailable:
+    return ToolUnavailable(f"{executor} could not run {len(problems)} of {total} program(s): "
+                           f"{problems[0].strip() or 'no reason given'}")
 
-        results = await CodeClient(url, timeout=timeout + 30).run_many(programs)
+
+async def run_programs(programs: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
+    """(stdout, stderr, status) for each (code, stdin), on the code service or the local sandbox;
+    raises `ToolUnavailable` when the executor could not run one of them."""
+    if os.environ.get("CODE_SERVER_URL"):
+        client = _code_client.get()
+        results = await client.run_many(programs)
+        problems = [r.get("stderr") or r["reason"] for r in results if r.get("reason") in NOT_RUN]
+        if problems:
+            raise _not_run(f"the code service at {client.url}", problems, len(results))
         return [(r.get("stdout") or "", r.get("stderr") or "", _status_from_judge(r)) for r in results]
     sandbox = _sandbox.get()
     results = await asyncio.gather(*(sandbox.run_async(code, stdin) for code, stdin in programs))
-    return [(r.stdout, r.stderr, "tool_error" if r.reason == "sandbox_error" else r.reason) for r in results]
+    problems = [r.stderr or r.reason for r in results if r.reason == "sandbox_error"]
+    if problems:
+        raise _not_run("the local sandbox", problems, len(results))
+    return [(r.stdout, r.stderr, r.reason) for r in results]
 
 
 async def interact(messages: list[dict]) -> list[dict]:
@@ -170,7 +200,7 @@ async def interact(messages: list[dict]) -> list[dict]:
     skipped = calls[max_calls:]
     calls = calls[:max_calls]
     programs = [call for call in calls if isinstance(call, tuple)]
-    outputs = iter(await run_programs(programs, timeout)) if programs else iter(())
+    outputs = iter(await run_programs(programs)) if programs else iter(())
     replies = []
     for call in calls:
         if isinstance(call, str):

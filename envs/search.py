@@ -8,9 +8,11 @@ recipes/data/search_qa.jsonl).
 
 `interact` reads the last assistant message: an `<answer>` ends the trajectory; else the first
 `<search>` is looked up; else Search-R1's invalid-action message asks the model to try again. A
-failed search (service down, timeout) gives a tool message saying so, not an error. Stop
-generation at `</search>` and `</answer>` (sampling params `stop: ["</search>", "</answer>"]`)
-so that a turn ends at its action, as in Search-R1.
+search the service does not answer is retried (riding out a service restart of a few seconds, each
+retry counted in the step's `faults/search_retries`); one that still fails raises `SearchError`, an
+env error (the trajectory is left out of training), never a tool message the model would learn
+from. Stop generation at `</search>` and `</answer>` (sampling params `stop: ["</search>",
+"</answer>"]`) so that a turn ends at its action, as in Search-R1.
 
 `reward_fn` is Search-R1's exact match: 1.0 when the last `<answer>` of the final assistant message
 equals one of the gold answers (a string, a list of strings, or Search-R1's `{"target": [...]}`)
@@ -21,17 +23,19 @@ Settings, environment variables read at each call:
     SEARCH_URL       the service's retrieve endpoint (default http://127.0.0.1:8000/retrieve)
     SEARCH_TOPK      documents per search (default 3)
     SEARCH_TIMEOUT   seconds per request attempt (default 10)
-    SEARCH_RETRIES   further attempts after a connection error, timeout or HTTP 5xx (default 2)
+    SEARCH_RETRIES   further attempts after a connection error, timeout or HTTP 5xx (default 6,
+                     after 0.5 s doubling up to 8 s: 23.5 s of waiting in all)
 """
 
-import logging
 import os
 import re
 import string
 
-from rl2.tools.search_client import SearchError, passages_to_string, retrieve
+from rl2.tools import search_client
+from rl2.tools.faults import FaultCounter
+from rl2.tools.search_client import passages_to_string, retrieve
 
-logger = logging.getLogger("rl2.env.search")
+faults = FaultCounter()  # search_retries, for the trainer's faults/* metrics (rl2.env reads it)
 
 PROMPT = (
     "Answer the given question. "
@@ -70,13 +74,9 @@ async def interact(messages: list[dict]) -> list[dict]:
     if not query:
         return [{"role": "tool", "content": INVALID_ACTION}]
     url = os.environ.get("SEARCH_URL", DEFAULT_URL)
-    try:
-        hits = await retrieve([query], url, topk=_setting("SEARCH_TOPK", 3, int),
-                              timeout=_setting("SEARCH_TIMEOUT", 10.0, float),
-                              retries=_setting("SEARCH_RETRIES", 2, int))
-    except SearchError as e:
-        logger.warning("search for %r failed: %s", query, e)
-        return [{"role": "tool", "content": f"<information>The search failed: {e}</information>"}]
+    hits = await retrieve([query], url, topk=_setting("SEARCH_TOPK", 3, int),
+                          timeout=_setting("SEARCH_TIMEOUT", 10.0, float),
+                          retries=_setting("SEARCH_RETRIES", search_client.RETRIES, int), faults=faults)
     return [{"role": "tool", "content": f"<information>{passages_to_string(hits[0]).strip()}</information>"}]
 
 

@@ -168,15 +168,18 @@ def test_queue_timeout_on_batch_not_on_long_batch(sandbox, caplog):
             long = await request("POST", url + "/run/long-batch", json=body)
             client = CodeClient(url, long_batch=False, retries=3, backoff=0.3)
             retried = await client.run_many([code["solution"] for code in body["submissions"]])
-            return short, long, retried
+            return short, long, retried, client
 
-    (_, short), (_, long), retried = asyncio.run(main())
+    (_, short), (_, long), retried, client = asyncio.run(main())
     assert short["results"][0]["stdout"] == "a\n"
     assert short["results"][1]["reason"] == "queue_timeout" and short["results"][1]["success"] is False
     assert 0.25 < short["results"][1]["cost"] < 0.8
     assert [r["stdout"] for r in long["results"]] == ["a\n", "b\n"]
     assert [r["stdout"] for r in retried] == ["a\n", "b\n"]
-    assert any("queue_timeout" in r.getMessage() for r in caplog.records if r.name == "rl2.tools.code_client")
+    logged = [r.getMessage() for r in caplog.records if r.name == "rl2.tools.code_client"]
+    retries = [message for message in logged if "retrying" in message]
+    assert retries and all("queue_timeout" in message for message in retries)
+    assert client.faults.counts() == {"code_service_retries": len(retries)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,19 +262,24 @@ def test_client_retries_5xx_and_does_not_retry_4xx():
     app.router.add_post("/flaky/run/long-batch", flaky)
     app.router.add_post("/reject/run/long-batch", reject)
     app.router.add_post("/garbled/run/long-batch", garbled)
+    clients = {}
 
     async def main():
         async with serving(app) as url:
-            def client(path: str) -> CodeClient:
-                return CodeClient(url + path, retries=3, backoff=0.01)
-            return (await client("/flaky").run_many(["a", "b"]), await client("/reject").run("a"),
-                    await client("/garbled").run("a"), url)
+            for path in ("/flaky", "/reject", "/garbled", "/nowhere"):
+                clients[path] = CodeClient(url + path, retries=3, backoff=0.01)
+            return (await clients["/flaky"].run_many(["a", "b"]), await clients["/reject"].run("a"),
+                    await clients["/garbled"].run("a"), await clients["/nowhere"].run("a"), url)
 
-    ok, rejected, wrong, url = asyncio.run(main())
+    ok, rejected, wrong, missing, url = asyncio.run(main())
     assert [r["stdout"] for r in ok] == ["a", "b"] and calls["flaky"] == 3
+    assert clients["/flaky"].faults.counts() == {"code_service_retries": 2}
     assert rejected["reason"] == "invalid_input" and "HTTP 422" in rejected["stderr"] and calls["reject"] == 1
     assert f"code service at {url}/reject" in rejected["stderr"]
     assert wrong["reason"] == "internal_error" and "do not match" in wrong["stderr"] and calls["garbled"] == 1
+    # No code service at that URL: the program could not run (not the program's fault), no retries.
+    assert missing["reason"] == "internal_error" and "HTTP 404; is the URL the service's root?" in missing["stderr"]
+    assert all(clients[path].faults.counts() == {} for path in ("/reject", "/garbled", "/nowhere"))
 
 
 def test_client_when_server_is_killed_mid_run():
@@ -292,6 +300,7 @@ def test_client_when_server_is_killed_mid_run():
     finally:
         server.kill()
     assert elapsed < 2.0  # backoff 0.1 + 0.2 and refused connections, not a hang
+    assert client.faults.counts() == {"code_service_retries": 2 * 2}  # 2 batches, 2 retries each
     for result in results:
         assert result["success"] is False and result["run_success"] is False
         assert result["reason"] == "internal_error"
@@ -320,6 +329,7 @@ def test_client_retries_until_server_comes_back(caplog):
     assert result["success"] is True and result["stdout"] == "42\n", result
     retries = [r.getMessage() for r in caplog.records if r.name == "rl2.tools.code_client"]
     assert retries and all("unreachable" in message and "retrying" in message for message in retries)
+    assert client.faults.counts() == {"code_service_retries": len(retries)}
 
 
 def test_client_with_nothing_listening():
@@ -333,6 +343,7 @@ def test_client_with_nothing_listening():
         assert result["success"] is False and result["reason"] == "internal_error"
         assert result["stderr"].startswith(f"code service at {url} unreachable")
         assert "gave up after 3 attempts" in result["stderr"]
+    assert client.faults.counts() == {"code_service_retries": 2 + 2}  # run_many's one batch, then run_sync
     assert asyncio.run(client.ping()) is False
 
 

@@ -304,26 +304,6 @@ def test_close_closes_the_env_files_lazy_pools(tmp_path):
     assert module._pool._value is None
 
 
-def test_grader_workers_end_with_their_parent():
-    """A process that exits without closing its MathGrader (os._exit, a kill) leaves no workers."""
-    import subprocess
-
-    code = (
-        "import os\nfrom rl2.tools.math_grader import MathGrader\ng = MathGrader(workers=2)\n"
-        "print(g.grade('\\\\boxed{2}', '2'))\n"
-        "print(' '.join(str(p.pid) for p in g._pool._processes.values()), flush=True)\nos._exit(0)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    grade, pids = out.stdout.split("\n", 1)
-    assert grade == "1.0", out.stderr
-    pids = [int(pid) for pid in pids.split()]
-    assert len(pids) == 2
-    deadline = time.monotonic() + 10
-    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
-
-
 # ----------------------------------------------------------------------------------------------
 # recovered faults
 

@@ -1,13 +1,20 @@
-"""Math answer grading: extraction, a table of graded cases, timeouts, and the envs/math.py env file."""
+"""Math answer grading: extraction, a table of graded cases, timeouts and dead workers (an answer that
+could not be graded raises GradingError, never scores 0), any kind of caller, and the envs/math.py env file."""
 
+import importlib.util
 import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from rl2.env import Env
-from rl2.tools.math_grader import MathGrader, extract_answer
+from rl2.tools.math_grader import GradingError, MathGrader, extract_answer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 3.0
@@ -181,24 +188,160 @@ def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
+def wait_until(condition, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def exited(pid: int) -> bool:
+    """Whether `pid` has exited (absent, or a zombie not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
+def kill_during_a_grade(grader: MathGrader, response: str, gold: str):
+    """Start grading `response` and SIGKILL its worker while the request is in flight (the worker is
+    stopped first, so that the call cannot finish before the kill); the call's future and the pid."""
+    [worker] = grader._pool.pids()
+    os.kill(worker, signal.SIGSTOP)
+    threads = ThreadPoolExecutor(max_workers=1)
+    call = threads.submit(grader.grade, response, gold)
+    threads.shutdown(wait=False)
+    assert wait_until(lambda: grader._pool.busy_pids() == [worker])
+    os.kill(worker, signal.SIGKILL)
+    return call, worker
+
+
+def test_a_worker_killed_during_a_grade_is_replaced_and_the_answer_graded_again():
+    with MathGrader(workers=1, timeout=TIMEOUT) as grader:
+        call, killed = kill_during_a_grade(grader, "\\boxed{3}", "3")
+        assert call.result(timeout=60) == 1.0
+        assert killed not in grader._pool.pids()
+        assert grader.faults.counts() == {"grader_restarts": 1, "grader_retries": 1}
+        assert grader.grade("\\boxed{3}", "4") == 0.0
+
+
+def test_a_worker_that_died_idle_is_replaced():
+    with MathGrader(workers=1, timeout=TIMEOUT) as grader:
+        [dead] = grader._pool.pids()
+        os.kill(dead, signal.SIGKILL)
+        assert wait_until(lambda: exited(dead))
+        assert grader.grade("\\boxed{3}", "3") == 1.0
+        assert grader.faults.counts() == {"grader_restarts": 1}
+
+
+def test_an_answer_that_cannot_be_graded_raises_instead_of_scoring_0():
+    with MathGrader(workers=1, timeout=TIMEOUT, retries=0) as grader:
+        call, killed = kill_during_a_grade(grader, "\\boxed{3}", "3")
+        expected = "math grader: could not grade the answer " + repr("\\boxed{3}") + " against gold '3': "
+        with pytest.raises(GradingError, match=re.escape(expected) + rf"grader worker pool: .*worker pid {killed} "
+                                               r"died during the call \(killed by signal 9 \(SIGKILL\)\)"):
+            call.result(timeout=60)
+        assert grader.faults.counts() == {"grader_restarts": 1}
+        assert grader.grade("\\boxed{3}", "3") == 1.0
+
+
 def test_pathological_input_times_out_and_pool_recovers():
     # `1e999999999` makes the comparison build a billion-digit integer in C code, which neither
     # math-verify's signal.alarm nor anything else can interrupt: only killing the process stops it.
     with MathGrader(workers=1, timeout=1.0) as grader:
         assert grader.grade("\\boxed{2}", "2") == 1.0
+        [stuck] = grader._pool.pids()
         start = time.monotonic()
-        assert grader.grade("\\boxed{1e999999999}", "1") == 0.0
-        assert time.monotonic() - start < 1.0 + 2.0
-        assert grader.grade("\\boxed{3}", "3") == 1.0  # a fresh pool
+        expected = "no grade within 1.0 s for the answer " + repr("\\boxed{1e999999999}")
+        with pytest.raises(GradingError, match=re.escape(expected)):
+            grader.grade("\\boxed{1e999999999}", "1")
+        assert time.monotonic() - start < 1.0 + 5.0
+        assert exited(stuck) and stuck not in grader._pool.pids()
+        assert grader.faults.counts() == {"grader_timeouts": 1, "grader_restarts": 1}
+        assert grader.grade("\\boxed{3}", "3") == 1.0  # a fresh worker
         assert grader.grade("\\boxed{3}", "4") == 0.0
 
 
 def test_timeout_in_one_call_does_not_fail_concurrent_calls():
-    with MathGrader(workers=2, timeout=1.5) as grader:
-        pairs = [("\\boxed{1e999999999}", "1")] + [(f"\\boxed{{{i}}}", str(i)) for i in range(8)]
-        start = time.monotonic()
-        assert grader.grade_many(pairs) == [0.0] + [1.0] * 8
-        assert time.monotonic() - start < 1.5 + 5.0
+    with MathGrader(workers=2, timeout=1.5) as grader, ThreadPoolExecutor(max_workers=2) as threads:
+        slow = threads.submit(grader.grade, "\\boxed{1e999999999}", "1")
+        fast = [threads.submit(grader.grade, f"\\boxed{{{i}}}", str(i)) for i in range(8)]
+        assert [call.result(timeout=60) for call in fast] == [1.0] * 8
+        with pytest.raises(GradingError, match="no grade within 1.5 s"):
+            slow.result(timeout=60)
+        assert grader.faults.counts() == {"grader_timeouts": 1, "grader_restarts": 1}
+
+
+# The caller's script: it finds rl2 only through sys.path (a copy whose grade_one calls every answer
+# right), so a 1.0 for a wrong answer shows that the workers imported the caller's rl2.
+CALLER = """
+import sys
+sys.path.insert(0, COPY)
+import rl2
+assert rl2.__file__.startswith(COPY), rl2.__file__
+from rl2.tools.math_grader import MathGrader
+with MathGrader(workers=1) as grader:
+    print(grader.grade("\\\\boxed{1}", "2"))
+"""
+
+
+@pytest.mark.parametrize("caller", ["-c", "stdin", "-m"])
+def test_the_grader_works_for_any_caller(caller, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.join(REPO, "rl2"), copy / "rl2", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / "rl2" / "tools" / "math_grader.py", "a") as f:
+        f.write("\n\ndef grade_one(response, gold, timeout=5):\n    return 1.0, 'copy'\n")
+    script = CALLER.replace("COPY", repr(str(copy)))
+    (tmp_path / "grade_caller.py").write_text(script)
+    args = {"-c": ["-c", script], "stdin": ["-"], "-m": ["-m", "grade_caller"]}[caller]
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, *args], input=script if caller == "stdin" else None, capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path, env=env)
+    assert (out.returncode, out.stdout) == (0, "1.0\n"), out.stderr
+
+
+def load_env_file(path: str):
+    spec = importlib.util.spec_from_file_location("math_env_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_env_file_reward_survives_a_kill_and_raises_when_it_cannot_grade():
+    env = load_env_file(os.path.join(REPO, "envs", "math.py"))
+    env.WORKERS, env.TIMEOUT = 1, 1.0
+    reply = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "So \\boxed{3}."}]
+    try:
+        grader = env._grader.get()
+        [dead] = grader._pool.pids()
+        os.kill(dead, signal.SIGKILL)
+        assert wait_until(lambda: exited(dead))
+        assert env.reward_fn(reply, "3") == 1.0
+        assert env.reward_fn(reply, 4) == 0.0
+        with pytest.raises(GradingError):
+            env.reward_fn([{"role": "assistant", "content": "\\boxed{1e999999999}"}], "1")
+        assert grader.faults.counts() == {"grader_restarts": 2, "grader_timeouts": 1}
+    finally:
+        env._grader.close()
+
+
+def test_grader_workers_end_with_their_parent():
+    """A process that exits without closing its MathGrader (os._exit, a kill) leaves no workers."""
+    code = (
+        "import os\nfrom rl2.tools.math_grader import MathGrader\ng = MathGrader(workers=2)\n"
+        "print(g.grade('\\\\boxed{2}', '2'))\n"
+        "print(*g._pool.pids(), flush=True)\nos._exit(0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    grade, pids = out.stdout.split("\n", 1)
+    assert grade == "1.0", out.stderr
+    pids = [int(pid) for pid in pids.split()]
+    assert len(pids) == 2
+    assert wait_until(lambda: all(map(exited, pids)))
 
 
 def test_env_file_scores_conversations_concurrently():

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_python, run_torchrun
+from conftest import GRAD_RTOL, run_python, run_torchrun
 from rl2.ring_attention import ring_attention, zigzag_cu_seqlens, zigzag_position_ids, zigzag_split
 
 
@@ -97,7 +97,7 @@ def test_ring_attention_rejects_bad_inputs():
         ring_attention(q, kv, kv, cu_of([3, 3]), None)  # odd: not a zigzag layout
 
 
-FP32_TOL = 1e-5
+FP32_TOL = 1e-5  # float32 attention over <100 keys of O(1) values (and logits ~1) vs the reference: ~1e-6
 BF16_TOL = 3e-2  # bf16 rounding of outputs and gradients of magnitude ~1
 
 
@@ -113,12 +113,13 @@ def test_ring_attention_matches_varlen(tiny_model_dir, tmp_path, nproc):
         run_torchrun(args, nproc=nproc, timeout=120)
     errors = json.loads(out.read_text())
     expected = {f"sp{nproc}/fp32/dv", "gather_backward", "missing_cu_seqlens_raises"}
-    expected |= {"model/grads", "model/ckpt/grads", "model/local_logps/grads"}
+    expected |= {"model/grads/relative", "model/ckpt/grads/relative", "model/local_logps/grads/relative"}
     if nproc == 4:
         expected.add("sp2_subgroup/fp32/dq")
     assert expected <= set(errors)
     for name, err in errors.items():
-        assert err < (BF16_TOL if "bf16" in name else FP32_TOL), (name, err, errors)
+        tolerance = BF16_TOL if "bf16" in name else GRAD_RTOL if name.endswith("grads/relative") else FP32_TOL
+        assert err < tolerance, (name, err, errors)
 
 
 @pytest.mark.skipif(

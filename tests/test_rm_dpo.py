@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -16,7 +15,7 @@ from transformers import (
     AutoTokenizer,
 )
 
-from conftest import run_python, run_torchrun
+from conftest import assert_same_gradients, run_python, run_torchrun
 from rl2.actor import token_logps
 from rl2.config import ConfigError, load_config
 from rl2.data import PairDataset, load_rows
@@ -50,27 +49,32 @@ def pair_args(trainer: str, model_dir: str, data: str, save_dir: str, steps: int
 # ---- world-size invariance ------------------------------------------------------------------
 
 
+STEP_WORKER = "tests/workers/offline_step.py"
+
+
 @pytest.fixture(scope="module")
 def one_rank_step(tiny_model_dir, pair_data, tmp_path_factory):
-    """One step on one process, per trainer (lr 1e-4: Adam turns rounding noise in near-zero
-    gradients into lr-sized steps, so parameters are compared where that stays small)."""
+    """One step on one process, per trainer: its save folder and what the worker saved."""
     results = {}
 
-    def result(trainer: str) -> str:
+    def result(trainer: str) -> tuple[str, dict]:
         if trainer not in results:
             save_dir = str(tmp_path_factory.mktemp(f"{trainer}_one"))
-            run_python(pair_args(trainer, tiny_model_dir, pair_data, save_dir, 1, *step_overrides(trainer)))
-            results[trainer] = save_dir
+            run_python(step_worker_args(trainer, tiny_model_dir, pair_data, save_dir))
+            results[trainer] = save_dir, torch.load(f"{save_dir}/step.pt")
         return results[trainer]
 
     return result
 
 
-def step_overrides(trainer: str) -> list[str]:
+def step_worker_args(trainer: str, model_dir: str, data: str, save_dir: str, *extra: str) -> list[str]:
+    """One step of `trainer` through the worker that saves the gradients it stepped with."""
     section = SECTION[trainer]
     # A budget of 100 tokens holds one pair (about 70 tokens): 16 micro-batches on one rank, 8 on each of two.
-    extra = ["actor.beta=0.5", "actor.label_smoothing=0.1"] if trainer == "dpo" else []
-    return [f"{section}.lr=1e-4", f"{section}.max_grad_norm=1e9", f"{section}.max_length_per_device=100", *extra]
+    dpo = ["actor.beta=0.5", "actor.label_smoothing=0.1"] if trainer == "dpo" else []
+    overrides = [f"{section}.lr=1e-4", f"{section}.max_grad_norm=1e9", f"{section}.max_length_per_device=100", *dpo]
+    args = pair_args(trainer, model_dir, data, save_dir, 1, *overrides, *extra)[2:]  # without "-m rl2.trainer.X"
+    return [STEP_WORKER, trainer, f"{save_dir}/step.pt", *args]
 
 
 @pytest.mark.parametrize(
@@ -78,28 +82,39 @@ def step_overrides(trainer: str) -> list[str]:
     ids=["rm", "dpo", "rm-sequence-parallel", "dpo-sequence-parallel"],
 )
 def test_one_step_is_world_size_invariant(one_rank_step, tiny_model_dir, pair_data, tmp_path, trainer, sequence_parallel):
-    """The same batch gives the same metrics and parameters on 1 rank and on 2 ranks (2 data-parallel
-    ranks, or one sequence-parallel pair splitting each row, with half the per-device budget)."""
+    """The same batch gives the same metrics and gradients on 1 rank and on 2 ranks (2 data-parallel
+    ranks, or one sequence-parallel pair splitting each row, with half the per-device budget), and the
+    sharded AdamW step is the step those gradients give. (Parameters after AdamW are not compared
+    across world sizes: its first step is ~lr * sign(g), so rounding in a near-zero gradient can move
+    an element by up to lr either way, differently on every processor.)"""
     section = SECTION[trainer]
-    one = one_rank_step(trainer)
-    two = str(tmp_path / "two")
+    one_dir, one = one_rank_step(trainer)
+    two_dir = str(tmp_path / "two")
     extra = [f"{section}.sp_size=2", f"{section}.max_length_per_device=50"] if sequence_parallel else []
-    run_torchrun(pair_args(trainer, tiny_model_dir, pair_data, two, 1, *step_overrides(trainer), *extra))
+    run_torchrun(step_worker_args(trainer, tiny_model_dir, pair_data, two_dir, *extra))
+    two = torch.load(f"{two_dir}/step.pt")
 
-    ours, theirs = read_metrics(f"{two}/metrics.jsonl")[-1], read_metrics(f"{one}/metrics.jsonl")[-1]
-    assert ours.keys() == theirs.keys() and ours["step"] == 1 and theirs["pairs"] == 16
-    for key in theirs.keys() - TIMING_KEYS:
-        assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
+    ours, theirs = read_metrics(f"{two_dir}/metrics.jsonl"), read_metrics(f"{one_dir}/metrics.jsonl")
+    assert [m["step"] for m in ours] == [m["step"] for m in theirs] == [0, 1] and theirs[1]["pairs"] == 16
+    for ours_row, theirs_row in zip(ours, theirs):
+        assert ours_row.keys() == theirs_row.keys()
+        for key in theirs_row.keys() - TIMING_KEYS:
+            if ours_row["step"] == 1 and key.startswith("test/"):
+                continue  # the test set after the AdamW step (see above)
+            # Sums over the same tokens, pairs (and, for grad_norm, ~1e5 squared gradients) in another
+            # order: float32 rounding, up to ~2e-5 relative.
+            assert ours_row[key] == pytest.approx(theirs_row[key], rel=1e-4, abs=1e-6), (ours_row["step"], key)
 
-    initial = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
-    one_params, two_params = load_file(f"{one}/step1/model.safetensors"), load_file(f"{two}/step1/model.safetensors")
-    # (A 2-rank export also writes the tied lm_head.weight; the 1-rank one leaves it to the tie.)
-    assert one_params.keys() <= two_params.keys()
-    assert max((one_params[k] - initial[k]).abs().max().item() for k in initial if k in one_params) > 5e-5
-    # Sequence parallelism reorders more sums: a few near-zero gradients flip Adam's step by a fraction of lr.
-    atol = 3e-5 if sequence_parallel else 1e-6
-    for name, value in one_params.items():
-        torch.testing.assert_close(two_params[name], value, atol=atol, rtol=0, msg=name)
+    assert len(one["steps"]) == len(two["steps"]) == 1 and two["steps"][0]["lr"] == one["steps"][0]["lr"] == 1e-4
+    assert_same_gradients(two["steps"][0]["grads"], one["steps"][0]["grads"])
+    for result in (one, two):
+        assert max((result["after"][k] - result["before"][k]).abs().max().item() for k in result["replayed"]) > 5e-5
+        for name, replayed in result["replayed"].items():
+            # The same gradients through the same elementwise formula, sharded or not: at most a few
+            # float32 spacings of the tensor's largest weight (2^-20 of it is 8); a wrong or missing
+            # step is ~lr = 1e-4, far above.
+            atol = 2**-20 * replayed.abs().max().item()
+            torch.testing.assert_close(result["after"][name], replayed, rtol=0, atol=atol, msg=name)
 
 
 # ---- reward model end to end ----------------------------------------------------------------
@@ -135,6 +150,7 @@ def test_reward_model_learns_reloads_and_scores_text(rm_run, pair_data):
     chosen = torch.tensor([scorer.score(conversation(row, "chosen")) for row in rows])
     rejected = torch.tensor([scorer.score(conversation(row, "rejected")) for row in rows])
     loss = -torch.nn.functional.logsigmoid(chosen - rejected).mean().item()
+    # The same weights, one sequence at a time instead of packed: float32 rounding, ~1e-6.
     assert loss == pytest.approx(tests[-1]["test/loss"], abs=1e-4)
     assert (chosen > rejected).float().mean().item() == tests[-1]["test/accuracy"]
     # The scorer scores exactly what training saw.
@@ -144,7 +160,7 @@ def test_reward_model_learns_reloads_and_scores_text(rm_run, pair_data):
     token_model = AutoModelForTokenClassification.from_pretrained(final, dtype=torch.float32).eval()
     sequence_model = AutoModelForSequenceClassification.from_pretrained(final, dtype=torch.float32).eval()
     ids = test_set[0]["rejected"]["input_ids"].unsqueeze(0)
-    with torch.no_grad():
+    with torch.no_grad():  # the same weights and tokens through another head class: float32 rounding, ~1e-6
         per_token = token_model(input_ids=ids).logits[0, :, 0]
         assert per_token[-1].item() == pytest.approx(rejected[0].item(), abs=1e-5)
         assert sequence_model(input_ids=ids).logits[0, 0].item() == pytest.approx(rejected[0].item(), abs=1e-5)
@@ -197,7 +213,8 @@ def test_dpo_learns_and_reloads(dpo_run, tiny_model_dir, pair_data):
     assert metrics[1]["loss"] == pytest.approx(math.log(2), abs=1e-6) and metrics[-1]["loss"] < 0.5
     assert all(m["reward/chosen"] > m["reward/rejected"] for m in metrics[2:])
 
-    # The exported policy, against the starting model as reference, gives the logged test metrics.
+    # The exported policy, against the starting model as reference, gives the logged test metrics
+    # (unpacked, per sequence: float32 rounding of sums of tens of log-probs, ~1e-5 before beta).
     policy = AutoModelForCausalLM.from_pretrained(f"{dpo_run}/step12", dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     test_set = PairDataset(f"{pair_data}/test.jsonl", AutoTokenizer.from_pretrained(f"{dpo_run}/step12"), None)
@@ -228,6 +245,8 @@ def test_resume_continues_exactly(request, tiny_model_dir, pair_data, tmp_path, 
     for ours, theirs in zip(resumed, reference):
         assert ours.keys() == theirs.keys()
         for key in ours.keys() - TIMING_KEYS:
+            # Exact resume replays the same arithmetic on the same machine and ranks (float32 weights and
+            # AdamW state restored bit for bit): the steps agree to the last bit.
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (ours["step"], key)
 
 

@@ -5,12 +5,14 @@ be contained and the host unchanged afterwards."""
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -205,11 +207,109 @@ def test_runs_concurrently_up_to_the_pool_size(box):
     assert 0.55 < elapsed < 1.1  # two at a time
 
 
-def test_a_dead_worker_is_replaced(box):
-    os.killpg(box._workers[0].process.pid, 9)
-    box._workers[0].process.wait()
-    results = [box.run(f"print({i})") for i in range(2 * WORKERS)]
-    assert [r.stdout for r in results] == [f"{i}\n" for i in range(2 * WORKERS)]
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it, from /proc."""
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            parents[int(name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    found, frontier = [pid], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
+
+
+def exited(pid: int) -> bool:
+    """Whether `pid` has exited (absent, or a zombie not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
+def wait_until(condition, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_worker_killed_during_a_program_is_replaced_and_the_program_run_again(mode):
+    program = "import time; time.sleep(2.0); print('done')"
+    marker = f"/tmp/rl2-test-sandbox-retry-{os.getpid()}"
+    if mode == "uid":  # /tmp is the host's: the first run sleeps (orphaned when its worker dies), the second does not
+        program = (f"import os, time\nif not os.path.exists({marker!r}):\n    open({marker!r}, 'w').close()\n"
+                   "    time.sleep(60)\nprint('done')")
+    try:
+        with Sandbox(workers=1, isolation=mode, uid_base=UID_BASE, timeout=30.0) as box, \
+                ThreadPoolExecutor(max_workers=1) as thread:
+            run = thread.submit(box.run, program)
+            assert wait_until(lambda: box._pool.busy_pids())
+            [worker] = box._pool.busy_pids()
+            if mode == "uid":
+                assert wait_until(lambda: os.path.exists(marker))
+            os.killpg(worker, signal.SIGKILL)
+            result = run.result(timeout=60)
+            assert (result.reason, result.stdout) == ("ok", "done\n")
+            assert worker not in box._pool.pids()
+            assert box.faults.counts() == {"sandbox_restarts": 1, "sandbox_retries": 1}
+        assert wait_until(lambda: processes_of(range(UID_BASE, UID_BASE + 1)) == [])  # the orphan died with its worker
+    finally:
+        if os.path.exists(marker):
+            os.unlink(marker)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_program_whose_workers_keep_dying_gets_a_sandbox_error(mode):
+    with Sandbox(workers=1, isolation=mode, uid_base=UID_BASE, timeout=30.0) as box, \
+            ThreadPoolExecutor(max_workers=1) as thread:
+        run = thread.submit(box.run, "import time; time.sleep(2.0); print('done')")
+        while not run.done():  # kill every worker the program is sent to
+            for worker in box._pool.busy_pids():
+                os.killpg(worker, signal.SIGKILL)
+            time.sleep(0.01)
+        result = run.result()
+        assert (result.reason, result.stdout, result.exit_code) == ("sandbox_error", "", None)
+        assert "sandbox worker pool: the call failed (2 attempts)" in result.stderr and "SIGKILL" in result.stderr
+        assert box.faults.counts() == {"sandbox_restarts": 2, "sandbox_retries": 1}
+        assert box.run("print('next')").stdout == "next\n"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_worker_that_died_idle_is_replaced(mode):
+    with Sandbox(workers=2, isolation=mode, uid_base=UID_BASE) as box:
+        dead = box._pool.pids()[0]
+        os.killpg(dead, signal.SIGKILL)
+        assert wait_until(lambda: exited(dead))
+        results = [box.run(f"print({i})") for i in range(4)]
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
+        assert dead not in box._pool.pids() and len(box._pool.pids()) == 2
+        assert box.faults.counts() == {"sandbox_restarts": 1}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_worker_that_stops_answering_is_replaced(mode, monkeypatch):
+    monkeypatch.setattr("rl2.tools.sandbox.RESPONSE_GRACE", 1.0)
+    with Sandbox(workers=1, isolation=mode, uid_base=UID_BASE) as box:
+        [stuck] = box._pool.pids()
+        for pid in descendants(stuck):
+            os.kill(pid, signal.SIGSTOP)
+        result = box.run("print(1)", timeout=1.0)
+        assert result.reason == "sandbox_error" and "gave no answer within 2.0 s" in result.stderr
+        assert box.faults.counts() == {"sandbox_timeouts": 1, "sandbox_restarts": 1}
+        assert stuck not in box._pool.pids()
+        assert box.run("print(2)").stdout == "2\n"
 
 
 def test_run_python_and_bad_arguments():

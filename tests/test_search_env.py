@@ -1,6 +1,7 @@
 """The Search-R1 env file (`envs/search.py`) and the retrieval client (`rl2.tools.search_client`):
-exact-match rewards, interact against a real retrieval server process, retries and failures,
-and a whole multi-turn rollout through rl2's rollout loop with a scripted policy."""
+exact-match rewards, interact against a real retrieval server process, retries (counted) and
+failures (env errors, not messages to the model), and a whole multi-turn rollout through rl2's
+rollout loop with a scripted policy."""
 
 import asyncio
 import importlib.util
@@ -20,6 +21,7 @@ from rl2.data import tokenize_prompt
 from rl2.engines import Engine, Generation, SamplingParams
 from rl2.env import Env
 from rl2.rollout import assign_rewards, rollout
+from rl2.tools.faults import FaultCounter
 from rl2.tools.search_client import SearchError, passages_to_string, retrieve
 
 ENV_PATH = os.path.join(REPO, "envs", "search.py")
@@ -150,15 +152,25 @@ def test_no_match_gives_empty_information(search_env, search_url):
     assert message == {"role": "tool", "content": "<information></information>"}
 
 
-def test_dead_service_gives_a_failure_message_quickly(search_env, monkeypatch):
+def test_dead_service_is_an_env_error_not_a_message(search_env, monkeypatch):
+    """A search that fails after its retries raises (rl2.env counts an env error and leaves the
+    trajectory out of training); the model is never shown a failure message; retries are counted."""
     url = f"http://127.0.0.1:{free_port()}/retrieve"
     monkeypatch.setenv("SEARCH_URL", url)
+    monkeypatch.setenv("SEARCH_RETRIES", "2")
+    before = search_env.faults.counts().get("search_retries", 0)
     start = time.perf_counter()
-    (message,) = asyncio.run(search_env.interact(assistant("<search>capital of Peru</search>")))
-    assert time.perf_counter() - start < 5
-    assert message["role"] == "tool"
-    assert message["content"].startswith("<information>The search failed: retrieval service at " + url)
-    assert "3 attempts" in message["content"]
+    with pytest.raises(SearchError, match=f"retrieval service at {re.escape(url)} failed \\(3 attempts\\)"):
+        asyncio.run(search_env.interact(assistant("<search>capital of Peru</search>")))
+    assert time.perf_counter() - start < 10  # backoff 0.5 + 1 s and refused connections
+    assert search_env.faults.counts()["search_retries"] - before == 2
+
+    messages = [assistant("<search>capital of Peru</search>"), assistant("<answer>Lima</answer>")]
+    with Env(ENV_PATH, timeout=30, need_interact=True) as env:
+        failed, answered = env.interact(messages)
+        assert env.fault_counts() == {"search_retries": 2}
+    assert failed.value == [] and failed.error.startswith("interact raised SearchError: retrieval service at " + url)
+    assert answered.value == [] and answered.error is None  # an answer needs no search
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,13 +206,14 @@ def test_client_retries_5xx_and_not_4xx():
     async def always_down(request):
         return web.json_response({"error": "index is loading"}, status=500)
 
+    faults = FaultCounter()
     app = web.Application()
     for name, handler in [("flaky", flaky), ("reject", reject), ("garbled", garbled), ("down", always_down)]:
         app.router.add_post(f"/{name}", handler)
 
     async def main():
         async with serving(app) as url:
-            ok = await retrieve(["q"], f"{url}/flaky", backoff=0.01)
+            ok = await retrieve(["q"], f"{url}/flaky", backoff=0.01, faults=faults)
             errors = []
             for path in ("reject", "garbled", "down"):
                 with pytest.raises(SearchError) as error:
@@ -210,6 +223,7 @@ def test_client_retries_5xx_and_not_4xx():
 
     ok, (rejected, garbled_error, down) = asyncio.run(main())
     assert ok == [[{"document": {"id": "1", "contents": "T\nx"}, "score": 1.0}]] and calls["flaky"] == 3
+    assert faults.counts() == {"search_retries": 2}
     assert "refused the request: HTTP 400: 'topk' must be an integer" in rejected and calls["reject"] == 1
     assert "other than JSON" in garbled_error
     assert "failed (3 attempts): HTTP 500: index is loading" in down

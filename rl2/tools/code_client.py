@@ -7,12 +7,22 @@
 Results are code-judge result dicts: `sub_id`, `success`, `run_success`, `cost`, `stdout`,
 `stderr`, `reason` (see `rl2.tools.code_server`). `run_many` sends the programs in batches of
 `batch_size` to `/run/long-batch` (or `/run/batch`), at most `concurrency` requests at once per
-event loop, and returns the results in order. Connection errors, timeouts, HTTP 5xx/408/429 and
-"queue_timeout" results are retried `retries` times with exponential backoff (`backoff`,
-2 x `backoff`, ...). The client never raises for a service failure: what could not be run comes
-back as a result with `success=False`, `run_success=False`, `reason` "internal_error" (service
-unreachable or failing) or "invalid_input" (request rejected), and a message in `stderr` such as
-"code service at http://127.0.0.1:8000 unreachable: ... (gave up after 4 attempts)".
+event loop, and returns the results in order.
+
+Connection errors, timeouts, HTTP 5xx/408/429 and "queue_timeout" results are retried `retries`
+times after `backoff`, 2 x `backoff`, ... seconds (at most `max_backoff` each), and each retried
+attempt counts `code_service_retries` in `client.faults` (a `rl2.tools.faults.FaultCounter`). The
+defaults (6 retries, 0.5 s doubling up to 8 s: 0.5 + 1 + 2 + 4 + 8 + 8 = 23.5 s of waiting) ride
+out a service restart of a few seconds, such as `recipes/lib.sh`'s `start_service` does when the
+service dies; a request that hangs costs its `timeout` on each attempt.
+
+The client never raises for a service failure: what could not be run comes back as a result with
+`success=False`, `run_success=False`, `reason` "internal_error" (service unreachable, failing, or
+not a code service at that URL), "queue_timeout" (still no free worker after the retries) or
+"invalid_input" (the service rejected the program, e.g. too large), and a message in `stderr` such
+as "code service at http://127.0.0.1:8000 unreachable: ... (gave up after 7 attempts)". Callers
+must tell these apart from a program that ran and failed: "internal_error" and "queue_timeout"
+mean the program did not run (`envs/python_tool.py` makes them an env error).
 
 The client keeps no connection between calls unless used as `async with client:` (one session
 for the block, on that block's event loop), so it is safe in rl2 env functions, which run on a
@@ -30,10 +40,13 @@ from typing import Any, AsyncIterator, Sequence
 
 import aiohttp
 
+from rl2.tools.faults import FaultCounter
+
 logger = logging.getLogger("rl2.tools.code_client")
 
 RETRY_STATUSES = (408, 429)  # besides 5xx
 BODY_CHARS = 300  # how much of an unexpected response a message quotes
+RETRIES, BACKOFF, MAX_BACKOFF = 6, 0.5, 8.0  # 23.5 s of backoff in all: rides out a restart of a few seconds
 
 Program = str | tuple[str, str]  # code, or (code, stdin)
 
@@ -54,8 +67,8 @@ class CodeClient:
     """Runs Python programs on a code-judge-compatible service; see the module docstring."""
 
     def __init__(self, url: str, *, concurrency: int = 8, batch_size: int = 32, timeout: float = 300.0,
-                 retries: int = 3, backoff: float = 0.5, max_backoff: float = 30.0, long_batch: bool = True,
-                 language: str = "python"):
+                 retries: int = RETRIES, backoff: float = BACKOFF, max_backoff: float = MAX_BACKOFF,
+                 long_batch: bool = True, language: str = "python"):
         if concurrency < 1 or batch_size < 1:
             raise ValueError(f"concurrency and batch_size must be at least 1, got {concurrency} and {batch_size}")
         if timeout <= 0 or retries < 0 or backoff < 0:
@@ -67,6 +80,7 @@ class CodeClient:
         self.retries, self.backoff, self.max_backoff = retries, float(backoff), float(max_backoff)
         self.language = language
         self.endpoint = "/run/long-batch" if long_batch else "/run/batch"
+        self.faults = FaultCounter()  # code_service_retries: attempts retried
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
         # One request limit per event loop: a semaphore belongs to the loop it is first used on.
@@ -183,6 +197,7 @@ class CodeClient:
                     return results
                 problem = f"left {len(pending)} submission(s) waiting too long in its queue (queue_timeout)"
             if attempt < attempts:
+                self.faults.add("code_service_retries")
                 delay = min(self.backoff * 2 ** (attempt - 1), self.max_backoff)
                 logger.warning("code service at %s %s; attempt %d/%d, retrying in %.2gs",
                                self.url, problem, attempt, attempts, delay)
@@ -208,9 +223,11 @@ class CodeClient:
                 raise _Retryable(f"unreachable: {type(error).__name__}: {error}") from None
         if status >= 500 or status in RETRY_STATUSES:
             raise _Retryable(f"failed with HTTP {status}: {body[:BODY_CHARS]}")
+        if status in (404, 405):  # no code service at this URL: nothing the program did
+            raise _Rejected(f"has no {self.endpoint} (HTTP {status}; is the URL the service's root?): "
+                            f"{body[:BODY_CHARS]}", "internal_error")
         if status != 200:
-            hint = " (is the URL the service's root?)" if status in (404, 405) else ""
-            raise _Rejected(f"rejected the request with HTTP {status}{hint}: {body[:BODY_CHARS]}", "invalid_input")
+            raise _Rejected(f"rejected the request with HTTP {status}: {body[:BODY_CHARS]}", "invalid_input")
         return _check_answer(body, subs)
 
 

@@ -292,7 +292,9 @@ async def serve(app: web.Application, host: str, port: int, description: str = "
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        # SO_REUSEADDR (asyncio's default on Unix, made explicit): a service restarted after a crash binds
+        # its port again at once, though connections of the one that died linger in TIME_WAIT.
+        site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

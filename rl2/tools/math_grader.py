@@ -4,19 +4,19 @@
 `<answer>...</answer>`, else a trailing "the answer is X"). `MathGrader` compares it with the gold
 answer with math-verify in a pool of worker processes, so a pathological expression costs at most
 its timeout and never hangs the run; when math-verify cannot decide, plain fallbacks (normalised
-strings, numbers, sympy) are tried.
+strings, numbers, sympy) are tried. A reply is scored 1.0 (equal) or 0.0 (not equal) only when it
+was graded; one that could not be (a timeout, workers that keep dying) raises `GradingError`.
 """
 
 import concurrent.futures
 import math
-import multiprocessing
 import os
 import re
-import threading
-import time
-from concurrent.futures.process import BrokenProcessPool
+import sys
 from fractions import Fraction
 from typing import Any, Iterable
+
+from rl2.tools.worker_pool import WorkerFailed, WorkerPool, WorkerTimeout
 
 # ----------------------------------------------------------------------------------------------
 # extraction
@@ -158,7 +158,7 @@ def compare(pred: str, gold: str, timeout: int = 5) -> tuple[bool, str]:
 
 def grade_one(response: str, gold: Any, timeout: int = 5) -> tuple[float, str]:
     """(1.0 or 0.0, deciding rule) for a reply against the gold answer, in this process. Used by the
-    worker processes; call it directly only from a main thread (math-verify uses signal.alarm)."""
+    grader's worker processes; call it directly only from a main thread (math-verify uses signal.alarm)."""
     pred = extract_answer(response)
     if pred is None or not pred.strip():
         return 0.0, "no answer"
@@ -169,66 +169,74 @@ def grade_one(response: str, gold: Any, timeout: int = 5) -> tuple[float, str]:
     return float(equal), rule
 
 
-def _warm_up() -> None:
-    import math_verify  # noqa: F401  (so the first graded call does not pay for the import)
-
-
 # ----------------------------------------------------------------------------------------------
-# the process pool
+# the worker pool
+
+
+class GradingError(RuntimeError):
+    """A reply could not be graded (its grading timed out, or its worker kept dying). Not a wrong
+    answer: the reward is unknown."""
+
+
+def grader_environment() -> dict[str, str]:
+    """Our environment, with our sys.path as PYTHONPATH: the workers import the same rl2 as we do,
+    even when we found it through changes to sys.path rather than an installed package."""
+    paths = [os.path.abspath(path) for path in sys.path]  # "" (the working directory) included
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 class MathGrader:
-    """Grades replies against gold answers in `workers` processes; a call taking longer than
-    `timeout` seconds scores 0.0 and its process is killed (the pool is replaced).
+    """Grades replies against gold answers in `workers` processes (`rl2.tools.grader_worker`).
 
-    Thread-safe: `grade` may be called from many threads at once. Use as a context manager or call
-    `close()`.
+    `grade` returns 1.0 or 0.0 only for a reply that was graded; when grading is impossible it
+    raises `GradingError`: a reply that takes longer than `timeout` seconds (its process is killed
+    and replaced), or whose worker dies `retries + 1` times. A worker that dies is replaced and the
+    reply graded again on a fresh one; `faults` counts `grader_restarts`, `grader_retries` and
+    `grader_timeouts`.
+
+    Thread-safe: `grade` may be called from many threads at once. The caller may be any Python
+    program (a notebook, `python -c`, a script on stdin). Use as a context manager or call `close()`.
     """
 
-    def __init__(self, workers: int = 2, timeout: float = 5.0):
+    def __init__(self, workers: int = 2, timeout: float = 5.0, retries: int = 2):
         if workers < 1 or timeout <= 0:
             raise ValueError(f"need workers >= 1 and timeout > 0, got {workers}, {timeout}")
         self.workers = workers
         self.timeout = float(timeout)
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        self._lock = threading.Lock()
-        # At most `workers` tasks are submitted at once, so a task starts as soon as it is submitted
-        # and its timeout does not count time spent queued behind other calls.
-        self._slots = threading.BoundedSemaphore(workers)
+        command = [sys.executable, "-m", "rl2.tools.grader_worker"]
+        self._pool = WorkerPool("grader", [command] * workers, retries=retries, env=grader_environment())
+        self.faults = self._pool.faults
 
     def grade(self, response_text: str, gold: Any) -> float:
-        """1.0 if the reply's final answer equals `gold`, else 0.0 (also on timeout or error)."""
-        # math-verify's own timeouts (signal.alarm in the worker's main thread) fire first, so most
-        # slow inputs are stopped without killing the process.
-        inner_timeout = max(1, int(self.timeout) - 1)
-        for _ in range(3):  # retried only when another call's timeout killed the pool under us
-            with self._slots:
-                pool = self._get_pool()
-                try:
-                    future = pool.submit(grade_one, response_text, gold, inner_timeout)
-                except (BrokenProcessPool, RuntimeError):  # pool was just shut down by another thread
-                    continue
-                try:
-                    return future.result(timeout=self.timeout)[0]
-                except concurrent.futures.TimeoutError:
-                    self._kill(pool)
-                    return 0.0
-                except BrokenProcessPool:
-                    continue
-        return 0.0
+        """1.0 if the reply's final answer equals `gold`, else 0.0; `GradingError` when it could not
+        be graded."""
+        # math-verify's own timeouts (signal.alarm in the worker) fire first, so most slow inputs are
+        # stopped without killing the process.
+        request = {"response": response_text, "gold": str(gold), "timeout": max(1, int(self.timeout) - 1)}
+        try:
+            response = self._pool.call(request, self.timeout)
+        except WorkerTimeout as error:
+            raise GradingError(f"math grader: no grade within {self.timeout:.1f} s for the answer "
+                               f"{_sample(response_text)} against gold {_sample(str(gold))} (its worker "
+                               "process was killed and replaced)") from error
+        except WorkerFailed as error:
+            raise GradingError(f"math grader: could not grade the answer {_sample(response_text)} against gold "
+                               f"{_sample(str(gold))}: {error}") from error
+        if "error" in response:
+            raise GradingError(f"math grader: grading the answer {_sample(response_text)} failed in the worker: "
+                               f"{response['error']}")
+        return response["score"]
 
     def grade_many(self, pairs: Iterable[tuple[str, Any]]) -> list[float]:
-        """`grade(response, gold)` for each pair, `workers` at a time, in input order."""
+        """`grade(response, gold)` for each pair, `workers` at a time, in input order; raises the
+        first `GradingError`."""
         pairs = list(pairs)
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.workers) as threads:
             return list(threads.map(lambda pair: self.grade(*pair), pairs))
 
     def close(self) -> None:
         """Stop the worker processes."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            _terminate(pool)
+        self._pool.close()
 
     def __enter__(self) -> "MathGrader":
         return self
@@ -236,49 +244,9 @@ class MathGrader:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _get_pool(self) -> concurrent.futures.ProcessPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                # spawn, not fork: forking a process with threads (torch, the env's thread pool) can deadlock.
-                pool = concurrent.futures.ProcessPoolExecutor(
-                    self.workers,
-                    mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_exit_with_parent,
-                    initargs=(os.getpid(),),
-                )
-                # Start the processes now, so start-up time is not counted in a call's timeout.
-                for future in [pool.submit(_warm_up) for _ in range(self.workers)]:
-                    future.result()
-                self._pool = pool
-            return self._pool
 
-    def _kill(self, pool: concurrent.futures.ProcessPoolExecutor) -> None:
-        """Replace `pool` (if still current) after a timeout: its stuck process cannot be cancelled."""
-        with self._lock:
-            if self._pool is not pool:
-                return
-            self._pool = None
-        _terminate(pool)
-
-
-def _exit_with_parent(parent: int) -> None:
-    """In a worker: end when the parent is gone. A trainer that ends with `os._exit` (or is killed)
-    cannot shut its pool down, and an idle worker would otherwise wait on its queue forever."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True, name="rl2-grader-parent-watch").start()
-
-
-def _terminate(pool: concurrent.futures.ProcessPoolExecutor) -> None:
-    """Kill the pool's processes (running tasks included) and shut it down without waiting."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())  # private, but no public API before 3.14
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        process.join(timeout=1.0)
+def _sample(text: str, limit: int = 80) -> str:
+    """`text` quoted, its middle cut when long: enough of a reply to recognise it in a log."""
+    if len(text) > limit:
+        text = text[:limit // 2] + " ... " + text[-limit // 2:]
+    return repr(text)

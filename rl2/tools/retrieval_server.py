@@ -113,7 +113,9 @@ async def serve(app: web.Application, host: str, port: int, n_docs: int, kind: s
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        # SO_REUSEADDR (asyncio's default on Unix, made explicit): a service restarted after a crash binds
+        # its port again at once, though connections of the one that died linger in TIME_WAIT.
+        site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
         bound_port = runner.addresses[0][1] if runner.addresses else port  # --port 0 picks a free port
         logger.info("retrieval server ready on http://%s:%d (%d documents, %s)", host, bound_port, n_docs, kind)

@@ -17,6 +17,10 @@ holds nothing of ours. Isolation, strongest first (`isolation="auto"` picks the 
   workers (`preload`).
 - "none" (neither): resource limits, sessions and the timeout only. Logged as a warning.
 
+The workers form a `rl2.tools.worker_pool.WorkerPool`: a worker that dies (a kill, the OOM killer)
+is replaced, the program it was running is run again on a fresh one, and `Sandbox.faults` counts
+what was recovered; a program that still cannot run gets reason "sandbox_error".
+
     with Sandbox(workers=2) as box:
         result = box.run("print(1+1)")        # RunResult(stdout='2\\n', reason='ok', ...)
 """
@@ -25,15 +29,13 @@ import asyncio
 import json
 import logging
 import os
-import queue
-import select
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
+
+from rl2.tools.worker_pool import WorkerFailed, WorkerPool
 
 logger = logging.getLogger("rl2.tools.sandbox")
 
@@ -46,6 +48,7 @@ ISOLATIONS = ("auto", "bwrap", "uid", "none")
 DEFAULT_PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "heapq",
                    "bisect", "random", "statistics", "re", "string", "json", "datetime", "typing")
 RESPONSE_GRACE = 10.0  # seconds a worker may take beyond a program's timeout before we give up on it
+RETRIES = 1  # runs of a program on a fresh worker after its worker died: a hostile program runs at most twice
 
 
 @dataclass
@@ -159,107 +162,38 @@ def resolve_isolation(isolation: str) -> str:
     return "uid" if os.geteuid() == 0 else "none"
 
 
-class _Worker:
-    """One warm worker process and its pipe protocol; used by one thread at a time."""
-
-    def __init__(self, isolation: str, uid: int | None, base_dir: str | None, tmpfs_mb: int, preload: list[str]):
-        self.isolation, self.uid, self.base_dir, self.tmpfs_mb, self.preload = isolation, uid, base_dir, tmpfs_mb, preload
-        self.process: subprocess.Popen | None = None
-        self.network = "shared"
-        with open(WORKER_SCRIPT, encoding="utf-8") as f:
-            self.source = f.read()
-        # An interpreter (a venv, an editable install) under /tmp must stay visible over the private /tmp.
-        self.under_tmp = [p for p in python_paths() if p.startswith("/tmp/")]
-
-    def command(self) -> list[str]:
-        settings = {
-            "keep": [path.split("/")[2] for path in self.under_tmp] if self.isolation == "bwrap" else [],
-            "uid": self.uid,
-            "base_dir": "/tmp" if self.isolation == "bwrap" else self.base_dir,
-            "in_namespace": self.isolation == "bwrap",
-            "unshare_net": self.isolation == "uid",
-            "preload": self.preload,
-        }
-        python = [sys.executable, "-I", "-c", self.source, json.dumps(settings)]
-        if self.isolation != "bwrap":
-            return python
-        wrapper = [
-            "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-            "--perms", "1777", "--size", str(self.tmpfs_mb * 1024 * 1024), "--tmpfs", "/tmp",
-            "--perms", "1777", "--size", str(self.tmpfs_mb * 1024 * 1024), "--tmpfs", "/dev/shm",
-            *bind_back_args("/tmp", self.under_tmp),
-            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            *_user_namespace_args(), "--die-with-parent", "--new-session", "--chdir", "/tmp",
-        ]
-        if self.uid is not None:
-            wrapper += expose_python_args()
-        if os.geteuid() == 0:  # the worker keeps only what it needs to hand programs their own uid
-            wrapper += ["--cap-drop", "ALL"]
-            for cap in ("SETUID", "SETGID", "KILL", "CHOWN", "DAC_OVERRIDE", "FOWNER"):
-                wrapper += ["--cap-add", f"CAP_{cap}"]
-        return wrapper + python
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            self.command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_worker_environment(), bufsize=0,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        hello = self._read(time.monotonic() + timeout)
-        if not hello or not hello.get("ready"):
-            self.stop()
-            raise SandboxError(f"sandbox worker ({self.isolation}) did not start: {hello}")
-        self.network = hello["network"]
-
-    def run(self, request: dict) -> RunResult:
-        """Send one program and wait for its result; a dead or stuck worker is replaced."""
-        if self.process is None or self.process.poll() is not None:
-            self.start()
-            self.wait_ready()
-        try:
-            body = json.dumps(request).encode()
-            self.process.stdin.write(struct.pack(">I", len(body)) + body)
-            response = self._read(time.monotonic() + request["timeout"] + RESPONSE_GRACE)
-        except (BrokenPipeError, OSError) as error:
-            response = None
-            logger.warning("sandbox worker pipe failed: %s", error)
-        if response is None:
-            self.stop()
-            return RunResult("", "sandbox worker died or stopped answering; it has been replaced", None, 0.0,
-                             "sandbox_error")
-        return RunResult(**response)
-
-    def _read(self, deadline: float) -> dict | None:
-        header = self._read_exact(4, deadline)
-        if header is None:
-            return None
-        body = self._read_exact(struct.unpack(">I", header)[0], deadline)
-        return None if body is None else json.loads(body)
-
-    def _read_exact(self, n: int, deadline: float) -> bytes | None:
-        chunks, fd = [], self.process.stdout.fileno()
-        while n:
-            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                return None
-            chunk = os.read(fd, n)
-            if not chunk:
-                return None
-            chunks.append(chunk)
-            n -= len(chunk)
-        return b"".join(chunks)
-
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        try:
-            os.killpg(self.process.pid, 9)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout):
-            stream.close()
-        self.process = None
+def worker_command(isolation: str, uid: int | None, base_dir: str | None, tmpfs_mb: int,
+                   preload: list[str]) -> list[str]:
+    """The command line of one sandbox worker: `sandbox_worker.py`, wrapped in bubblewrap for "bwrap"."""
+    # An interpreter (a venv, an editable install) under /tmp must stay visible over the private /tmp.
+    under_tmp = [p for p in python_paths() if p.startswith("/tmp/")]
+    settings = {
+        "keep": [path.split("/")[2] for path in under_tmp] if isolation == "bwrap" else [],
+        "uid": uid,
+        "base_dir": "/tmp" if isolation == "bwrap" else base_dir,
+        "in_namespace": isolation == "bwrap",
+        "unshare_net": isolation == "uid",
+        "preload": preload,
+    }
+    with open(WORKER_SCRIPT, encoding="utf-8") as f:
+        python = [sys.executable, "-I", "-c", f.read(), json.dumps(settings)]
+    if isolation != "bwrap":
+        return python
+    wrapper = [
+        "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+        "--perms", "1777", "--size", str(tmpfs_mb * 1024 * 1024), "--tmpfs", "/tmp",
+        "--perms", "1777", "--size", str(tmpfs_mb * 1024 * 1024), "--tmpfs", "/dev/shm",
+        *bind_back_args("/tmp", under_tmp),
+        "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        *_user_namespace_args(), "--die-with-parent", "--new-session", "--chdir", "/tmp",
+    ]
+    if uid is not None:
+        wrapper += expose_python_args()
+    if os.geteuid() == 0:  # the worker keeps only what it needs to hand programs their own uid
+        wrapper += ["--cap-drop", "ALL"]
+        for cap in ("SETUID", "SETGID", "KILL", "CHOWN", "DAC_OVERRIDE", "FOWNER"):
+            wrapper += ["--cap-add", f"CAP_{cap}"]
+    return wrapper + python
 
 
 def _worker_environment() -> dict[str, str]:
@@ -269,7 +203,10 @@ def _worker_environment() -> dict[str, str]:
 
 class Sandbox:
     """A bounded pool of warm, isolated Python executors. `run` is thread-safe and blocks while all
-    `workers` are busy; `run_async` does the same without blocking an event loop."""
+    `workers` are busy; `run_async` does the same without blocking an event loop. A worker that
+    dies is replaced and the program it was running is run once more on a fresh one (a program that
+    kills its worker twice gets reason "sandbox_error"); `faults` counts `sandbox_restarts`,
+    `sandbox_retries` and `sandbox_timeouts` (a worker that gave no answer in time)."""
 
     def __init__(
         self,
@@ -293,28 +230,28 @@ class Sandbox:
         self.file_size_mb, self.max_processes = int(file_size_mb), int(max_processes)
         kind = resolve_isolation(isolation)
         privileged = os.geteuid() == 0 and kind != "none"
+        self._closed = False
         self._base_dir = None if kind == "bwrap" else tempfile.mkdtemp(prefix="rl2-sandbox-")
         if self._base_dir:
             os.chmod(self._base_dir, 0o711)  # programs under other uids reach their own dirs, cannot list
-        self._workers = []
+        commands = []
         for i in range(workers):
             base_dir = None
             if self._base_dir:  # one directory each: a worker wipes its own after every program
                 base_dir = os.path.join(self._base_dir, f"worker{i}")
                 os.mkdir(base_dir, 0o711)
-            self._workers.append(_Worker(kind, uid_base + i if privileged else None, base_dir, tmpfs_mb, list(preload)))
-        self._idle: queue.Queue[_Worker] = queue.Queue()
+            uid = uid_base + i if privileged else None
+            commands.append(worker_command(kind, uid, base_dir, tmpfs_mb, list(preload)))
         try:
-            for worker in self._workers:
-                worker.start()
-            for worker in self._workers:
-                worker.wait_ready()
-                self._idle.put(worker)
+            self._pool = WorkerPool("sandbox", commands, retries=RETRIES, env=_worker_environment())
+        except WorkerFailed as error:
+            self.close()
+            raise SandboxError(f"sandbox workers ({kind}) did not start: {error}") from None
         except BaseException:
             self.close()
             raise
+        self.faults = self._pool.faults
         self.isolation = self._describe(kind, privileged, uid_base, workers)
-        self._closed = False
         log = logger.warning if kind == "none" else logger.info
         log("sandbox: %d workers, isolation: %s", workers, self.isolation)
         closed = sorted({a for a in map(closed_ancestor, python_paths()) if a})
@@ -328,7 +265,8 @@ class Sandbox:
         if kind == "bwrap":
             return (f"bwrap (new mount/pid/net/ipc namespaces, read-only root, private /tmp; programs run under {uids})")
         if kind == "uid":
-            network = "no network (own namespace)" if self._workers[0].network == "isolated" else "network NOT isolated"
+            isolated = self._pool.ready_frames()[0]["network"] == "isolated"
+            network = "no network (own namespace)" if isolated else "network NOT isolated"
             return f"uid (programs run under {uids}, {network}; world-writable dirs such as /tmp are shared)"
         return "none (resource limits and timeouts only: no namespaces, network and files NOT isolated)"
 
@@ -345,22 +283,22 @@ class Sandbox:
             "file_size_mb": self.file_size_mb,
             "nproc": self.max_processes,
         }
-        worker = self._idle.get()
         try:
-            return worker.run(request)
-        finally:
-            self._idle.put(worker)
+            return RunResult(**self._pool.call(request, request["timeout"] + RESPONSE_GRACE))
+        except WorkerFailed as error:  # WorkerTimeout included
+            return RunResult("", f"sandbox error: {error}", None, 0.0, "sandbox_error")
 
     async def run_async(self, code: str, stdin: str = "", timeout: float | None = None,
                         memory_mb: int | None = None) -> RunResult:
         return await asyncio.to_thread(self.run, code, stdin, timeout, memory_mb)
 
     def close(self) -> None:
-        for worker in self._workers:
-            worker.stop()
+        self._closed = True
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.close()
         if self._base_dir:
             shutil.rmtree(self._base_dir, ignore_errors=True)
-        self._closed = True
 
     def __enter__(self) -> "Sandbox":
         return self

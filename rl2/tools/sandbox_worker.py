@@ -4,9 +4,9 @@ bubblewrap where available) and sends programs to, one at a time.
 Starting a fresh interpreter costs ~11 ms; forking this already-started one costs well under one.
 For each program the worker forks a child that puts itself in a new session, takes its stdin and
 output files, sets resource limits, drops to the worker's own unprivileged uid (when the worker
-runs as root), enters a fresh temporary directory and executes the code. The worker waits with a
-wall-clock deadline, then kills everything the program left behind: it is a child subreaper, so
-every orphaned descendant is re-parented to it and found by scanning /proc.
+runs as root), arranges to die with the worker, enters a fresh temporary directory and executes the
+code. The worker waits with a wall-clock deadline, then kills everything the program left behind: it
+is a child subreaper, so every orphaned descendant is re-parented to it and found by scanning /proc.
 
 Standalone on purpose (no rl2 imports): it runs under `python -I` with a scrubbed environment.
 Protocol on fds 0/1: frames of a 4-byte big-endian length and a JSON object; the first frame the
@@ -113,7 +113,7 @@ def kill_descendants() -> None:
                 pass
 
 
-def run_child(request: dict, run_dir: str, fds: tuple[int, int, int], uid: int | None) -> None:
+def run_child(request: dict, run_dir: str, fds: tuple[int, int, int], uid: int | None, worker_pid: int) -> None:
     """In the forked child: confine this process, then execute the program. Never returns."""
     try:
         os.setsid()
@@ -132,6 +132,10 @@ def run_child(request: dict, run_dir: str, fds: tuple[int, int, int], uid: int |
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
+        # Die with the worker (killed from outside mid-run); set after setuid, which clears it.
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != worker_pid:
+            os._exit(SETUP_FAILED)
         os.chdir(run_dir)
         os.environ.clear()
         os.environ.update(
@@ -258,9 +262,10 @@ def run(request: dict, base_dir: str, io_dir: str, scratch_dirs: list[str], keep
     )
     shared_before = modification_times(SHARED_DIRS) if uid is not None and not in_namespace else {}
     start = time.monotonic()
+    worker_pid = os.getpid()
     pid = os.fork()
     if pid == 0:
-        run_child(request, run_dir, fds, uid)
+        run_child(request, run_dir, fds, uid, worker_pid)
     for fd in fds:
         os.close(fd)
     pidfd = os.pidfd_open(pid)

@@ -4,8 +4,12 @@
     passages_to_string(hits[0])   # 'Doc 1(Title: Paris) Paris is ...\\nDoc 2(Title: ...) ...\\n'
 
 `retrieve` opens an aiohttp session per call (so it can run on any event loop, e.g. one made per
-rollout batch), retries connection errors, timeouts and HTTP 5xx with exponential backoff, and
-raises `SearchError` when the service cannot answer.
+rollout batch), retries connection errors, timeouts and HTTP 5xx with exponential backoff, counting
+each retried attempt as `search_retries` in the `faults` counter it is given, and raises
+`SearchError` when the service cannot answer. The default retries (6, after 0.5 s doubling up to
+8 s: 23.5 s of waiting in all) ride out a restart of a service that comes back within seconds
+(`recipes/lib.sh`'s `start_service` restarts one that died); one that takes longer, such as a
+server loading a large index, fails the calls made meanwhile.
 """
 
 import asyncio
@@ -14,24 +18,35 @@ import logging
 
 import aiohttp
 
+from rl2.tools.faults import FaultCounter
+
 logger = logging.getLogger(__name__)
+
+RETRIES, BACKOFF, MAX_BACKOFF = 6, 0.5, 8.0  # 23.5 s of backoff in all
 
 
 class SearchError(RuntimeError):
     """The retrieval service could not be reached or gave an unusable answer."""
 
 
-async def retrieve(queries: list[str], url: str, topk: int = 3, timeout: float = 10.0, retries: int = 2,
-                   backoff: float = 0.2) -> list[list[dict]]:
+async def retrieve(queries: list[str], url: str, topk: int = 3, timeout: float = 10.0, retries: int = RETRIES,
+                   backoff: float = BACKOFF, max_backoff: float = MAX_BACKOFF,
+                   faults: FaultCounter | None = None) -> list[list[dict]]:
     """For each query, the service's hits `{"document": {"id", "contents", ...}, "score": float}`,
     best first. `timeout` is per attempt in seconds; `retries` more attempts follow a connection
-    error, a timeout or an HTTP 5xx, after `backoff`, 2 * `backoff`, ... seconds."""
+    error, a timeout or an HTTP 5xx, after `backoff`, 2 * `backoff`, ... seconds (at most
+    `max_backoff` each), each counted as `search_retries` in `faults` when given."""
     payload = {"queries": list(queries), "topk": topk, "return_scores": True}
     problem = ""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         for attempt in range(retries + 1):
             if attempt:
-                await asyncio.sleep(backoff * 2 ** (attempt - 1))
+                if faults is not None:
+                    faults.add("search_retries")
+                delay = min(backoff * 2 ** (attempt - 1), max_backoff)
+                logger.warning("retrieval service at %s: %s; attempt %d/%d, retrying in %.2gs",
+                               url, problem, attempt, retries + 1, delay)
+                await asyncio.sleep(delay)
             try:
                 async with session.post(url, json=payload) as response:
                     text = await response.text()

@@ -1,6 +1,11 @@
 """One actor update on a fixed random global batch; rank 0 saves gradients, parameters and metrics.
 
 Usage: fsdp_step.py MODEL_DIR OUT_FILE MAX_TOKENS FSDP_SIZE N_SEQUENCES [HF_SAVE_DIR|-] [SP_SIZE]
+
+Saved: the metrics, the log-probs of the batch and the gradients the optimizer stepped with (both
+before the step), the parameters after the step, and "replayed": the parameters that AdamW gives from
+the same start and those gradients in one process (step_capture.py). What depends on the world size
+is compared before the step; the sharded step is compared with its replay on the same gradients.
 """
 
 import sys
@@ -12,6 +17,7 @@ from rl2.checkpoint import save_hf_model
 from rl2.config import ModelConfig
 from rl2.distributed import exit_process, init_distributed, is_rank0
 from rl2.fsdp import gather_full_state_dict
+from step_capture import capture_steps, replay_adamw
 
 
 def random_batch(vocab_size: int, n: int = 13, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -25,10 +31,6 @@ def random_batch(vocab_size: int, n: int = 13, seed: int = 0) -> list[dict[str, 
     return batch
 
 
-def full_grads(model) -> dict[str, torch.Tensor]:
-    return {name: p.grad.full_tensor().clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
 def main() -> None:
     model_dir, out_file, max_tokens, fsdp_size, n_sequences = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     init_distributed()
@@ -40,15 +42,22 @@ def main() -> None:
     torch.manual_seed(0)
     actor = Actor(config, total_steps=10)
     batch = random_batch(actor.model.config.vocab_size, n_sequences)
+    # cloned: on one CPU rank the full state dict shares memory with the parameters
+    before = {name: tensor.clone() for name, tensor in gather_full_state_dict(actor.model).items()}
+    steps = capture_steps(actor.model, actor.optimizer)
     metrics = actor.accumulate_gradients(batch, sft_loss)
-    grads = full_grads(actor.model)
-    metrics["grad_norm"] = actor.optimizer_step()
     logps = actor.compute_logps(batch)
+    metrics["grad_norm"] = actor.optimizer_step()
     params = gather_full_state_dict(actor.model)
     if len(sys.argv) > 6 and sys.argv[6] != "-":
         save_hf_model(actor.model, sys.argv[6], "float32")
     if is_rank0():
-        torch.save({"grads": grads, "params": params, "metrics": metrics, "logps": logps, "batch": batch}, out_file)
+        replayed = replay_adamw(before, steps, actor.optimizer)
+        torch.save(
+            {"grads": steps[0]["grads"], "params": params, "replayed": replayed, "metrics": metrics, "logps": logps,
+             "batch": batch},
+            out_file,
+        )
 
 
 if __name__ == "__main__":

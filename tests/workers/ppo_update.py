@@ -1,10 +1,22 @@
-"""One PPO update from a fixed rollout, then a weight sync; rank 0 saves parameters and metrics.
+"""One PPO update from a fixed rollout, then a weight sync; rank 0 saves what the update stepped with.
 
 Usage: ppo_update.py MODEL_DIR DATA ENV OUT_FILE ESTIMATOR [key=value ...]
 
 ESTIMATOR is `grpo` (group-normalised, KL as a k3 loss, DAPO clip) or `gae` (critic, KL in the
 reward). After the update the engine generates from a few prompts and the largest difference
 between its log-probs and the actor's on those tokens is saved as `sync_max_diff`.
+
+The models step with plain SGD instead of AdamW (`use_sgd`): SGD moves a parameter by lr times
+its gradient, so gradients that differ by rounding (1 vs 2 ranks, one processor vs another) give
+parameters, and next-step gradients, that differ by rounding too. AdamW's first steps are
+~lr * sign(g): it turns rounding in a near-zero gradient into a step of up to lr either way, and the
+next minibatch's gradients are then taken at visibly different parameters. (The sharded AdamW step
+itself is checked against a replay on the same gradients in test_fsdp.py.) Per weight the gradients
+are ~1e-3: SGD at lr 1 moves the policy enough that GAE's second minibatch clips some ratios; the
+critic's larger gradients take lr 0.1.
+
+Saved per model ("actor", and "critic" when there is one): the parameters before the update and
+after it, and the full gradients and lr of every optimizer step (step_capture.py); the metrics.
 """
 
 import sys
@@ -16,10 +28,11 @@ from rl2.distributed import all_gather_objects, exit_process, is_rank0
 from rl2.fsdp import gather_full_state_dict
 from rl2.rollout import Trajectory
 from rl2.trainer.ppo import PPOTrainer
+from step_capture import capture_steps, use_sgd
 
 ESTIMATORS = {
     "grpo": ["adv.norm_var=true", "kl.coef=0.1", "kl.type=loss", "kl.loss_estimator=k3", "actor.clip_high=0.28"],
-    "gae": ["adv.estimator=gae", "kl.coef=0.1", "kl.type=reward", "critic.lr=1e-3", "critic.update_per_rollout=2"],
+    "gae": ["adv.estimator=gae", "kl.coef=0.1", "kl.type=reward", "critic.lr=0.1", "critic.update_per_rollout=2"],
 }
 
 
@@ -52,7 +65,7 @@ def main() -> None:
     config = load_config(
         [
             f"actor.model_name={model_dir}", f"data.path={data}", f"rollout.env_path={env}",
-            "actor.dtype=float32", "critic.dtype=float32", "actor.lr=1e-3", "actor.max_grad_norm=1e9",
+            "actor.dtype=float32", "critic.dtype=float32", "actor.lr=1.0", "actor.max_grad_norm=1e9",
             "critic.max_grad_norm=1e9", "actor.max_length_per_device=64", "critic.max_length_per_device=64",
             "data.responses_per_prompt=4", "data.prompts_per_rollout=4", "actor.update_per_rollout=2",
             "trainer.disable_wandb=true", f"actor.save_dir={out_file}.ckpt", "actor.gradient_checkpointing=false",
@@ -61,6 +74,14 @@ def main() -> None:
         ]
     )
     trainer = PPOTrainer(config)
+    models = {"actor": trainer.actor}
+    if trainer.critic is not None:
+        models["critic"] = trainer.critic
+    # cloned: on one CPU rank the full state dict shares memory with the parameters
+    before = {name: {k: v.clone() for k, v in gather_full_state_dict(m.model).items()} for name, m in models.items()}
+    for model in models.values():
+        use_sgd(model)
+    steps = {name: capture_steps(m.model, m.optimizer) for name, m in models.items()}
     sequences, prepared = trainer.prepare(fixed_rollout(group_size=4, n_groups=4))
     updated = trainer.update(sequences, step=1)
 
@@ -81,13 +102,10 @@ def main() -> None:
         (actor[n:] - torch.tensor(engine)).abs().max().item()
         for actor, (n, engine) in zip(actor_logps, rank_samples)
     )
-    state = gather_full_state_dict(trainer.actor.model)
-    critic_state = gather_full_state_dict(trainer.critic.model) if trainer.critic is not None else {}
+    after = {name: gather_full_state_dict(m.model) for name, m in models.items()}
     if is_rank0():
-        torch.save(
-            {"params": state, "critic": critic_state, "metrics": {**prepared, **updated}, "sync_max_diff": sync_diff},
-            out_file,
-        )
+        saved = {name: {"before": before[name], "after": after[name], "steps": steps[name]} for name in models}
+        torch.save({**saved, "metrics": {**prepared, **updated}, "sync_max_diff": sync_diff}, out_file)
     exit_process(0)
 
 

@@ -1,0 +1,368 @@
+"""A bounded pool of long-lived worker subprocesses that answer JSON requests, one at a time each.
+
+Any worker may die at any moment (the OOM killer, a segfault, a kill). `WorkerPool.call` notices:
+a worker found dead is restarted, a call whose worker dies under it is retried on a fresh worker
+(at most `retries` times), a call past its deadline has its worker killed and replaced and raises
+`WorkerTimeout`, and a call that still cannot complete raises `WorkerFailed`, naming the pool and
+what happened. Every recovery is counted in the pool's `faults` (`<name>_restarts`,
+`<name>_retries`, `<name>_timeouts`).
+
+Workers are started with `subprocess.Popen`, not multiprocessing, so the caller may be anything (a
+notebook, `python -c`, a script on stdin, a `python -m` entry point). Protocol on the worker's
+stdin/stdout: frames of a 4-byte big-endian length and a JSON object; the worker's first frame is
+`{"ready": ...}`, then it answers each request with one frame. `serve(handle)` is the worker side.
+
+    with WorkerPool("echo", [[sys.executable, "-m", "my_worker"]] * 2) as pool:
+        pool.call({"x": 1}, timeout=5.0)
+"""
+
+import asyncio
+import ctypes
+import json
+import logging
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from rl2.tools.faults import FaultCounter
+
+logger = logging.getLogger("rl2.tools.worker_pool")
+
+PR_SET_PDEATHSIG = 1
+
+
+class WorkerFailed(RuntimeError):
+    """A call could not complete: its workers kept dying (or would not start), or the pool is closed."""
+
+
+class WorkerTimeout(WorkerFailed):
+    """A call passed its deadline; its worker was killed and replaced."""
+
+
+class _WorkerDied(Exception):
+    """The worker of an attempt died, broke its pipe or did not start; the message says how."""
+
+
+class _Deadline(Exception):
+    """A read or write did not finish before its deadline."""
+
+
+def exit_description(returncode: int) -> str:
+    """How a process ended, from its `Popen.returncode`."""
+    if returncode < 0:
+        try:
+            return f"killed by signal {-returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def _wait_for(fd: int, events: int, deadline: float) -> None:
+    """Wait until `fd` is ready for `events` (poll, not select: fds above 1024 are fine)."""
+    poller = select.poll()
+    poller.register(fd, events)
+    if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+        raise _Deadline
+
+
+class _Worker:
+    """One worker process of a pool and its end of the protocol."""
+
+    def __init__(self, command: list[str]):
+        self.command = command
+        self.process: subprocess.Popen | None = None
+        self.ready: dict | None = None  # the worker's {"ready": ...} frame, once read
+        self.busy = False  # a request has been (or is being) sent and not yet answered
+
+    @property
+    def pid(self) -> int | None:
+        process = self.process
+        return None if process is None else process.pid
+
+    def alive(self) -> bool:
+        process = self.process
+        return process is not None and process.poll() is None
+
+    def start(self, spawn: Callable[[list[str]], subprocess.Popen]) -> None:
+        self.process, self.ready = spawn(self.command), None
+        os.set_blocking(self.process.stdin.fileno(), False)  # so a write can give up at its deadline
+
+    def wait_ready(self, timeout: float) -> None:
+        """Read the ready frame, unless already read."""
+        if self.ready is not None:
+            return
+        try:
+            hello = self._read(time.monotonic() + timeout)
+        except _Deadline:
+            raise _WorkerDied(f"did not start: no ready frame within {timeout:.0f} s") from None
+        except (OSError, ValueError) as error:
+            raise _WorkerDied(f"did not start: {type(error).__name__}: {error}") from None
+        if not isinstance(hello, dict) or not hello.get("ready"):
+            raise _WorkerDied("did not start" if hello is None else f"did not start: sent {hello!r}")
+        self.ready = hello
+
+    def exchange(self, request: dict, timeout: float) -> dict:
+        """Send `request` and read the response, at most `timeout` seconds in all."""
+        deadline = time.monotonic() + timeout
+        body = json.dumps(request).encode()
+        self.busy = True
+        try:
+            self._write(struct.pack(">I", len(body)) + body, deadline)
+            response = self._read(deadline)
+        except (OSError, ValueError) as error:  # a broken pipe, a malformed frame
+            raise _WorkerDied(f"failed during the call ({type(error).__name__}: {error})") from None
+        finally:
+            self.busy = False
+        if response is None:
+            raise _WorkerDied("died during the call")
+        return response
+
+    def kill(self) -> str:
+        """Kill the worker's process group, reap it and close its pipes; how it ended."""
+        process, self.process, self.ready = self.process, None, None
+        if process is None:
+            return "not running"
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        returncode = process.wait()
+        process.stdin.close()
+        process.stdout.close()
+        return exit_description(returncode)
+
+    def _write(self, data: bytes, deadline: float) -> None:
+        fd = self.process.stdin.fileno()
+        while data:
+            _wait_for(fd, select.POLLOUT, deadline)
+            try:
+                data = data[os.write(fd, data):]
+            except BlockingIOError:
+                pass
+
+    def _read(self, deadline: float) -> dict | None:
+        """The next frame; None at end of file."""
+        header = self._read_exact(4, deadline)
+        if header is None:
+            return None
+        body = self._read_exact(struct.unpack(">I", header)[0], deadline)
+        return None if body is None else json.loads(body)
+
+    def _read_exact(self, n: int, deadline: float) -> bytes | None:
+        chunks, fd = [], self.process.stdout.fileno()
+        while n:
+            _wait_for(fd, select.POLLIN, deadline)
+            chunk = os.read(fd, n)
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            n -= len(chunk)
+        return b"".join(chunks)
+
+
+class WorkerPool:
+    """`len(commands)` worker processes, one per command (restarted with the same command), and a
+    thread-safe `call` that waits for an idle one. `env`: the workers' whole environment (None:
+    ours). `start_timeout`: seconds a worker may take to send its ready frame; start-up never counts
+    against a call's timeout. Workers end when the pool closes or this process dies."""
+
+    def __init__(self, name: str, commands: list[list[str]], retries: int = 2, env: dict[str, str] | None = None,
+                 start_timeout: float = 60.0):
+        if not commands:
+            raise ValueError(f"{name} worker pool needs at least one worker")
+        if retries < 0:
+            raise ValueError(f"{name} worker pool: retries must be >= 0, got {retries}")
+        self.name, self.retries, self.env, self.start_timeout = name, retries, env, float(start_timeout)
+        self.faults = FaultCounter()
+        self._workers = [_Worker(list(command)) for command in commands]
+        self._idle = list(self._workers)
+        self._closed = False
+        self._lock = threading.Condition()  # guards _idle, _closed and every start and kill of a worker
+        # PR_SET_PDEATHSIG fires when the *thread* that started a worker ends, not the process: start
+        # every worker from this one long-lived thread, never from a caller's (maybe short-lived) one.
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rl2-{name}-spawner")
+        try:
+            for worker in self._workers:
+                worker.start(self._spawn)
+            for worker in self._workers:
+                try:
+                    worker.wait_ready(self.start_timeout)
+                except _WorkerDied as error:
+                    pid, ended = worker.pid, worker.kill()
+                    raise WorkerFailed(f"{name} worker pool: worker pid {pid} {error} ({ended})") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def call(self, request: dict, timeout: float) -> dict:
+        """One worker's response to `request`. `timeout` counts from when the request is sent, not
+        the wait for an idle worker or a worker's start-up. Raises `WorkerTimeout` past it and
+        `WorkerFailed` when the call cannot complete."""
+        worker = self._acquire()
+        try:
+            return self._call_on(worker, request, timeout)
+        finally:
+            self._release(worker)
+
+    async def call_async(self, request: dict, timeout: float) -> dict:
+        """`call` without blocking the event loop."""
+        return await asyncio.to_thread(self.call, request, timeout)
+
+    def pids(self) -> list[int]:
+        """The worker processes' pids."""
+        with self._lock:
+            return [pid for pid in (worker.pid for worker in self._workers) if pid is not None]
+
+    def busy_pids(self) -> list[int]:
+        """Pids of the workers handling a call now (its request sent or being sent)."""
+        with self._lock:
+            return [pid for pid in (worker.pid for worker in self._workers if worker.busy) if pid is not None]
+
+    def ready_frames(self) -> list[dict]:
+        """The `{"ready": ...}` frame of each worker that has sent one."""
+        with self._lock:
+            return [dict(worker.ready) for worker in self._workers if worker.ready is not None]
+
+    def close(self) -> None:
+        """Stop the workers. Calls in flight and later calls raise `WorkerFailed`."""
+        with self._lock:
+            self._closed = True
+            for worker in self._idle:
+                worker.kill()
+            for worker in self._workers:  # the busy ones: their callers see them die, then stop them
+                if worker.pid is not None:
+                    try:
+                        os.killpg(worker.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            self._idle = []
+            self._lock.notify_all()
+        self._spawner.shutdown(wait=False)
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _call_on(self, worker: _Worker, request: dict, timeout: float) -> dict:
+        failures = []
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.faults.add(f"{self.name}_retries")
+            try:
+                if not worker.alive():
+                    pid, ended = worker.pid, self._restart(worker)
+                    logger.warning("%s worker pid %s was found dead (%s); restarted it", self.name, pid, ended)
+                worker.wait_ready(self.start_timeout)
+                return worker.exchange(request, timeout)
+            except _Deadline:  # not retried: the request itself may be what takes too long
+                pid = worker.pid
+                self.faults.add(f"{self.name}_timeouts")
+                self._restart(worker)
+                logger.warning("%s worker pid %d gave no answer within %.1f s; killed and replaced",
+                               self.name, pid, timeout)
+                raise WorkerTimeout(f"{self.name} worker pid {pid} gave no answer within {timeout:.1f} s "
+                                    "(killed and replaced)") from None
+            except _WorkerDied as died:
+                pid = worker.pid
+                failure = f"worker pid {pid} {died} ({self._restart(worker)})"
+                failures.append(failure)
+                then = "retrying on a fresh worker" if attempt < self.retries else "giving up"
+                logger.warning("%s %s; %s (attempt %d of %d)", self.name, failure, then, attempt + 1,
+                               self.retries + 1)
+        attempts = f"{len(failures)} attempt" + ("s" if len(failures) > 1 else "")
+        raise WorkerFailed(f"{self.name} worker pool: the call failed ({attempts}): " + "; ".join(failures))
+
+    def _restart(self, worker: _Worker) -> str:
+        """Replace `worker`'s process with a fresh one (its ready frame is read later); how the old
+        one ended."""
+        with self._lock:
+            ended = worker.kill()
+            if self._closed:
+                raise WorkerFailed(f"{self.name} worker pool is closed")
+            try:
+                worker.start(self._spawn)
+            except (OSError, RuntimeError) as error:  # RuntimeError: the interpreter is shutting down
+                raise WorkerFailed(f"{self.name} worker pool: cannot start a worker: {error}") from None
+            self.faults.add(f"{self.name}_restarts")
+            return ended
+
+    def _spawn(self, command: list[str]) -> subprocess.Popen:
+        return self._spawner.submit(
+            subprocess.Popen, command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env, bufsize=0,
+            start_new_session=True,
+        ).result()
+
+    def _acquire(self) -> _Worker:
+        with self._lock:
+            while not self._idle and not self._closed:
+                self._lock.wait()
+            if self._closed:
+                raise WorkerFailed(f"{self.name} worker pool is closed")
+            return self._idle.pop(0)  # the longest idle: a worker that died idle is noticed soon
+
+    def _release(self, worker: _Worker) -> None:
+        with self._lock:
+            if self._closed:
+                worker.kill()
+            else:
+                self._idle.append(worker)
+                self._lock.notify()
+
+
+# ----------------------------------------------------------------------------------------------
+# the worker side
+
+
+def read_frame(fd: int) -> dict | None:
+    """The next frame from `fd` (blocking); None at end of file."""
+    header = _read_exact(fd, 4)
+    if header is None:
+        return None
+    body = _read_exact(fd, struct.unpack(">I", header)[0])
+    return None if body is None else json.loads(body)
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    chunks = []
+    while n:
+        chunk = os.read(fd, n)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def write_frame(fd: int, message: dict) -> None:
+    body = json.dumps(message).encode()
+    data = struct.pack(">I", len(body)) + body
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def serve(handle: Callable[[dict], dict]) -> None:
+    """Run a worker: send the ready frame, then answer each request with `handle(request)` (or
+    `{"error": "..."}` when it raises) until stdin closes. Call it in the worker's main thread."""
+    if sys.platform.startswith("linux"):
+        # End with the parent even while busy (end of file on stdin only reaches an idle worker).
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # Keep the protocol on private fds and point 0/1 elsewhere, so a stray print cannot corrupt a frame.
+    requests, responses = os.dup(0), os.dup(1)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(2, 1)
+    write_frame(responses, {"ready": True, "pid": os.getpid()})
+    while (request := read_frame(requests)) is not None:
+        try:
+            response = handle(request)
+        except Exception as error:
+            response = {"error": f"{type(error).__name__}: {error}"}
+        write_frame(responses, response)
