@@ -71,9 +71,13 @@ def _assert_same_sgd_update(one: dict, two: dict) -> None:
         torch.testing.assert_close(two["after"][name], one["after"][name], rtol=0, atol=rounding + carried, msg=name)
 
 
-def test_demo_reward_rises(tmp_path):
-    """A short run of the README's demo: GRPO lifts the reward well above the warm-up's."""
-    env = {**os.environ, "OUT": str(tmp_path), "SFT_STEPS": "200", "PPO_STEPS": "15", "PYTHONPATH": REPO}
+@pytest.mark.parametrize("seed", [1, 10, 42])
+def test_demo_learns_on_every_seed(tmp_path, seed):
+    """The short version of bench/demo_seeds.py: the README's demo, on one rank, learns (its reward
+    goes from the warm-up's ~0.1 to >= 0.7 in 20 steps). Seed 42 once collapsed to reward 0 at step 3
+    (full-lr Adam steps, no warm-up) and seed 10's SFT warm-up once stalled (same cause)."""
+    env = {**os.environ, "OUT": str(tmp_path), "SFT_STEPS": "200", "PPO_STEPS": "20", "NPROC": "1",
+           "SEED": str(seed), "PYTHONPATH": REPO}
     result = subprocess.run(
         ["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null", "trainer.dump_trajectories=false"],
         capture_output=True, text=True, timeout=400, env=env, cwd=REPO,
@@ -81,9 +85,10 @@ def test_demo_reward_rises(tmp_path):
     assert result.returncode == 0, result.stderr[-5000:]
     rows = read_metrics(str(tmp_path / "ppo" / "metrics.jsonl"))
     rewards = [row["reward/mean"] for row in rows]
-    assert len(rewards) == 15
+    assert len(rewards) == 20
     assert rewards[0] < 0.3
-    assert sum(rewards[-3:]) / 3 > rewards[0] + 0.3, rewards
+    assert sum(rewards[-3:]) / 3 >= 0.7, rewards
+    assert min(rewards) > 0.02, rewards  # never the all-zero state GRPO cannot leave
     assert max(row["logp_mismatch/max"] for row in rows) < 1e-3
     assert "reward/mean by step" in result.stderr
 

@@ -132,6 +132,19 @@ def test_a_call_whose_workers_keep_dying_fails_with_what_happened():
         assert pool.faults.counts() == {"test_retries": 2, "test_restarts": 3}
 
 
+def test_a_worker_killed_while_starting_is_restarted(tmp_path):
+    """The first process of each worker is SIGKILLed before its ready frame (as the OOM killer or a
+    chaos test might); the pool starts anyway, on replacements, and counts the restarts."""
+    dies_first = ("import os, signal, sys\nif not os.path.exists(sys.argv[2]):  # this worker's first process\n"
+                  "    open(sys.argv[2], 'w').close()\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    commands = [[sys.executable, "-c", dies_first + WORKER, "0", str(tmp_path / f"started{i}")] for i in range(3)]
+    with WorkerPool("test", commands[:2], retries=1, env=ENV) as pool:
+        assert pool.call({"echo": 1}, timeout=30.0)["echo"] == 1
+        assert pool.faults.counts() == {"test_restarts": 2}
+    with pytest.raises(WorkerFailed, match=r"test worker pool: worker pid \d+ did not start \(killed by signal 9"):
+        WorkerPool("test", commands[2:], retries=0, env=ENV)
+
+
 def test_a_worker_that_cannot_start():
     with pytest.raises(WorkerFailed, match=r"broken worker pool: worker pid \d+ did not start \(exited with code 7\)"):
         WorkerPool("broken", [[sys.executable, "-c", "import sys; sys.exit(7)"]])

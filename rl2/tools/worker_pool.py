@@ -192,11 +192,7 @@ class WorkerPool:
             for worker in self._workers:
                 worker.start(self._spawn)
             for worker in self._workers:
-                try:
-                    worker.wait_ready(self.start_timeout)
-                except _WorkerDied as error:
-                    pid, ended = worker.pid, worker.kill()
-                    raise WorkerFailed(f"{name} worker pool: worker pid {pid} {error} ({ended})") from None
+                self._start_up(worker)
         except BaseException:
             self.close()
             raise
@@ -280,6 +276,19 @@ class WorkerPool:
                                self.retries + 1)
         attempts = f"{len(failures)} attempt" + ("s" if len(failures) > 1 else "")
         raise WorkerFailed(f"{self.name} worker pool: the call failed ({attempts}): " + "; ".join(failures))
+
+    def _start_up(self, worker: _Worker) -> None:
+        """Wait for a new worker's ready frame; one that dies first (killed, out of memory) is
+        restarted up to `retries` times before the pool gives up."""
+        for attempt in range(self.retries + 1):
+            try:
+                worker.wait_ready(self.start_timeout)
+                return
+            except _WorkerDied as error:
+                pid = worker.pid
+                if attempt == self.retries:
+                    raise WorkerFailed(f"{self.name} worker pool: worker pid {pid} {error} ({worker.kill()})") from None
+                logger.warning("%s worker pid %s %s (%s); restarted it", self.name, pid, error, self._restart(worker))
 
     def _restart(self, worker: _Worker) -> str:
         """Replace `worker`'s process with a fresh one (its ready frame is read later); how the old
