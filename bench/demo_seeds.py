@@ -3,8 +3,9 @@ GRPO) run over seeds x rank counts x tasks; prints each run and the share that l
 
 A run learns when its mean reward over the last 6 steps is >= 0.8 and its final test reward (greedy)
 is >= 0.9. Each line also shows the warm-up's final SFT loss (mean of its last 20 steps; ~0.06 when
-the warm-up learned the task's facts): a run that fails after a poor warm-up is the warm-up's failure. SEED seeds both the warm-up and GRPO; the model's initial weights and the data are the
-demo's. Extra arguments go to the PPO trainer (e.g. `actor.lr=1e-3` to try another setting).
+the warm-up learned the task's facts): a run that fails after a poor warm-up is the warm-up's failure.
+SEED seeds both the warm-up and GRPO; the model's initial weights and the data are the demo's.
+Extra arguments go to the PPO trainer (e.g. `actor.lr=1e-3` to try another setting).
 
     python bench/demo_seeds.py [--seeds 10] [--ranks 1 2] [--tasks successor lookup] [--out DIR] [key=value ...]
 """
