@@ -12,7 +12,7 @@ import re
 ROC_ERROR_MARKERS = (
     # The env's own messages: a malformed call ("Error: the tool call is not valid JSON ...", "Error:
     # unknown tool ...", "Error: a <tool_call> is not closed ..."), calls skipped over the per-turn limit
-    # ("Error: at most 8 tool calls ..."), and an executor that failed or is unreachable ("Tool error: ...").
+    # ("Error: at most 8 tool calls ..."), and a program the executor refused ("Tool error: ...", e.g. too large).
     re.compile(r"\A(?:Error|Tool error): "),
     # An uncaught exception's traceback (also "Exception Group Traceback (most recent call last):").
     re.compile(r"Traceback \(most recent call last\):"),
