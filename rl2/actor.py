@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from rl2.config import ModelConfig
 from rl2.distributed import all_reduce_sum, build_fsdp_mesh, build_sp_group, device, rank, world_size
 from rl2.fsdp import load_fsdp_model, move_optimizer
+from rl2.logps_head import TokenLogpsHead
 from rl2.optim import build_optimizer
 from rl2.packing import pack_micro_batch, plan_grouped_micro_batches, unpack_row
 from rl2.ring_attention import (
@@ -87,8 +88,13 @@ class Actor:
             gradient_checkpointing=config.gradient_checkpointing and trainable,
             model_cls=self.model_cls,
             attn_implementation=ring_attention_implementation(self.sp_group) if self.sp_group else None,
+            attention=config.attn_implementation,
+            compile_layers=config.compile,
+            logps_chunk_size=config.logps_chunk_size if self.model_cls is AutoModelForCausalLM else 0,
             **self.config_overrides,
         )
+        head = getattr(self.model, "lm_head", None)
+        self.logps_head = head if isinstance(head, TokenLogpsHead) else None
         self.optimizer = self.scheduler = None
         if trainable:
             self.optimizer, self.scheduler = build_optimizer(
@@ -141,40 +147,54 @@ class Actor:
     # ---- forward / backward ----------------------------------------------------------------
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """Per-token outputs [1, T] of a packed row: "logps" (and "entropy")."""
-        logits, next_ids = self._logits(micro_batch)
-        logits = logits[0].float()
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        outputs = {"logps": -F.cross_entropy(logits, next_ids[0], reduction="none").unsqueeze(0)}
-        if with_entropy:
-            with torch.no_grad():
-                logps = torch.log_softmax(logits, dim=-1)
-                outputs["entropy"] = -(logps.exp() * logps).sum(-1).unsqueeze(0)
+        """Per-token outputs [1, T] of a packed row: "logps" (and "entropy", without gradient)."""
+        inputs, next_ids = self._model_inputs(micro_batch)
+        if self.logps_head is not None:
+            with self.logps_head.predicting(next_ids[0], self.temperature, with_entropy):
+                per_token = self._per_token_outputs(**inputs)
+            outputs = {"logps": per_token[..., 0]}
+            if with_entropy:
+                outputs["entropy"] = per_token[..., 1].detach()
+        else:
+            logits = self._per_token_outputs(**inputs)[0].float()
+            if self.temperature != 1.0:
+                logits = logits / self.temperature
+            outputs = {"logps": -F.cross_entropy(logits, next_ids[0], reduction="none").unsqueeze(0)}
+            if with_entropy:
+                with torch.no_grad():
+                    logps = torch.log_softmax(logits, dim=-1)
+                    outputs["entropy"] = -(logps.exp() * logps).sum(-1).unsqueeze(0)
         return {name: self._align(value, micro_batch) for name, value in outputs.items()}
 
-    def _logits(self, micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's output at this rank's tokens of a packed row, and the id of the token that
-        follows each of them (the row's next token; meaningless at a sequence's last token)."""
+    def _model_inputs(self, micro_batch: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
+        """The model's inputs for this rank's tokens of a packed row, and the id of the token that
+        follows each of them [1, T] (the row's next token; meaningless at a sequence's last token)."""
         input_ids, cu_seqlens = micro_batch["input_ids"], micro_batch["cu_seqlens"]
         next_ids = F.pad(input_ids[:, 1:], (0, 1))
         if self.sp_group is None:
-            logits = self._per_token_outputs(
-                input_ids=input_ids, position_ids=micro_batch["position_ids"], use_cache=False
-            )
-            return logits, next_ids
+            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # one host sync here, not one per layer
+            inputs = {
+                "input_ids": input_ids,
+                "position_ids": micro_batch["position_ids"],
+                "cu_seq_lens_q": cu_seqlens,
+                "cu_seq_lens_k": cu_seqlens,
+                "max_length_q": longest,
+                "max_length_k": longest,
+                "use_cache": False,
+            }
+            return inputs, next_ids
         local_cu = zigzag_cu_seqlens(cu_seqlens, self.sp_size)
         longest = int((local_cu[1:] - local_cu[:-1]).max())
-        logits = self._per_token_outputs(
-            input_ids=zigzag_split(input_ids, cu_seqlens, self.sp_rank, self.sp_size),
-            position_ids=zigzag_position_ids(cu_seqlens, self.sp_rank, self.sp_size).to(self.device),
-            cu_seq_lens_q=local_cu,
-            cu_seq_lens_k=local_cu,
-            max_length_q=longest,
-            max_length_k=longest,
-            use_cache=False,
-        )
-        return logits, zigzag_split(next_ids, cu_seqlens, self.sp_rank, self.sp_size)
+        inputs = {
+            "input_ids": zigzag_split(input_ids, cu_seqlens, self.sp_rank, self.sp_size),
+            "position_ids": zigzag_position_ids(cu_seqlens, self.sp_rank, self.sp_size).to(self.device),
+            "cu_seq_lens_q": local_cu,
+            "cu_seq_lens_k": local_cu,
+            "max_length_q": longest,
+            "max_length_k": longest,
+            "use_cache": False,
+        }
+        return inputs, zigzag_split(next_ids, cu_seqlens, self.sp_rank, self.sp_size)
 
     def _per_token_outputs(self, **inputs) -> torch.Tensor:
         """The model's head output at every input token, [1, T, ...]."""
@@ -314,7 +334,7 @@ class Critic(Actor):
     config_overrides = {"num_labels": 1, "classifier_dropout": 0.0}
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        scores, _ = self._logits(micro_batch)
+        scores = self._per_token_outputs(**self._model_inputs(micro_batch)[0])
         return {"values": self._align(scores.float().squeeze(-1), micro_batch)}
 
 
@@ -348,8 +368,7 @@ class RewardModel(Actor):
         return scores
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        scores, _ = self._logits(micro_batch)
-        scores = scores.float().squeeze(-1)
+        scores = self._per_token_outputs(**self._model_inputs(micro_batch)[0]).float().squeeze(-1)
         if self.sp_group is not None:
             scores = zigzag_gather(scores, micro_batch["cu_seqlens"], self.sp_group)
         return {"scores": scores}

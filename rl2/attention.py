@@ -2,12 +2,21 @@
 
 transformers' sdpa path handles a packed row by building a block-diagonal T×T mask from
 `position_ids` and computing attention over the whole row: packing then costs (Σ L)² instead of
-Σ L². `varlen_attention` runs causal attention within each sequence instead. On CUDA with
-flash-attn installed, transformers' own `flash_attention_2` (varlen kernel, boundaries from
-`position_ids`) is used instead.
+Σ L². The implementations here stay within each sequence:
+
+- `flash_attention_2`: transformers' own, flash-attn's varlen kernel (CUDA, when installed);
+- `torch_varlen`: torch's variable-length flash kernel (`torch.nn.attention.varlen`, CUDA, torch ≥ 2.10);
+- `flex_attention`: transformers' own flex attention, whose block mask keeps each packed sequence
+  apart (from `position_ids`); compiled, on CUDA and CPU;
+- `sdpa_loop`: one sdpa call per sequence (`varlen_attention`), anywhere.
+
+`auto` takes the first available in that order on CUDA and `sdpa_loop` on CPU, where it is the
+fastest (bench/RESULTS.md).
 """
 
 import importlib.util
+import inspect
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +24,12 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from rl2.config import ATTENTION_CHOICES
+
+logger = logging.getLogger(__name__)
+
 VARLEN_ATTENTION = "rl2_varlen"
+TORCH_VARLEN_ATTENTION = "rl2_torch_varlen"
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -69,15 +83,105 @@ def varlen_attention(
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 
+def _sequence_bounds(query: torch.Tensor, cu_seq_lens_q: torch.Tensor | None, position_ids: torch.Tensor | None) -> torch.Tensor:
+    if cu_seq_lens_q is not None:
+        return cu_seq_lens_q
+    if position_ids is not None:
+        return cu_seqlens_from_position_ids(position_ids)
+    return torch.tensor([0, query.shape[2]], dtype=torch.int32)
+
+
+def torch_varlen_kernel():
+    """torch's variable-length attention function, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def torch_varlen_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    kernel=None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each sequence of a packed row through torch's varlen flash kernel.
+
+    Shapes and boundaries as in `varlen_attention`; `max_length_q` (the longest sequence) saves a
+    device-to-host copy per layer when given. `kernel` replaces `torch_varlen_kernel()` (tests).
+    """
+    if query.shape[0] != 1:
+        raise ValueError(f"{TORCH_VARLEN_ATTENTION} attention takes packed rows of batch size 1, got {query.shape[0]}")
+    if dropout != 0.0:
+        raise ValueError(f"{TORCH_VARLEN_ATTENTION} attention has no dropout (got {dropout})")
+    kernel = kernel or torch_varlen_kernel()
+    bounds = _sequence_bounds(query, cu_seq_lens_q, position_ids).to(device=query.device, dtype=torch.int32)
+    longest = max_length_q or int((bounds[1:] - bounds[:-1]).max())
+    # [1, heads, T, dim] → [T, heads, dim], the kernel's layout
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    grouped = {}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in inspect.signature(kernel).parameters:
+            grouped["enable_gqa"] = True
+        else:  # older kernels: each KV head repeated for its query heads, as transformers' repeat_kv
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    out = kernel(q, k, v, bounds, bounds, longest, longest, scale=scaling, window_size=(-1, 0), **grouped)
+    return out.unsqueeze(0), None
+
+
 def no_dense_mask(*args, **kwargs) -> None:
     """Mask function for attention that takes boundaries from the sequence lengths: no dense mask."""
     return None
 
 
-def packed_attention_implementation(device: torch.device) -> str:
-    """The attention implementation for packed training rows on `device`, registering ours if needed."""
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
-    AttentionMaskInterface.register(VARLEN_ATTENTION, no_dense_mask)
-    return VARLEN_ATTENTION
+def available_attention(device: torch.device) -> dict[str, bool]:
+    """Which packed-row attention implementations can run on `device`."""
+    cuda = device.type == "cuda"
+    return {
+        "flash_attention_2": cuda and importlib.util.find_spec("flash_attn") is not None,
+        "torch_varlen": cuda and torch_varlen_kernel() is not None,
+        "flex_attention": importlib.util.find_spec("torch.nn.attention.flex_attention") is not None,
+        "sdpa_loop": True,
+    }
+
+
+def choose_attention(device: torch.device, requested: str = "auto", available: dict[str, bool] | None = None) -> str:
+    """The implementation `requested` (one of ATTENTION_CHOICES) resolves to on `device`; an error
+    names what is missing when an explicit choice cannot run there."""
+    if requested not in ATTENTION_CHOICES:
+        raise ValueError(f"attn_implementation must be one of {ATTENTION_CHOICES}, got {requested!r}")
+    available = available if available is not None else available_attention(device)
+    if requested == "auto":
+        if device.type != "cuda":
+            return "sdpa_loop"
+        return next(name for name in ATTENTION_CHOICES[1:] if available[name])
+    if not available[requested]:
+        needs = {"flash_attention_2": "CUDA and the flash-attn package", "torch_varlen": "CUDA and torch >= 2.10",
+                 "flex_attention": "torch >= 2.5"}[requested]
+        raise ValueError(f"attn_implementation={requested} cannot run on {device.type}: it needs {needs}")
+    return requested
+
+
+def packed_attention_implementation(device: torch.device, requested: str = "auto") -> str:
+    """The transformers attention name for packed training rows on `device` (see `choose_attention`),
+    registering ours where needed; logs the choice."""
+    choice = choose_attention(device, requested)
+    logger.info(f"packed-row attention on {device.type}: {choice}" + (" (auto)" if requested == "auto" else ""))
+    if choice == "sdpa_loop":
+        AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+        AttentionMaskInterface.register(VARLEN_ATTENTION, no_dense_mask)
+        return VARLEN_ATTENTION
+    if choice == "torch_varlen":
+        AttentionInterface.register(TORCH_VARLEN_ATTENTION, torch_varlen_attention)
+        AttentionMaskInterface.register(TORCH_VARLEN_ATTENTION, no_dense_mask)
+        return TORCH_VARLEN_ATTENTION
+    return choice  # transformers' own

@@ -41,6 +41,7 @@ class DataConfig:
 
 
 _DTYPES = ["float32", "bfloat16", "float16"]
+ATTENTION_CHOICES = ["auto", "flash_attention_2", "torch_varlen", "flex_attention", "sdpa_loop"]
 
 
 @dataclass
@@ -53,6 +54,9 @@ class ModelConfig:
     gradient_checkpointing: bool = _f(True, "recompute activations in backward to save memory")
     max_length_per_device: int = _f(8192, "max tokens in one training micro-batch per device")
     max_inference_length_per_device: Optional[int] = _f(None, "tokens per no-grad micro-batch; None = max_length_per_device")
+    attn_implementation: str = _f("auto", "attention over packed rows: auto = flash-attn, else torch's varlen kernel, else flex attention on CUDA; sdpa_loop on CPU (ring attention when sp_size > 1)", ATTENTION_CHOICES)
+    compile: bool = _f(False, "compile each decoder layer with torch.compile (with FSDP2 and checkpointing; first steps pay the compilation)")
+    logps_chunk_size: int = _f(2048, "policy log-probs and entropy from the LM head this many tokens at a time, never holding [tokens, vocab] fp32 logits; 0 = full logits")
     update_per_rollout: int = _f(1, "optimizer steps per rollout: the rollout is split into this many minibatches")
     loss_level: str = _f("token", "loss averaging: mean over all tokens of the minibatch, or mean of per-sequence means", ["token", "sequence"])
     clip: float = _f(0.2, "clip range of the policy ratio (value clip for the critic)")

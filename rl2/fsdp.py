@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl2.attention import packed_attention_implementation
 from rl2.distributed import is_rank0
+from rl2.logps_head import install_logps_head
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +26,20 @@ def load_fsdp_model(
     gradient_checkpointing: bool = False,
     model_cls: type = AutoModelForCausalLM,
     attn_implementation: str | None = None,
+    attention: str = "auto",
+    logps_chunk_size: int = 0,
+    compile_layers: bool = False,
     **config_overrides,
 ) -> nn.Module:
     """A transformers model sharded with `fully_shard` per decoder layer and at the root.
 
     Master weights are fp32 shards; forward and backward run in `dtype`; gradients are reduced
     in fp32. Rank 0 reads the checkpoint once and broadcasts it; the other ranks never hold a
-    full copy. `config_overrides` go to the model config (e.g. `num_labels=1` for a critic).
+    full copy. `attn_implementation` names a registered attention function (ring attention);
+    otherwise `attention` picks one for packed rows (`rl2.attention.choose_attention`). `config_overrides` go to the model config (e.g. `num_labels=1` for a critic). With
+    `logps_chunk_size` > 0 a causal LM's `lm_head` becomes a `TokenLogpsHead` (log-probs in chunks of
+    that many tokens, see `rl2.logps_head`) where the model allows it. `compile_layers` compiles each
+    decoder layer (after checkpointing wraps it, before sharding, as torchtitan does).
     """
     config = AutoConfig.from_pretrained(model_name)
     for key, value in config_overrides.items():
@@ -43,8 +51,11 @@ def load_fsdp_model(
         model = model_cls.from_config(
             config,
             dtype=torch.float32,
-            attn_implementation=attn_implementation or packed_attention_implementation(device),
+            attn_implementation=attn_implementation or packed_attention_implementation(device, attention),
         )
+    if logps_chunk_size > 0:
+        if install_logps_head(model, logps_chunk_size) is None:
+            logger.info(f"{type(model).__name__}: log-probs from full logits (its head is not a plain linear layer)")
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
@@ -54,6 +65,8 @@ def load_fsdp_model(
     if not blocks:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (no _no_split_modules)")
     for block in blocks:
+        if compile_layers:
+            block.compile()  # in place: the module, its names and its hooks stay
         fully_shard(block, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 

@@ -27,16 +27,21 @@ def single_rank(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "max_tokens,fsdp_size,n_sequences",
-    [(64, 0, 13), (200, 0, 13), (64, 1, 13), (64, 0, 1)],
-    ids=["full-64", "full-200", "hybrid-64", "one-sequence-two-ranks"],
+    "max_tokens,fsdp_size,n_sequences,logps_chunk_size",
+    [(64, 0, 13, 0), (200, 0, 13, 0), (64, 1, 13, 0), (64, 0, 1, 0), (64, 0, 13, 5)],
+    ids=["full-64", "full-200", "hybrid-64", "one-sequence-two-ranks", "chunked-logps"],
 )
-def test_two_ranks_match_one(single_rank, tiny_model_dir, tmp_path, max_tokens, fsdp_size, n_sequences):
-    """With one sequence, rank 1 has nothing to train on and runs a placeholder row to join FSDP's collectives."""
+def test_two_ranks_match_one(
+    single_rank, tiny_model_dir, tmp_path, max_tokens, fsdp_size, n_sequences, logps_chunk_size
+):
+    """With one sequence, rank 1 has nothing to train on and runs a placeholder row to join FSDP's
+    collectives. The reference takes log-probs from full logits; "chunked-logps" takes them from the LM
+    head 5 tokens at a time (chunks that do not divide the rows)."""
     single_rank = single_rank(n_sequences)
     out = str(tmp_path / "two.pt")
     hf_dir = str(tmp_path / "hf")
-    run_torchrun([WORKER, tiny_model_dir, out, str(max_tokens), str(fsdp_size), str(n_sequences), hf_dir])
+    run_torchrun([WORKER, tiny_model_dir, out, str(max_tokens), str(fsdp_size), str(n_sequences), hf_dir, "1",
+                  str(logps_chunk_size)])
     two = torch.load(out)
 
     # The norm of ~1e5 squared gradients summed in another order: float32 rounding, up to ~2e-5 relative.
@@ -54,15 +59,26 @@ def test_two_ranks_match_one(single_rank, tiny_model_dir, tmp_path, max_tokens, 
         torch.testing.assert_close(value, two["params"][name], atol=0, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("max_tokens,n_sequences", [(64, 13), (40, 1)], ids=["13-sequences", "one-sequence"])
-def test_sequence_parallel_matches_one_rank(single_rank, tiny_model_dir, tmp_path, max_tokens, n_sequences):
+@pytest.mark.parametrize(
+    "max_tokens,n_sequences,logps_chunk_size", [(64, 13, 0), (40, 1, 0), (64, 13, 5)],
+    ids=["13-sequences", "one-sequence", "chunked-logps"],
+)
+def test_sequence_parallel_matches_one_rank(single_rank, tiny_model_dir, tmp_path, max_tokens, n_sequences, logps_chunk_size):
     """sp=2 on 2 ranks (ZigZag ring attention, each row split over both ranks) gives the same
-    loss, gradients, parameters and log-probs as one rank."""
+    loss, gradients, parameters and log-probs as one rank (with full logits)."""
     reference = single_rank(n_sequences)
     out = str(tmp_path / "sp.pt")
-    run_torchrun([WORKER, tiny_model_dir, out, str(max_tokens), "0", str(n_sequences), "-", "2"])
+    run_torchrun([WORKER, tiny_model_dir, out, str(max_tokens), "0", str(n_sequences), "-", "2", str(logps_chunk_size)])
     sp = torch.load(out)
     assert_same_step(sp, reference)
+
+
+def test_compiled_layers_match_eager(single_rank, tiny_model_dir, tmp_path):
+    """actor.compile=true (each decoder layer compiled, under FSDP2 and checkpointing) gives the eager
+    step, with chunked log-probs."""
+    out = str(tmp_path / "compiled.pt")
+    run_python([WORKER, tiny_model_dir, out, "64", "0", "13", "-", "1", "16", "1"])
+    assert_same_step(torch.load(out), single_rank(13))
 
 
 def assert_same_step(ours: dict, reference: dict) -> None:

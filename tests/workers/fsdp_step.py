@@ -1,6 +1,9 @@
 """One actor update on a fixed random global batch; rank 0 saves gradients, parameters and metrics.
 
-Usage: fsdp_step.py MODEL_DIR OUT_FILE MAX_TOKENS FSDP_SIZE N_SEQUENCES [HF_SAVE_DIR|-] [SP_SIZE]
+Usage: fsdp_step.py MODEL_DIR OUT_FILE MAX_TOKENS FSDP_SIZE N_SEQUENCES [HF_SAVE_DIR|-] [SP_SIZE] [LOGPS_CHUNK_SIZE] [COMPILE]
+
+LOGPS_CHUNK_SIZE: actor.logps_chunk_size (0 = full logits, the default here: the reference computation);
+COMPILE: 1 for actor.compile.
 
 Saved: the metrics, the log-probs of the batch and the gradients the optimizer stepped with (both
 before the step), the parameters after the step, and "replayed": the parameters that AdamW gives from
@@ -38,6 +41,8 @@ def main() -> None:
         model_name=model_dir, dtype="float32", gradient_checkpointing=True, max_length_per_device=max_tokens,
         lr=1e-4, weight_decay=0.1, max_grad_norm=1e9, fsdp_size=fsdp_size,
         sp_size=int(sys.argv[7]) if len(sys.argv) > 7 else 1,
+        logps_chunk_size=int(sys.argv[8]) if len(sys.argv) > 8 else 0,
+        compile=len(sys.argv) > 9 and sys.argv[9] == "1",
     )
     torch.manual_seed(0)
     actor = Actor(config, total_steps=10)

@@ -1,0 +1,152 @@
+"""Per-token log-probs and entropy of a causal LM's next tokens, computed from its final hidden states in
+token chunks: no `[T, vocab]` fp32 logits are held, in forward or in backward.
+
+At Qwen's 151,936-token vocabulary one fp32 copy of the logits of 16k tokens is 9.3 GiB, and the plain
+computation holds several (logits, log-softmax, its exponential for the entropy, the gradient). Here each
+chunk of tokens is projected, reduced to what is kept (the next token's log-prob, the logsumexp, the
+entropy) and dropped; backward recomputes each chunk's logits (one more matmul per chunk, as activation
+checkpointing does for a layer).
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = F.linear(hidden, weight).float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+class ChunkedTokenLogps(torch.autograd.Function):
+    """hidden [T, H], weight [V, H], next_ids [T] → log softmax(hidden·weightᵀ / temperature)[next_id]
+    [T] (fp32, differentiable) and, with `with_entropy`, the entropy of that softmax [T] (fp32, not
+    differentiable; else None)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, next_ids, temperature, chunk_size, with_entropy):
+        length = hidden.shape[0]
+        logps = torch.empty(length, dtype=torch.float32, device=hidden.device)
+        logsumexp = torch.empty_like(logps)
+        entropy = torch.empty_like(logps) if with_entropy else None
+        for start in range(0, length, chunk_size):
+            end = min(start + chunk_size, length)
+            logits = _chunk_logits(hidden[start:end], weight, temperature)
+            chunk_lse = torch.logsumexp(logits, dim=-1)
+            logsumexp[start:end] = chunk_lse
+            logps[start:end] = logits.gather(-1, next_ids[start:end, None]).squeeze(-1) - chunk_lse
+            if with_entropy:
+                log_probs = logits.sub_(chunk_lse[:, None])
+                entropy[start:end] = -torch.linalg.vecdot(log_probs.exp(), log_probs)
+        ctx.save_for_backward(hidden, weight, next_ids, logsumexp)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, next_ids, logsumexp = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # Accumulated over chunks in fp32 (bf16 compute would round every chunk's partial sum).
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden.shape[0])
+            grad = grad_logps[start:end, None]
+            # d log p(y) / dz = onehot(y) − softmax(z); z = logits / temperature
+            grad_logits = _chunk_logits(hidden[start:end], weight, ctx.temperature)
+            grad_logits.sub_(logsumexp[start:end, None]).exp_().mul_(-grad)
+            grad_logits.scatter_add_(-1, next_ids[start:end, None], grad)
+            if ctx.temperature != 1.0:
+                grad_logits.div_(ctx.temperature)
+            grad_logits = grad_logits.to(hidden.dtype)
+            if need_hidden:
+                grad_hidden[start:end] = grad_logits @ weight
+            if need_weight:
+                grad_weight.add_(grad_logits.t() @ hidden[start:end])
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def chunked_token_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    next_ids: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 2048,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each next token [T] and, with `with_entropy`, the entropy [T] (no gradient), under
+    softmax(hidden · weightᵀ / temperature), `chunk_size` tokens at a time; hidden [T, H], weight [V, H]."""
+    return ChunkedTokenLogps.apply(hidden, weight, next_ids, temperature, chunk_size, with_entropy)
+
+
+@dataclass
+class _Request:
+    next_ids: torch.Tensor
+    temperature: float
+    with_entropy: bool
+
+
+class TokenLogpsHead(nn.Module):
+    """Stands in for a causal LM's `lm_head` (the same `weight` parameter under the same state-dict key,
+    tied to the embedding if it was). Inside `predicting(next_ids, ...)` a forward returns, instead of
+    logits [1, T, V], each token's next-token log-prob and entropy [1, T, 2] (chunked, see
+    `chunked_token_logps`); outside it, ordinary logits.
+
+    Computing inside the model's forward keeps FSDP2 in charge of the weight: it is gathered for the
+    forward, and its gradient is reduced after backward, as for the linear head it replaces.
+    """
+
+    def __init__(self, lm_head: nn.Linear, chunk_size: int):
+        super().__init__()
+        if lm_head.bias is not None:
+            raise ValueError("TokenLogpsHead replaces a bias-free lm_head")
+        self.weight = lm_head.weight
+        self.chunk_size = chunk_size
+        self._request: _Request | None = None
+
+    @contextlib.contextmanager
+    def predicting(self, next_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False):
+        """Forwards in this context return [1, T, 2]: log p(next_ids[t]) and the entropy (0 without
+        `with_entropy`) at each of the row's T positions; next_ids [T]."""
+        self._request = _Request(next_ids, temperature, with_entropy)
+        try:
+            yield
+        finally:
+            self._request = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._request is None:
+            return F.linear(hidden, self.weight)
+        request = self._request
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        logps, entropy = chunked_token_logps(
+            flat, self.weight, request.next_ids, request.temperature, self.chunk_size, request.with_entropy
+        )
+        if entropy is None:
+            entropy = torch.zeros_like(logps)
+        shape = hidden.shape[:-1]
+        return torch.stack([logps.view(shape), entropy.view(shape)], dim=-1)  # a new tensor, not a view (FSDP2)
+
+
+# Models that transform the head's output (soft-capping, scaling) cannot take log-probs from the head alone.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def install_logps_head(model: nn.Module, chunk_size: int) -> TokenLogpsHead | None:
+    """Replace `model.lm_head` by a `TokenLogpsHead`; None (nothing changed) where the model has no
+    bias-free linear `lm_head` or post-processes its logits (then the caller uses full logits)."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        return None
+    config = getattr(model, "config", None)
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
+        return None
+    model.lm_head = TokenLogpsHead(head, chunk_size)
+    return model.lm_head

@@ -1,0 +1,115 @@
+"""Packed-row attention: the automatic choice and its fall-backs, and every implementation that runs on
+CPU against the per-sequence sdpa loop (torch's varlen kernel is CUDA-only: its wrapper is checked with
+a stand-in kernel that has the same interface)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rl2.attention import (
+    TORCH_VARLEN_ATTENTION,
+    VARLEN_ATTENTION,
+    available_attention,
+    choose_attention,
+    packed_attention_implementation,
+    torch_varlen_attention,
+    varlen_attention,
+)
+from rl2.packing import pack_micro_batch
+
+CUDA = torch.device("cuda")
+ALL = {"flash_attention_2": True, "torch_varlen": True, "flex_attention": True, "sdpa_loop": True}
+
+
+@pytest.mark.parametrize(
+    "missing,expected",
+    [((), "flash_attention_2"), (("flash_attention_2",), "torch_varlen"),
+     (("flash_attention_2", "torch_varlen"), "flex_attention"),
+     (("flash_attention_2", "torch_varlen", "flex_attention"), "sdpa_loop")],
+)
+def test_auto_on_cuda_takes_the_first_available(missing, expected):
+    assert choose_attention(CUDA, "auto", {**ALL, **{name: False for name in missing}}) == expected
+
+
+def test_auto_on_cpu_is_the_loop_and_explicit_choices_are_checked():
+    assert choose_attention(torch.device("cpu"), "auto", ALL) == "sdpa_loop"
+    assert choose_attention(CUDA, "flex_attention", ALL) == "flex_attention"  # an explicit choice overrides auto
+    with pytest.raises(ValueError, match="torch_varlen cannot run on cpu: it needs CUDA"):
+        choose_attention(torch.device("cpu"), "torch_varlen")
+    with pytest.raises(ValueError, match="must be one of"):
+        choose_attention(CUDA, "sdpa", ALL)
+    cpu = available_attention(torch.device("cpu"))
+    assert not cpu["flash_attention_2"] and not cpu["torch_varlen"] and cpu["sdpa_loop"]
+
+
+def test_registered_names():
+    cpu = torch.device("cpu")
+    assert packed_attention_implementation(cpu) == VARLEN_ATTENTION
+    assert packed_attention_implementation(cpu, "flex_attention") == "flex_attention"
+
+
+def dense_reference(query, key, value, bounds, scale):
+    """Attention with an explicit block-diagonal causal mask; query [1, H, T, D], key/value [1, Hkv, T, D]."""
+    heads, kv_heads, length = query.shape[1], key.shape[1], query.shape[2]
+    sequence = torch.repeat_interleave(torch.arange(len(bounds) - 1), torch.tensor(bounds).diff())
+    position = torch.arange(length)
+    visible = (sequence[:, None] == sequence[None, :]) & (position[None, :] <= position[:, None])
+    kv_index = torch.arange(heads) // (heads // kv_heads)  # query head h reads KV head h // G
+    scores = torch.einsum("htd,hsd->hts", query[0], key[0, kv_index]) * scale
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hts,hsd->thd", probs, value[0, kv_index]).unsqueeze(0)  # [1, T, H, D]
+
+
+def stand_in_kernel(with_gqa: bool):
+    """A CPU function with torch.nn.attention.varlen.varlen_attn's interface (layout [T, H, D])."""
+
+    def attend(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **kwargs):
+        assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+        bounds = cu_q.tolist()
+        assert max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:]))
+        if k.shape[1] != q.shape[1]:
+            assert kwargs.get("enable_gqa")
+        out = dense_reference(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], bounds, scale)
+        return out[0]
+
+    if with_gqa:
+        def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+            return attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size, enable_gqa=enable_gqa)
+        return kernel
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):  # no GQA: heads repeated
+        assert k.shape[1] == q.shape[1]
+        return attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+    return kernel
+
+
+@pytest.mark.parametrize("with_gqa", [True, False])
+@pytest.mark.parametrize("boundaries_from", ["cu_seq_lens", "position_ids"])
+def test_torch_varlen_wrapper_and_loop_equal_dense_attention(with_gqa, boundaries_from):
+    generator = torch.Generator().manual_seed(0)
+    bounds = [0, 5, 17, 18, 30]
+    query = torch.randn(1, 6, 30, 8, generator=generator)
+    key, value = torch.randn(2, 1, 2, 30, 8, generator=generator)
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])[None]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    given = {"cu_seq_lens_q": cu, "max_length_q": 12} if boundaries_from == "cu_seq_lens" else {"position_ids": positions}
+    expected = dense_reference(query, key, value, bounds, 0.3)
+    ours, _ = torch_varlen_attention(None, query, key, value, None, scaling=0.3, kernel=stand_in_kernel(with_gqa), **given)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+    loop, _ = varlen_attention(None, query, key, value, None, scaling=0.3, **given)
+    torch.testing.assert_close(loop, expected, rtol=0, atol=1e-5)
+
+
+def test_flex_attention_matches_the_loop_on_a_packed_row(tiny_model_dir):
+    """transformers' flex attention (compiled; forward only on CPU) keeps packed sequences apart."""
+    cpu = torch.device("cpu")
+    loop = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation=packed_attention_implementation(cpu, "sdpa_loop"))
+    flex = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation=packed_attention_implementation(cpu, "flex_attention"))
+    generator = torch.Generator().manual_seed(2)
+    row = pack_micro_batch([{"input_ids": torch.randint(0, 1000, (n,), generator=generator)} for n in (9, 140, 4, 60)])
+    with torch.no_grad():
+        ours = flex(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False).logits
+        expected = loop(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False).logits
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
