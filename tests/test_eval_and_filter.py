@@ -8,6 +8,9 @@ import sys
 import pytest
 
 from conftest import REPO, run_python, run_torchrun
+from rl2 import PPOTrainer
+from rl2.config import ConfigError, load_config
+from rl2.trainer.difficulty_filter import DifficultyFilter
 
 # Each row's answer says how its responses score: "always" 1.0, "never" 0.0, "half" 1.0 for every
 # other response of that row (a per-row counter, so the share is exact whatever the order).
@@ -75,13 +78,24 @@ def test_eval_only_reports_avg_and_pass_at_k(tiny_model_dir, problems, tmp_path)
     ],
 )
 def test_eval_only_config_errors(tiny_model_dir, problems, tmp_path, overrides, message):
+    """Raised before the process group or any model loads (in this process)."""
+    env, rows = problems
+    with pytest.raises(ConfigError) as error:
+        PPOTrainer(load_config([*common(tiny_model_dir, env), "trainer.eval_only=true", f"data.test_path={rows}",
+                                f"actor.save_dir={tmp_path / 'eval'}", *overrides]))
+    assert message in str(error.value)
+    assert not (tmp_path / "eval").exists()
+
+
+def test_eval_only_config_error_on_the_command_line_is_one_line(tiny_model_dir, problems, tmp_path):
     env, rows = problems
     result = subprocess.run(
         [sys.executable, "-m", "rl2.trainer.ppo", *common(tiny_model_dir, env), "trainer.eval_only=true",
-         f"data.test_path={rows}", f"actor.save_dir={tmp_path}", *overrides],
+         f"data.test_path={rows}", f"actor.save_dir={tmp_path}", "trainer.load_ckpt_from=latest"],
         capture_output=True, text=True, cwd=REPO, timeout=120,
     )
-    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("rl2: error: trainer.eval_only evaluates actor.model_name")
 
 
 def test_difficulty_filter_keeps_rows_below_the_pass_rate(tiny_model_dir, problems, tmp_path):
@@ -119,11 +133,22 @@ def test_difficulty_filter_keeps_rows_below_the_pass_rate(tiny_model_dir, proble
     ],
 )
 def test_difficulty_filter_config_errors(tiny_model_dir, problems, tmp_path, overrides, message):
+    """Raised before the process group or any model loads (in this process)."""
+    env, rows = problems
+    with pytest.raises(ConfigError) as error:
+        DifficultyFilter(load_config([*common(tiny_model_dir, env), f"data.path={rows}",
+                                      f"filter.output={tmp_path / 'out.jsonl'}", *overrides]))
+    assert message in str(error.value)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_difficulty_filter_config_error_on_the_command_line_is_one_line(tiny_model_dir, problems, tmp_path):
     env, rows = problems
     result = subprocess.run(
         [sys.executable, "-m", "rl2.trainer.difficulty_filter", *common(tiny_model_dir, env), f"data.path={rows}",
-         f"filter.output={tmp_path / 'out.jsonl'}", *overrides],
+         f"filter.output={tmp_path / 'out.jsonl'}", "filter.responses_per_prompt=0"],
         capture_output=True, text=True, cwd=REPO, timeout=120,
     )
-    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "rl2: error: filter.responses_per_prompt must be >= 1" in result.stderr
     assert not (tmp_path / "out.jsonl").exists()

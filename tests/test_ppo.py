@@ -228,7 +228,12 @@ def test_grpo_roc_steps(tiny_model_dir, rl_data, tmp_path):
     ids=["no-oversample", "oversample-without-roc", "min-each-too-large"],
 )
 def test_grpo_roc_config_errors(tiny_model_dir, rl_data, tmp_path, overrides, message):
-    command = [sys.executable, *_ppo_args(tiny_model_dir, rl_data, str(tmp_path / "run"), *overrides)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO,
-                            env={**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": REPO})
-    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    """Raised before the process group or any model (in this process; the command line turns a
+    ConfigError into one line: test_broken_env_file_fails_at_start)."""
+    from rl2 import PPOTrainer
+    from rl2.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as error:
+        PPOTrainer(load_config(_ppo_args(tiny_model_dir, rl_data, str(tmp_path / "run"), *overrides)[2:]))
+    assert message in str(error.value)
+    assert not (tmp_path / "run").exists()

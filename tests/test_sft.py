@@ -163,8 +163,11 @@ def test_command_line_errors_are_one_clear_line(tiny_model_dir, tmp_path):
     assert bad_data.returncode == 2 and "Traceback" not in bad_data.stderr
     assert "bad.jsonl" in bad_data.stderr and "row 2" in bad_data.stderr and "'messages'" in bad_data.stderr
 
-    missing = run_python_raw(["-m", "rl2.trainer.sft", f"actor.model_name={tiny_model_dir}"])
-    assert missing.returncode == 2 and "data.path is required" in missing.stderr
+    from rl2 import SFTTrainer
+    from rl2.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="data.path is required"):  # before anything starts: in this process
+        SFTTrainer(load_config([f"actor.model_name={tiny_model_dir}"]))
 
     train = tmp_path / "ok.jsonl"
     train.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
