@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl2.engines import Engine, HFEngine, SamplingParams, build_engine
-from rl2.engines.hf import filter_top_k_top_p
+from rl2.engines.sampling import filter_top_k_top_p
 from rl2.tiny import build_tiny_model
 
 CPU = torch.device("cpu")
@@ -134,6 +134,128 @@ def test_filter_top_k_top_p():
     assert kept(-1, 0.6) == [True, True, False, False]
     assert kept(2, 1.0) == [True, True, False, False]
     assert kept(-1, 1e-6) == [True, False, False, False]
+
+
+# ---- continuous batching, shared prefixes, kept caches ------------------------------------------
+
+
+def many_prompts(n: int, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 60, (n,), generator=generator).tolist()
+    return [torch.randint(3, 1000, (length,), generator=generator).tolist() for length in lengths]
+
+
+@pytest.mark.parametrize("max_batch_size,sync_interval", [(3, 1), (4, 5), (64, 2)])
+def test_continuous_batching_equals_alone(model_dir, tokenizer, engine, max_batch_size, sync_interval):
+    """Requests join as others finish (more prompts than slots, lengths and stops that differ).
+    Greedy, each gets exactly what it gets alone; sampled, what it gets in one wide batch checked
+    every token (a request's random stream is its own: (call, index in the call, position))."""
+    prompts = many_prompts(11)
+    stop_id = greedy(engine, prompts[0], 1)[0]  # some requests stop early, at different times
+    batched = HFEngine(model_dir, tokenizer, CPU, seed=3, max_batch_size=max_batch_size, sync_interval=sync_interval)
+    wide = HFEngine(model_dir, tokenizer, CPU, seed=3, max_batch_size=64, sync_interval=1)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_new_tokens=10, stop_token_ids=[stop_id])
+        batched.reseed(3)
+        wide.reseed(3)
+        together = batched.generate(prompts, params)
+        references = (
+            [HFEngine(model_dir, tokenizer, CPU).generate([prompt], params)[0] for prompt in prompts]
+            if temperature == 0.0 else wide.generate(prompts, params)
+        )
+        for got, want in zip(together, references):
+            assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+            assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
+        if temperature == 0.0:
+            assert max(len(g.token_ids) for g in together) == 10 and len(together[0].token_ids) == 1
+    if max_batch_size < len(prompts):
+        assert batched.stats["decode_steps"] > 10  # slots were reused: more than one wave
+
+
+def test_responses_of_one_prompt_share_its_prefill(model_dir, tokenizer):
+    """n responses of one prompt prefill it once (the others copy its keys and values) and get what
+    separate prefills give: the same log-probs within 1e-5 and the same samples."""
+    prompts = [p for p in many_prompts(3, seed=2) for _ in range(4)]
+    prompts = [p + list(range(3, 40)) for p in prompts]  # at least two whole blocks each
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    shared = HFEngine(model_dir, tokenizer, CPU, seed=5)
+    together = shared.generate(prompts, params)
+    distinct = sum(len(p) for p in prompts[::4])
+    assert shared.stats["prefill_tokens"] == distinct + 3 * 3  # each copy computes its last token only
+    assert shared.stats["reused_tokens"] == 3 * sum(len(p) - 1 for p in prompts[::4])
+    separate = HFEngine(model_dir, tokenizer, CPU, seed=5, max_batch_size=1).generate(prompts, params)
+    for i, prompt in enumerate(prompts):
+        assert together[i].token_ids == separate[i].token_ids
+        assert torch.allclose(torch.tensor(together[i].logprobs), torch.tensor(separate[i].logprobs), atol=1e-5)
+        expected = plain_logprobs(shared.model, prompt, together[i].token_ids, 1.0)
+        assert (expected - torch.tensor(together[i].logprobs)).abs().max() < 1e-5
+    assert len({tuple(g.token_ids) for g in together[:4]}) > 1  # the copies still sample their own answers
+
+
+def test_next_turn_continues_the_kept_cache(model_dir, tokenizer):
+    """A multi-turn conversation: the next turn's prompt extends the last one with the answer and a
+    tool's tokens; only those are prefilled, and the result equals a fresh engine's."""
+    first = many_prompts(4, seed=3)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+    engine = HFEngine(model_dir, tokenizer, CPU, seed=9)
+    answers = engine.generate(first, params)
+    tool = [[5, 6, 7, 8, 9], [10, 11], [12], [13, 14, 15]]
+    second = [p + a.token_ids + t for p, a, t in zip(first, answers, tool)]
+    before = engine.stats["prefill_tokens"]
+    engine.reseed(10)
+    continued = engine.generate(second, params)
+    computed = engine.stats["prefill_tokens"] - before
+    # A kept slot holds its prompt and answer but the last answer token (never fed back); it is
+    # found by whole blocks of 16 tokens.
+    kept = [len(p) + len(a.token_ids) - 1 for p, a in zip(first, answers)]
+    assert sum(n >= 16 for n in kept) >= 3
+    assert computed == sum(len(s) - (n if n >= 16 else 0) for s, n in zip(second, kept))
+    fresh = HFEngine(model_dir, tokenizer, CPU, seed=9)
+    fresh.reseed(10)
+    expected = fresh.generate(second, params)
+    assert fresh.stats["reused_tokens"] == 0
+    for got, want in zip(continued, expected):
+        assert got.token_ids == want.token_ids
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
+
+
+def test_new_weights_and_sleep_drop_kept_caches(tiny_model_dir, tokenizer):
+    """A kept cache was computed by the weights of its time: after a weight update (or sleep) the
+    next turn is prefilled again and matches the new weights."""
+    engine = HFEngine(tiny_model_dir, tokenizer, CPU, seed=1)
+    prompt = list(range(3, 40))
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    answer = engine.generate([prompt], params)[0]
+    other = build_tiny_model(tokenizer, seed=4).eval()
+    engine.update_weights((name, tensor.clone()) for name, tensor in other.state_dict().items())
+    following = prompt + answer.token_ids + [7, 8]
+    before = engine.stats["reused_tokens"]
+    generation = engine.generate([following], params)[0]
+    assert engine.stats["reused_tokens"] == before
+    expected = plain_logprobs(other, following, generation.token_ids, 1.0)
+    assert (expected - torch.tensor(generation.logprobs)).abs().max() < 1e-5
+    engine.sleep()
+    assert engine.kv.capacity == 0 and not engine.kv.keys  # the cache memory is released
+    engine.wake()
+    again = engine.generate([following + generation.token_ids], params)[0]
+    assert engine.stats["reused_tokens"] == before
+    assert len(again.token_ids) == 6
+
+
+def test_stop_strings_and_ids_with_a_sync_interval(model_dir, tokenizer, engine, prompts):
+    """Checking the device every 5 tokens still cuts at the exact token."""
+    sparse = HFEngine(model_dir, tokenizer, CPU, sync_interval=5)
+    reference = greedy(engine, prompts[3], 24)
+    text = tokenizer.decode(reference[6:8], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if text and "\ufffd" not in text:
+        got = sparse.generate([prompts[3]], SamplingParams(temperature=0.0, max_new_tokens=24, stop=[text]))[0]
+        want = engine.generate([prompts[3]], SamplingParams(temperature=0.0, max_new_tokens=24, stop=[text]))[0]
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+    stop_id = reference[7]
+    got = sparse.generate([prompts[3]], SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=[stop_id]))[0]
+    assert got.token_ids == reference[: reference.index(stop_id) + 1] and got.finish_reason == "stop"
+    got = sparse.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=7, ignore_eos=True))
+    assert all(len(g.token_ids) == 7 and g.finish_reason == "length" for g in got)
 
 
 # ---- stopping ---------------------------------------------------------------------------------

@@ -1,27 +1,86 @@
-"""A rollout engine on plain transformers: a batched KV-cache sampling loop with exact log-probs.
+"""A rollout engine on plain transformers and torch: continuous batching over a slot KV cache,
+shared prefixes, CUDA-graph decode, exact log-probs.
 
-Slower than a serving engine, but it needs nothing beyond transformers, runs on CPU, and its
-log-probs follow the trainer's convention exactly. Prompts are sorted by length and run in
-chunks of at most `max_batch_size`, left-padded; finished rows leave the batch (and its KV
-cache) as soon as they finish.
+Every sequence lives in a slot of a preallocated KV cache (`kv_slots`). Requests enter free slots
+as others finish; their prompts are prefilled together in one packed row, and a prompt that
+shares a prefix with a slot's contents (the other responses of the same prompt, or the earlier
+turns of the same conversation, kept after they finished) copies that prefix's keys and values
+instead of recomputing them. Decode runs over the first R slots at once, from a captured CUDA
+graph on CUDA (`decode_step`). Stop conditions (eos, stop ids, length) are checked on the device;
+the host looks every `sync_interval` tokens, and stop strings are found then and cut exactly.
+It needs nothing beyond transformers, runs on CPU, and its log-probs follow the trainer's
+convention exactly.
 """
 
 import logging
 import threading
+from collections import Counter, deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
 from rl2.engines.base import Engine, Generation, SamplingParams
+from rl2.engines.decode_step import DecodeStep
+from rl2.engines.kv_slots import NO_MASKS, KVSlots, PrefillPlan, register_slot_attention
+from rl2.engines.sampling import request_uniforms, sample
+from rl2.engines.slot_table import BLOCK, SlotTable, block_hashes
 from rl2.fsdp import DTYPES
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Request:
+    index: int  # in the `generate` call
+    prompt: list[int]
+    slot: int = -1
+    fed_bound: int = 0  # at least the positions its slot holds: for sizing the decode's kv_length
+    checked: int = 0  # generated tokens already checked for stop strings
+
+
+@dataclass
+class _DeviceState:
+    """Per-slot decode state on the device, so stop checks need no host sync."""
+
+    next_input: torch.Tensor  # [S] the token to feed next
+    length: torch.Tensor  # [S] positions in the slot's cache (= the next input's position)
+    count: torch.Tensor  # [S] tokens generated
+    live: torch.Tensor  # [S] still generating
+    request: torch.Tensor  # [S] the index of the slot's request in the `generate` call
+    tokens: torch.Tensor  # [S, max_new + 1] generated tokens (the last column is scratch)
+    logprobs: torch.Tensor  # [S, max_new + 1]
+    stop_ids: torch.Tensor  # [k]
+    max_new: int = field(default=0)
+
+    @classmethod
+    def create(cls, slots: int, max_new: int, stop_ids: set[int], device) -> "_DeviceState":
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(zeros(slots), zeros(slots), zeros(slots), zeros(slots, dtype=torch.bool), zeros(slots),
+                   zeros(slots, max_new + 1), zeros(slots, max_new + 1, dtype=torch.float32),
+                   torch.tensor(sorted(stop_ids), dtype=torch.long, device=device), max_new)
+
+    def record(self, rows: torch.Tensor, running: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Append `tokens` to the running ones of `rows`; a row stops on a stop id or at max_new."""
+        column = torch.where(running, self.count[rows], self.max_new)
+        self.tokens[rows, column] = tokens
+        self.logprobs[rows, column] = logprobs
+        self.count[rows] += running
+        self.next_input[rows] = torch.where(running, tokens, self.next_input[rows])
+        stopped = torch.isin(tokens, self.stop_ids) | (self.count[rows] >= self.max_new)
+        self.live[rows] = running & ~stopped
+
+
 class HFEngine(Engine):
-    """An unsharded copy of the policy in `dtype` on `device`, sampling with its own seeded generator."""
+    """An unsharded copy of the policy in `dtype` on `device`, sampling with its own seeded generator.
+
+    `max_batch_size` sequences run at once (the KV slots); `sync_interval` decode steps run
+    between host checks (default 8 on CUDA, 1 on CPU); `cuda_graphs` replays decode steps from
+    captured graphs (default: on CUDA); `max_prefill_tokens` bounds one prefill forward.
+    """
 
     def __init__(
         self,
@@ -31,20 +90,31 @@ class HFEngine(Engine):
         dtype: str = "float32",
         seed: int = 0,
         max_batch_size: int = 64,
+        sync_interval: int | None = None,
+        cuda_graphs: bool | None = None,
+        max_prefill_tokens: int = 16384,
     ):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        cuda = self.device.type == "cuda"
+        self.sync_interval = sync_interval or (8 if cuda else 1)
+        self.max_prefill_tokens = max_prefill_tokens
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=DTYPES[dtype], attn_implementation="sdpa"
+            model_path, dtype=DTYPES[dtype], attn_implementation=register_slot_attention()
         ).to(self.device)
         self.model.eval()
+        self.kv = KVSlots.for_model(self.model, max_batch_size)
+        self.slots = SlotTable(max_batch_size)
+        self.decode = DecodeStep(self.model, self.kv, use_graphs=cuda if cuda_graphs is None else cuda_graphs)
         self.eos_ids = _eos_ids(tokenizer, self.model)
-        # Padding is masked out, so any valid id will do.
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # draws one key per `generate` call
         self.asleep = False
         self.aborting = threading.Event()
+        # prefill_tokens (computed), reused_tokens (copied or kept from a slot), decode_steps, host_syncs
+        self.stats: Counter = Counter()
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -56,93 +126,156 @@ class HFEngine(Engine):
         if any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("every prompt needs at least one token")
         self.aborting.clear()
-        # Longest first: similar lengths share a chunk (less padding), and memory peaks early.
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        if not prompts:
+            return []
+        self._reserve(max(len(p) for p in prompts) + min(params.max_new_tokens, 256))
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        state = _DeviceState.create(self.max_batch_size, params.max_new_tokens, stop_ids, self.device)
+        self.call_key = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        waiting = deque(_Request(i, list(p)) for i, p in enumerate(prompts))
+        running: list[_Request] = []
         results: list[Generation | None] = [None] * len(prompts)
-        for start in range(0, len(order), self.max_batch_size):
-            chunk = order[start : start + self.max_batch_size]
-            for i, generation in zip(chunk, self._generate_chunk([prompts[i] for i in chunk], params)):
-                results[i] = generation
+        try:
+            while waiting or running:
+                if self.aborting.is_set():
+                    self._finish(running, state, params, results, abort=True)
+                    for request in waiting:
+                        results[request.index] = Generation([], [], "abort", "aborted")
+                    break
+                while waiting and self.slots.free_slots():
+                    running += self._admit(waiting, state, params)
+                for _ in range(self.sync_interval):
+                    self._decode_step(running, state, params)
+                self._finish(running, state, params, results)
+                running = [r for r in running if r.slot >= 0]
+        finally:
+            self.slots.drop_active()  # after an error: their caches are incomplete
         return results
 
-    def _generate_chunk(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        batch, width = len(prompts), max(len(prompt) for prompt in prompts)
-        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[row, width - len(prompt) :] = 1
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        # Positions count real tokens only, so a left-padded row sees the positions it would alone.
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        next_positions = attention_mask.sum(-1, keepdim=True)
-
-        cache = DynamicCache(config=self.model.config)
+    def _admit(self, waiting: deque, state: _DeviceState, params: SamplingParams) -> list[_Request]:
+        """Prefill as many waiting requests as there are free slots (and prefill budget) in one
+        packed forward; their first tokens are sampled. A request that shares a longer prefix
+        with another one of this round than with any slot waits for the next round, to copy it."""
+        admitted, round_blocks, tokens = [], {}, 0
+        deferred = []
+        while waiting and self.slots.free_slots():
+            request = waiting.popleft()
+            source, shared = self.slots.longest_prefix(request.prompt, len(request.prompt) - 1)
+            hashes = block_hashes(request.prompt[: len(request.prompt) - 1])
+            if any(h in round_blocks for h in hashes[shared // BLOCK :]):
+                deferred.append(request)
+                continue
+            if admitted and tokens + len(request.prompt) - shared > self.max_prefill_tokens:
+                waiting.appendleft(request)
+                break
+            request.slot = self.slots.claim(source if source >= 0 and not self.slots.active[source] else -1)
+            if source >= 0 and source != request.slot:
+                self.kv.copy_prefix(source, request.slot, shared)
+            admitted.append((request, shared))
+            tokens += len(request.prompt) - shared
+            round_blocks.update(dict.fromkeys(hashes))
+        waiting.extendleft(reversed(deferred))
+        if not admitted:
+            return []
+        self.stats["prefill_tokens"] += tokens
+        self.stats["reused_tokens"] += sum(shared for _, shared in admitted)
+        ids, positions, slots, segments, last = [], [], [], [], []
+        for request, shared in admitted:
+            start = len(ids)
+            ids += request.prompt[shared:]
+            positions += range(shared, len(request.prompt))
+            slots += [request.slot] * (len(request.prompt) - shared)
+            segments.append((request.slot, shared, start, len(ids)))
+            last.append(len(ids) - 1)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        plan = PrefillPlan(slots=as_tensor(slots), positions=as_tensor(positions), segments=segments)
         logits = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
+            input_ids=as_tensor(ids)[None],
+            position_ids=as_tensor(positions)[None],
+            attention_mask=NO_MASKS,
+            kv_slots=self.kv,
+            kv_plan=plan,
+            use_cache=False,
+            logits_to_keep=as_tensor(last),
+        ).logits[0]
+        rows = as_tensor([request.slot for request, _ in admitted])
+        state.request[rows] = as_tensor([request.index for request, _ in admitted])
+        next_tokens, logprobs = sample(logits, params, request_uniforms(self.call_key, state.request[rows], 0 * rows))
+        state.length[rows] = as_tensor([len(request.prompt) for request, _ in admitted])
+        state.count[rows] = 0
+        state.record(rows, torch.ones_like(rows, dtype=torch.bool), next_tokens, logprobs)
+        for request, _ in admitted:
+            self.slots.start(request.slot, request.prompt)
+            request.fed_bound = len(request.prompt)
+        return [request for request, _ in admitted]
 
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        tokens: list[list[int]] = [[] for _ in range(batch)]
-        logprobs: list[list[float]] = [[] for _ in range(batch)]
-        finish: list[str | None] = [None] * batch
-        active = list(range(batch))  # chunk rows still generating, in cache order
-        while True:
-            if self.aborting.is_set():
-                for row in active:
-                    finish[row] = "abort"
-                break
-            next_tokens, next_logprobs = sample(logits, params, self.generator)
-            for row, token, logprob in zip(active, next_tokens.tolist(), next_logprobs.tolist()):
-                tokens[row].append(token)
-                logprobs[row].append(logprob)
-                finish[row] = self._finish_reason(tokens[row], stop_ids, params)
-            keep = [j for j, row in enumerate(active) if finish[row] is None]
-            if not keep:
-                break
-            if len(keep) < len(active):
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                attention_mask, next_positions, next_tokens = (
-                    attention_mask[index], next_positions[index], next_tokens[index]
-                )
-                active = [active[j] for j in keep]
-            attention_mask = F.pad(attention_mask, (0, 1), value=1)
-            logits = self.model(
-                input_ids=next_tokens[:, None],
-                attention_mask=attention_mask,
-                position_ids=next_positions,
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
-            next_positions = next_positions + 1
-        return [
-            Generation(tokens[row], logprobs[row], finish[row], "aborted" if finish[row] == "abort" else None)
-            for row in range(batch)
-        ]
+    def _reserve(self, positions: int) -> None:
+        """Room for `positions` per slot; the cache at least doubles when it grows."""
+        if positions > self.kv.capacity:
+            if self.kv.reserve(_round_up(max(positions, 2 * self.kv.capacity), 64)):
+                self.decode.reset()
 
-    def _finish_reason(self, tokens: list[int], stop_ids: set[int], params: SamplingParams) -> str | None:
-        """"stop" / "length" if the row is done after its last token, else None."""
-        if tokens[-1] in stop_ids or (params.stop and self._completes_stop_string(tokens, params.stop)):
-            return "stop"
-        if len(tokens) >= params.max_new_tokens:
-            return "length"
+    def _decode_step(self, running: list[_Request], state: _DeviceState, params: SamplingParams) -> None:
+        if not running:
+            return
+        self.stats["decode_steps"] += 1
+        longest = max(r.fed_bound for r in running) + 1
+        self._reserve(longest)
+        rows, kv_length = self.decode.sizes(self.slots.highest_active() + 1, longest)
+        live = state.live[:rows]
+        write_positions = torch.where(live, state.length[:rows], self.kv.capacity)
+        logits = self.decode(state.next_input[:rows], write_positions, kv_length)
+        uniforms = request_uniforms(self.call_key, state.request[:rows], state.count[:rows])
+        next_tokens, logprobs = sample(logits, params, uniforms)
+        state.length[:rows] += live
+        state.record(torch.arange(rows, device=self.device), live, next_tokens, logprobs)
+        for request in running:
+            request.fed_bound = min(request.fed_bound + 1, len(request.prompt) + params.max_new_tokens - 1)
+
+    def _finish(self, running: list[_Request], state: _DeviceState, params: SamplingParams,
+                results: list, abort: bool = False) -> None:
+        """Look at the device state (one copy): hand back the requests that finished and keep
+        their caches. Stop strings are searched in the new tokens and cut exactly."""
+        if not running:
+            return
+        self.stats["host_syncs"] += 1
+        slots = torch.tensor([r.slot for r in running], device=self.device)
+        live, count = state.live[slots].tolist(), state.count[slots].tolist()
+        done = [i for i, r in enumerate(running) if abort or not live[i] or params.stop]
+        if not done:
+            return
+        stop_ids = set(state.stop_ids.tolist())
+        picked = slots[done]
+        tokens, logprobs = state.tokens[picked].tolist(), state.logprobs[picked].tolist()
+        stopped_rows = []
+        for i, row_tokens, row_logprobs in zip(done, tokens, logprobs):
+            request, n = running[i], count[i]
+            row_tokens, row_logprobs = row_tokens[:n], row_logprobs[:n]
+            if abort:
+                reason, error = "abort", "aborted"
+            elif params.stop and (cut := self._stop_string_end(row_tokens, request, params.stop)) is not None:
+                row_tokens, row_logprobs, reason, error = row_tokens[:cut], row_logprobs[:cut], "stop", None
+                if live[i]:
+                    stopped_rows.append(request.slot)
+            elif not live[i]:
+                reason, error = ("length" if n >= params.max_new_tokens and row_tokens[-1] not in stop_ids else "stop"), None
+            else:
+                continue  # only searched for stop strings, none yet
+            results[request.index] = Generation(row_tokens, row_logprobs, reason, error)
+            # The cache holds the prompt and every generated token but the last (never fed back).
+            self.slots.keep(request.slot, request.prompt + row_tokens[:-1])
+            request.slot = -1
+        if stopped_rows:
+            state.live[torch.tensor(stopped_rows, device=self.device)] = False
+
+    def _stop_string_end(self, tokens: list[int], request: _Request, stops: list[str]) -> int | None:
+        """The length of `tokens` up to the token that completes a stop string, if one does;
+        tokens before `request.checked` were searched already."""
+        for end in range(request.checked + 1, len(tokens) + 1):
+            if _completes_stop_string(self.tokenizer, tokens[:end], stops):
+                return end
+        request.checked = len(tokens)
         return None
-
-    def _completes_stop_string(self, tokens: list[int], stops: list[str]) -> bool:
-        """Whether the last token completes one of `stops` (checked after every token, so only the tail)."""
-        # A character is at most 4 bytes and a byte-level token holds at least 1 byte, so the
-        # tokens that make up a stop string are among the last 4 per character (+1 to spare).
-        window = 4 * max(len(stop) for stop in stops) + 1
-        text = self.tokenizer.decode(
-            tokens[-window:], skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
-        return any(stop in text for stop in stops)
 
     # ---- weights and memory ----------------------------------------------------------------
 
@@ -170,6 +303,7 @@ class HFEngine(Engine):
                 )
             target.copy_(tensor)
             pending.pop(id(target), None)
+        self.slots.clear()  # kept caches were computed by the old weights
         if pending:
             names = list(pending.values())
             more = f" and {len(names) - 5} more" if len(names) > 5 else ""
@@ -193,7 +327,11 @@ class HFEngine(Engine):
         self.generator.manual_seed(seed)
 
     def sleep(self) -> None:
-        """On CUDA, move the model to CPU and free the cached accelerator memory."""
+        """Free the KV cache and the captured graphs; on CUDA, also move the model to CPU and
+        return the cached accelerator memory."""
+        self.slots.clear()
+        self.kv.release()
+        self.decode.reset()
         if self.device.type == "cuda" and not self.asleep:
             self.model.to("cpu")
             torch.cuda.empty_cache()
@@ -206,42 +344,17 @@ class HFEngine(Engine):
             self.asleep = False
 
 
-def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next tokens [B] from last-position logits [B, V], and their log-probs under softmax(logits / T).
-
-    Temperature 0 is greedy (log-probs at T = 1). top_k then top_p restrict what is sampled, not
-    the reported log-probs.
-    """
-    logits = logits.float()
-    if params.temperature == 0:
-        next_tokens = logits.argmax(-1)
-        logps = torch.log_softmax(logits, -1)
-    else:
-        logits = logits / params.temperature
-        logps = torch.log_softmax(logits, -1)
-        filtered = filter_top_k_top_p(logits, params.top_k, params.top_p)
-        next_tokens = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(-1)
-    return next_tokens, logps.gather(-1, next_tokens[:, None]).squeeze(-1)
+def _completes_stop_string(tokenizer, tokens: list[int], stops: list[str]) -> bool:
+    """Whether the last token of `tokens` completes one of `stops` (checked token by token, so only the tail)."""
+    # A character is at most 4 bytes and a byte-level token holds at least 1 byte, so the
+    # tokens that make up a stop string are among the last 4 per character (+1 to spare).
+    window = 4 * max(len(stop) for stop in stops) + 1
+    text = tokenizer.decode(tokens[-window:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return any(stop in text for stop in stops)
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """`logits` with -inf outside the top_k tokens, then outside the nucleus of mass top_p.
-
-    The nucleus is the smallest set of most likely tokens whose probability reaches top_p; it
-    always holds the most likely token.
-    """
-    if top_k != -1 and top_k < logits.shape[-1]:
-        kth_largest = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, sorted_index = logits.sort(-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        outside_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # mass before it already reaches top_p
-        outside = outside_sorted.scatter(-1, sorted_index, outside_sorted)
-        logits = logits.masked_fill(outside, float("-inf"))
-    return logits
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def _eos_ids(tokenizer, model) -> set[int]:

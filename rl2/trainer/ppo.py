@@ -76,7 +76,7 @@ class PPOTrainer(Trainer):
         self.train_params = SamplingParams.from_dict(config.rollout.train_sampling_params)
         self.test_params = SamplingParams.from_dict(config.rollout.test_sampling_params)
         # The engine before the actor's optimizer: a GPU engine sizes its KV cache from free memory.
-        engine_options = {}
+        engine_options = {"max_batch_size": config.rollout.max_batch_size, "cuda_graphs": config.rollout.cuda_graphs}
         if config.rollout.engine == "sglang":
             engine_options = {
                 "tp_size": config.rollout.tp_size,

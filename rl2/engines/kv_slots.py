@@ -1,0 +1,165 @@
+"""A KV cache of fixed slots, one sequence per slot, and the attention that writes and reads it.
+
+The `hf` engine keeps each sequence it generates in a slot of preallocated key/value tensors
+([slots, kv_heads, capacity + 1, head_dim] per layer). Rows join and leave the running batch
+without moving anyone else's cache (continuous batching); a slot's prefix can be copied into
+another (the n responses of one prompt share one prefill); a finished slot keeps its cache for
+the next turn of its conversation. The tensors never move, so a captured CUDA graph stays valid
+across steps and weight updates.
+
+`slot_attention` plugs into transformers' attention registry, so the model's own layers run
+unchanged: each layer's new keys and values are written into their slots, then each query
+attends over its slot up to its own position. Column `capacity` is scratch: rows that run in a
+decode batch without a live sequence write there, and nobody reads it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+SLOT_ATTENTION = "rl2_kv_slots"
+# Given as `attention_mask`, a dict makes the model skip building masks: the plans carry their own.
+NO_MASKS = {"full_attention": None, "sliding_attention": None}
+
+
+@dataclass
+class DecodePlan:
+    """One new token per row; row r is slot r."""
+
+    write_positions: torch.Tensor  # [R] where each row's token goes (capacity: scratch, for idle rows)
+    mask: torch.Tensor  # [R, 1, 1, kv_length] bool: the positions each row attends to
+    kv_length: int  # positions read per row
+
+
+@dataclass
+class PrefillPlan:
+    """The new tokens of several sequences packed in one row [1, T]."""
+
+    slots: torch.Tensor  # [T] the slot of each token
+    positions: torch.Tensor  # [T] its position in its sequence
+    segments: list[tuple[int, int, int, int]]  # per sequence: (slot, first position, start, end in the row)
+
+
+class KVSlots:
+    """Per-layer key and value tensors [slots, kv_heads, capacity + 1, head_dim], grown on demand."""
+
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device):
+        self.num_layers, self.num_slots, self.kv_heads, self.head_dim = num_layers, num_slots, kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @classmethod
+    def for_model(cls, model: nn.Module, num_slots: int) -> "KVSlots":
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return cls(config.num_hidden_layers, num_slots, kv_heads, head_dim, model.dtype, model.device)
+
+    def bytes_per_position(self) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def reserve(self, capacity: int) -> bool:
+        """Room for `capacity` positions per slot, keeping what the slots hold; True if the tensors
+        were reallocated (anything that captured them must be rebuilt)."""
+        if capacity <= self.capacity:
+            return False
+        shape = (self.num_slots, self.kv_heads, capacity + 1, self.head_dim)
+        keys, values = [], []
+        for layer in range(self.num_layers):
+            for old, new in ((self.keys, keys), (self.values, values)):
+                # zeros, not empty: idle rows attend over unused positions and must get finite values
+                tensor = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if old:
+                    tensor[:, :, : self.capacity].copy_(old[layer][:, :, : self.capacity])
+                    old[layer] = None  # free as we go
+                new.append(tensor)
+        self.keys, self.values, self.capacity = keys, values, capacity
+        return True
+
+    def release(self) -> None:
+        """Free the tensors (their content is lost); `reserve` allocates them again."""
+        self.keys, self.values, self.capacity = [], [], 0
+
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Positions [0, length) of slot `source` into slot `target`, in every layer."""
+        for tensors in (self.keys, self.values):
+            for tensor in tensors:
+                tensor[target, :, :length].copy_(tensor[source, :, :length])
+
+
+def slot_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    kv_slots: KVSlots | None = None,
+    kv_plan: DecodePlan | PrefillPlan | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention through the slot cache: query [B, heads, T, dim], key/value [B, kv_heads, T, dim]
+    (this step's tokens) → output [B, T, heads, dim]. Without a plan (a plain forward of the
+    engine's model) it is transformers' causal sdpa."""
+    if kv_plan is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+    if sliding_window is not None:
+        raise NotImplementedError("the hf engine's slot cache supports full attention only, not sliding windows")
+    layer_keys, layer_values = kv_slots.keys[module.layer_idx], kv_slots.values[module.layer_idx]
+    if isinstance(kv_plan, DecodePlan):
+        return _decode_attention(query, key, value, layer_keys, layer_values, kv_plan, scaling), None
+    return _prefill_attention(query, key, value, layer_keys, layer_values, kv_plan, scaling), None
+
+
+def _decode_attention(query, key, value, layer_keys, layer_values, plan: DecodePlan, scaling) -> torch.Tensor:
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    index = torch.arange(rows, device=query.device)
+    layer_keys[index, :, plan.write_positions] = key[:, :, 0]
+    layer_values[index, :, plan.write_positions] = value[:, :, 0]
+    keys = layer_keys[:rows, :, : plan.kv_length]
+    values = layer_values[:rows, :, : plan.kv_length]
+    # One query per row: the query heads that share a KV head become that head's queries, so
+    # grouped-query attention needs no repeated keys (transformers' repeat_kv order: head h serves
+    # query heads h*g .. h*g+g-1).
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask, scale=scaling)
+    return out.reshape(rows, heads, 1, dim).transpose(1, 2)
+
+
+def _prefill_attention(query, key, value, layer_keys, layer_values, plan: PrefillPlan, scaling) -> torch.Tensor:
+    # [1, kv_heads, T, dim] → [T, kv_heads, dim], the layout of cache[slot, :, position]
+    layer_keys[plan.slots, :, plan.positions] = key[0].transpose(0, 1)
+    layer_values[plan.slots, :, plan.positions] = value[0].transpose(0, 1)
+    grouped = query.shape[1] != key.shape[1]
+    outputs = []
+    for slot, first, start, end in plan.segments:
+        length = first + end - start
+        keys = layer_keys[slot : slot + 1, :, :length]
+        values = layer_values[slot : slot + 1, :, :length]
+        if first == 0:
+            mask, causal = None, True
+        else:  # the new tokens at positions first.. see the cached prefix and each other causally
+            positions = torch.arange(length, device=query.device)
+            mask, causal = positions[None, :] <= positions[first:, None], False
+        outputs.append(F.scaled_dot_product_attention(
+            query[:, :, start:end], keys, values, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=grouped
+        ))
+    return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def register_slot_attention() -> str:
+    """Register `slot_attention` with transformers; returns its name for `attn_implementation`."""
+    AttentionInterface.register(SLOT_ATTENTION, slot_attention)
+    AttentionMaskInterface.register(SLOT_ATTENTION, sdpa_mask)  # for plain forwards of the engine's model
+    return SLOT_ATTENTION
