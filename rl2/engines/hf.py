@@ -78,8 +78,8 @@ class HFEngine(Engine):
     """An unsharded copy of the policy in `dtype` on `device`, sampling with its own seeded generator.
 
     `max_batch_size` sequences run at once (the KV slots); `sync_interval` decode steps run
-    between host checks (default 8 on CUDA, 1 on CPU); `cuda_graphs` replays decode steps from
-    captured graphs (default: on CUDA); `max_prefill_tokens` bounds one prefill forward.
+    between host checks (default 8 on CUDA, 1 on CPU); on CUDA, `cuda_graphs` replays decode steps
+    from captured graphs; `max_prefill_tokens` bounds one prefill forward.
     """
 
     def __init__(
@@ -91,7 +91,7 @@ class HFEngine(Engine):
         seed: int = 0,
         max_batch_size: int = 64,
         sync_interval: int | None = None,
-        cuda_graphs: bool | None = None,
+        cuda_graphs: bool = True,
         max_prefill_tokens: int = 16384,
     ):
         if max_batch_size < 1:
@@ -108,7 +108,7 @@ class HFEngine(Engine):
         self.model.eval()
         self.kv = KVSlots.for_model(self.model, max_batch_size)
         self.slots = SlotTable(max_batch_size)
-        self.decode = DecodeStep(self.model, self.kv, use_graphs=cuda if cuda_graphs is None else cuda_graphs)
+        self.decode = DecodeStep(self.model, self.kv, use_graphs=cuda and cuda_graphs)
         self.eos_ids = _eos_ids(tokenizer, self.model)
         self.generator = torch.Generator().manual_seed(seed)  # draws one key per `generate` call
         self.asleep = False
