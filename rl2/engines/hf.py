@@ -303,7 +303,7 @@ class HFEngine(Engine):
                 )
             target.copy_(tensor)
             pending.pop(id(target), None)
-        self.slots.clear()  # kept caches were computed by the old weights
+        self.flush_cache()  # kept caches were computed by the old weights
         if pending:
             names = list(pending.values())
             more = f" and {len(names) - 5} more" if len(names) > 5 else ""
@@ -311,6 +311,11 @@ class HFEngine(Engine):
                 f"update_weights: {len(names)} parameters were not updated (the engine now mixes old and new "
                 f"weights): {', '.join(names[:5])}{more}"
             )
+
+    def flush_cache(self) -> None:
+        """Forget the kept caches (call after changing the model's weights other than by
+        `update_weights`)."""
+        self.slots.clear()
 
     def abort(self) -> None:
         """Make the running `generate` return at its next token, the unfinished rows with "abort"."""

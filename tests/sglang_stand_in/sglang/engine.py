@@ -113,6 +113,8 @@ class Engine:
             with torch.no_grad():
                 for parameter in self.hf.model.parameters():
                     parameter.zero_()
+        if "weights" in tags or "kv_cache" in tags:
+            self.hf.flush_cache()
         self.released |= set(tags)
 
     def resume_memory_occupation(self, tags=None):
@@ -124,6 +126,7 @@ class Engine:
         self._record("flush_cache")
         if "kv_cache" in self.released:
             raise RuntimeError("flush_cache with the KV cache released")
+        self.hf.flush_cache()
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -170,6 +173,8 @@ class Engine:
                     self.unknown_names.append(name)
                     continue
                 state[name].copy_(tensor)
+        if flush_cache:
+            self.hf.flush_cache()
         return True, "Succeeded to update parameter online."
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
