@@ -32,8 +32,11 @@ sandbox-tools:
 	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; }; } || \
 	  echo "bubblewrap not installed: the sandbox uses its fallback isolation"
 
+# Two pytest workers, one torch thread per process: much of the suite waits on process start-up
+# (torch and transformers imports), services and timeouts, which two workers overlap; one thread
+# each keeps OpenMP's spinning threads from starving one another on 2 cores.
 test: install sandbox-tools
-	$(PYTHON) -m pytest tests -q -rs
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest tests -q -rs -n 2
 
 bench: install
 	$(PYTHON) bench/packing.py

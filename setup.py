@@ -27,7 +27,7 @@ setup(
     extras_require={
         # sglang 0.5.20 / 0.5.21 are built for torch 2.13.0 (0.5.22+ need torch 2.14.1).
         "gpu": ["sglang[srt]>=0.5.20,<0.5.22", "flash-attn", "ring-flash-attn"],
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist"],
         "dense": ["sentence-transformers", "faiss-cpu"],
     },
 )

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import torch
 
 from conftest import GRAD_RTOL, REPO, assert_same_gradients, run_python, run_torchrun
 from rl2.metrics import read_metrics
+from rl2.tiny import save_tiny
 
 WORKER = "tests/workers/ppo_update.py"
 
@@ -71,13 +73,21 @@ def _assert_same_sgd_update(one: dict, two: dict) -> None:
         torch.testing.assert_close(two["after"][name], one["after"][name], rtol=0, atol=rounding + carried, msg=name)
 
 
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory) -> str:
+    """The model recipes/ppo_tiny.sh builds (`python -m rl2.tiny --hidden-size 128 --layers 2`), built
+    once for the demo runs here (it is deterministic)."""
+    return save_tiny(str(tmp_path_factory.mktemp("demo") / "model"), hidden_size=128, num_layers=2)
+
+
 @pytest.mark.parametrize("seed", [1, 10, 42])
-def test_demo_learns_on_every_seed(tmp_path, seed):
+def test_demo_learns_on_every_seed(tmp_path, seed, demo_model):
     """The short version of bench/demo_seeds.py: the README's demo, on one rank, learns (its reward
     goes from the warm-up's ~0.1 to >= 0.7 in 20 steps). Seed 42 once collapsed to reward 0 at step 3
     (full-lr Adam steps, no warm-up) and seed 10's SFT warm-up once stalled (same cause)."""
     env = {**os.environ, "OUT": str(tmp_path), "SFT_STEPS": "200", "PPO_STEPS": "20", "NPROC": "1",
            "SEED": str(seed), "PYTHONPATH": REPO}
+    shutil.copytree(demo_model, tmp_path / "model")
     result = subprocess.run(
         ["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null", "trainer.dump_trajectories=false"],
         capture_output=True, text=True, timeout=400, env=env, cwd=REPO,
@@ -147,10 +157,11 @@ def test_notebook_run_in_one_process(tiny_model_dir, rl_data, tmp_path):
     assert "actor/loss" not in rows[0] and ("actor/loss" in rows[-1] or "critic/loss" not in rows[-1])
 
 
-def test_tool_demo_reward_rises(tmp_path):
+def test_tool_demo_reward_rises(tmp_path, demo_model):
     """The multi-turn demo: the policy learns to call the lookup tool, and the reward follows."""
     env = {**os.environ, "OUT": str(tmp_path), "TASK": "lookup", "SFT_STEPS": "200", "PPO_STEPS": "12",
            "PYTHONPATH": REPO}
+    shutil.copytree(demo_model, tmp_path / "model")
     result = subprocess.run(
         ["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null"],
         capture_output=True, text=True, timeout=400, env=env, cwd=REPO,
