@@ -16,7 +16,7 @@ import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -52,7 +52,7 @@ class _DeviceState:
     tokens: torch.Tensor  # [S, max_new + 1] generated tokens (the last column is scratch)
     logprobs: torch.Tensor  # [S, max_new + 1]
     stop_ids: torch.Tensor  # [k]
-    max_new: int = field(default=0)
+    max_new: int
 
     @classmethod
     def create(cls, slots: int, max_new: int, stop_ids: set[int], device) -> "_DeviceState":
@@ -234,8 +234,8 @@ class HFEngine(Engine):
 
     def _finish(self, running: list[_Request], state: _DeviceState, params: SamplingParams,
                 results: list, abort: bool = False) -> None:
-        """Look at the device state (one copy): hand back the requests that finished and keep
-        their caches. Stop strings are searched in the new tokens and cut exactly."""
+        """Look at the device state (the host's sync): hand back the requests that finished and
+        keep their caches. Stop strings are searched in the new tokens and cut exactly."""
         if not running:
             return
         self.stats["host_syncs"] += 1
