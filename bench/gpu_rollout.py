@@ -91,7 +91,7 @@ def timed(fn, device) -> tuple[int, float]:
     return tokens, time.perf_counter() - start
 
 
-def bandwidth_bound(config, engine: HFEngine, rows: int, mean_context: float) -> float:
+def bandwidth_bound(engine: HFEngine, rows: int, mean_context: float) -> float:
     """Tokens/s if a decode step of `rows` rows only read the weights and their KV once at H100 bandwidth."""
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     step_bytes = weight_bytes + rows * mean_context * engine.kv.bytes_per_position()
@@ -138,7 +138,7 @@ def main() -> None:
                 base_tokens, base_s = timed(lambda: run_generate(model, prompts, args.new_tokens, turns, device), device)
                 assert tokens == base_tokens == first_tokens, (tokens, base_tokens, first_tokens)
                 mean_context = sum(len(p) for p in prompts) / len(prompts) + args.new_tokens / 2
-                bound = bandwidth_bound(config, engine, len(prompts), mean_context)
+                bound = bandwidth_bound(engine, len(prompts), mean_context)
                 base_tps = base_tokens / base_s
                 for method, seconds in (("hf engine (+capture)", first_s), ("hf engine", engine_s),
                                         ("model.generate", base_s)):

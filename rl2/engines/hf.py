@@ -42,7 +42,7 @@ class _Request:
 
 @dataclass
 class _DeviceState:
-    """Per-slot decode state on the device, so stop checks need no host sync."""
+    """One `generate` call's per-slot decode state, on the device so stop checks need no host sync."""
 
     next_input: torch.Tensor  # [S] the token to feed next
     length: torch.Tensor  # [S] positions in the slot's cache (= the next input's position)
@@ -53,15 +53,16 @@ class _DeviceState:
     logprobs: torch.Tensor  # [S, max_new + 1]
     stop_ids: torch.Tensor  # [k]
     max_new: int
+    call_key: int  # the call's random key (`request_uniforms`)
 
     @classmethod
-    def create(cls, slots: int, max_new: int, stop_ids: set[int], device) -> "_DeviceState":
+    def create(cls, slots: int, max_new: int, stop_ids: set[int], call_key: int, device) -> "_DeviceState":
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=device)
 
         return cls(zeros(slots), zeros(slots), zeros(slots), zeros(slots, dtype=torch.bool), zeros(slots),
                    zeros(slots, max_new + 1), zeros(slots, max_new + 1, dtype=torch.float32),
-                   torch.tensor(sorted(stop_ids), dtype=torch.long, device=device), max_new)
+                   torch.tensor(sorted(stop_ids), dtype=torch.long, device=device), max_new, call_key)
 
     def record(self, rows: torch.Tensor, running: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Append `tokens` to the running ones of `rows`; a row stops on a stop id or at max_new."""
@@ -130,15 +131,15 @@ class HFEngine(Engine):
             return []
         self._reserve(max(len(p) for p in prompts) + min(params.max_new_tokens, 256))
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        state = _DeviceState.create(self.max_batch_size, params.max_new_tokens, stop_ids, self.device)
-        self.call_key = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        call_key = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        state = _DeviceState.create(self.max_batch_size, params.max_new_tokens, stop_ids, call_key, self.device)
         waiting = deque(_Request(i, list(p)) for i, p in enumerate(prompts))
         running: list[_Request] = []
         results: list[Generation | None] = [None] * len(prompts)
         try:
             while waiting or running:
                 if self.aborting.is_set():
-                    self._finish(running, state, params, results, abort=True)
+                    self._finish(running, state, params, stop_ids, results, abort=True)
                     for request in waiting:
                         results[request.index] = Generation([], [], "abort", "aborted")
                     break
@@ -146,7 +147,7 @@ class HFEngine(Engine):
                     running += self._admit(waiting, state, params)
                 for _ in range(self.sync_interval):
                     self._decode_step(running, state, params)
-                self._finish(running, state, params, results)
+                self._finish(running, state, params, stop_ids, results)
                 running = [r for r in running if r.slot >= 0]
         finally:
             self.slots.drop_active()  # after an error: their caches are incomplete
@@ -160,8 +161,10 @@ class HFEngine(Engine):
         deferred = []
         while waiting and self.slots.free_slots():
             request = waiting.popleft()
-            source, shared = self.slots.longest_prefix(request.prompt, len(request.prompt) - 1)
-            hashes = block_hashes(request.prompt[: len(request.prompt) - 1])
+            # At least the last prompt token is computed: its logits give the first new token.
+            reusable = request.prompt[: len(request.prompt) - 1]
+            hashes = block_hashes(reusable)
+            source, shared = self.slots.longest_prefix(reusable, hashes)
             if any(h in round_blocks for h in hashes[shared // BLOCK :]):
                 deferred.append(request)
                 continue
@@ -200,7 +203,8 @@ class HFEngine(Engine):
         ).logits[0]
         rows = as_tensor([request.slot for request, _ in admitted])
         state.request[rows] = as_tensor([request.index for request, _ in admitted])
-        next_tokens, logprobs = sample(logits, params, request_uniforms(self.call_key, state.request[rows], 0 * rows))
+        uniforms = request_uniforms(state.call_key, state.request[rows], torch.zeros_like(rows))  # token 0
+        next_tokens, logprobs = sample(logits, params, uniforms)
         state.length[rows] = as_tensor([len(request.prompt) for request, _ in admitted])
         state.count[rows] = 0
         state.record(rows, torch.ones_like(rows, dtype=torch.bool), next_tokens, logprobs)
@@ -225,14 +229,14 @@ class HFEngine(Engine):
         live = state.live[:rows]
         write_positions = torch.where(live, state.length[:rows], self.kv.capacity)
         logits = self.decode(state.next_input[:rows], write_positions, kv_length)
-        uniforms = request_uniforms(self.call_key, state.request[:rows], state.count[:rows])
+        uniforms = request_uniforms(state.call_key, state.request[:rows], state.count[:rows])
         next_tokens, logprobs = sample(logits, params, uniforms)
         state.length[:rows] += live
         state.record(torch.arange(rows, device=self.device), live, next_tokens, logprobs)
         for request in running:
             request.fed_bound = min(request.fed_bound + 1, len(request.prompt) + params.max_new_tokens - 1)
 
-    def _finish(self, running: list[_Request], state: _DeviceState, params: SamplingParams,
+    def _finish(self, running: list[_Request], state: _DeviceState, params: SamplingParams, stop_ids: set[int],
                 results: list, abort: bool = False) -> None:
         """Look at the device state (the host's sync): hand back the requests that finished and
         keep their caches. Stop strings are searched in the new tokens and cut exactly."""
@@ -244,7 +248,6 @@ class HFEngine(Engine):
         done = [i for i, r in enumerate(running) if abort or not live[i] or params.stop]
         if not done:
             return
-        stop_ids = set(state.stop_ids.tolist())
         picked = slots[done]
         tokens, logprobs = state.tokens[picked].tolist(), state.logprobs[picked].tolist()
         stopped_rows = []
@@ -258,7 +261,8 @@ class HFEngine(Engine):
                 if live[i]:
                     stopped_rows.append(request.slot)
             elif not live[i]:
-                reason, error = ("length" if n >= params.max_new_tokens and row_tokens[-1] not in stop_ids else "stop"), None
+                length_reached = n >= params.max_new_tokens and row_tokens[-1] not in stop_ids
+                reason, error = ("length" if length_reached else "stop"), None
             else:
                 continue  # only searched for stop strings, none yet
             results[request.index] = Generation(row_tokens, row_logprobs, reason, error)

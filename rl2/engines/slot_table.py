@@ -35,6 +35,7 @@ class SlotTable:
 
     num_slots: int
     contents: list[list[int] | None] = field(init=False)  # tokens whose keys/values the slot holds
+    hashes: list[list[int]] = field(init=False)  # block_hashes(contents), as indexed
     active: list[bool] = field(init=False)
     kept_at: list[int] = field(init=False)  # when a kept slot was kept (-1: free or active)
     index: dict[int, set[int]] = field(init=False, default_factory=dict)  # block hash → slots with that prefix
@@ -42,6 +43,7 @@ class SlotTable:
 
     def __post_init__(self):
         self.contents = [None] * self.num_slots
+        self.hashes = [[] for _ in range(self.num_slots)]
         self.active = [False] * self.num_slots
         self.kept_at = [-1] * self.num_slots
 
@@ -52,11 +54,9 @@ class SlotTable:
         """The highest active slot, or -1."""
         return max((slot for slot in range(self.num_slots) if self.active[slot]), default=-1)
 
-    def longest_prefix(self, tokens: list[int], limit: int) -> tuple[int, int]:
-        """(slot, length): a slot (active or kept) holding the longest prefix of `tokens`, at most
-        `limit` tokens of it; (-1, 0) if none shares a whole block."""
-        tokens = tokens[:limit]
-        hashes = block_hashes(tokens)
+    def longest_prefix(self, tokens: list[int], hashes: list[int]) -> tuple[int, int]:
+        """(slot, length): a slot (active or kept) holding the longest prefix of `tokens`, whose
+        `block_hashes` are `hashes`; (-1, 0) if none shares a whole block."""
         for blocks in range(len(hashes), 0, -1):
             holders = self.index.get(hashes[blocks - 1])
             if not holders:
@@ -118,14 +118,12 @@ class SlotTable:
                 self.active[slot] = False
 
     def _set_contents(self, slot: int, tokens: list[int] | None) -> None:
-        if self.contents[slot] is not None:
-            for hash_ in block_hashes(self.contents[slot]):
-                holders = self.index.get(hash_)
-                if holders is not None:
-                    holders.discard(slot)
-                    if not holders:
-                        del self.index[hash_]
+        for hash_ in self.hashes[slot]:
+            holders = self.index[hash_]
+            holders.discard(slot)
+            if not holders:
+                del self.index[hash_]
         self.contents[slot] = tokens
-        if tokens is not None:
-            for hash_ in block_hashes(tokens):
-                self.index.setdefault(hash_, set()).add(slot)
+        self.hashes[slot] = block_hashes(tokens) if tokens is not None else []
+        for hash_ in self.hashes[slot]:
+            self.index.setdefault(hash_, set()).add(slot)
