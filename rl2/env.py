@@ -27,6 +27,7 @@ worker until the function returns.
 
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
 import functools
 import importlib.machinery
@@ -37,11 +38,12 @@ import math
 import numbers
 import os
 import sys
+import threading
 import traceback
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 from rl2.tools.faults import FaultCounter
 from rl2.tools.lazy import Lazy
@@ -102,6 +104,46 @@ class Env:
         if not self.has_interact:
             raise EnvError(f"env file {self.path} does not define interact(messages)")
         return self._run_batch("interact", self._interact, [(messages,) for messages in conversations])
+
+    @contextlib.contextmanager
+    def interactions(self) -> Iterator[Callable[[list[dict]], "concurrent.futures.Future[EnvResult]"]]:
+        """A function that starts one `interact(messages)` call and returns a future of its
+        `EnvResult`, for a rollout that takes each trajectory's next turn as soon as its tool
+        answers. The calls run concurrently (at most `concurrency` at once) on an event loop of
+        their own, in a thread, until the block ends; calls still running then are cancelled."""
+        if not self.has_interact:
+            raise EnvError(f"env file {self.path} does not define interact(messages)")
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="rl2-env-interact", daemon=True)
+        thread.start()
+
+        async def make_semaphore() -> asyncio.Semaphore:
+            return asyncio.Semaphore(self.concurrency)  # made on the loop it binds to
+
+        semaphore = asyncio.run_coroutine_threadsafe(make_semaphore(), loop).result()
+
+        async def one(messages: list[dict]) -> EnvResult:
+            async with semaphore:
+                return await self._call("interact", self._interact, (messages,))
+
+        def submit(messages: list[dict]) -> "concurrent.futures.Future[EnvResult]":
+            return asyncio.run_coroutine_threadsafe(one(messages), loop)
+
+        async def cancel_the_rest() -> None:
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            yield submit
+        finally:
+            asyncio.run_coroutine_threadsafe(cancel_the_rest(), loop).result()
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            loop.close()
 
     def roc_penalties(self, conversations: list[list[dict]]) -> list[EnvResult]:
         """The env file's `roc_penalty(messages)` for each conversation (GRPO-RoC); an error where a

@@ -5,15 +5,17 @@ re-tokenised. Tool messages are rendered by the chat template as the text the te
 after the conversation so far, so the trajectory equals the templated conversation.
 """
 
+import contextlib
 import copy
-import dataclasses
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from rl2.data import render_chat
 from rl2.engines import Engine, Generation, SamplingParams
-from rl2.env import Env
+from rl2.engines.base import Turn
+from rl2.env import Env, EnvResult
 
 logger = logging.getLogger(__name__)
 
@@ -90,33 +92,52 @@ def rollout(
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos and tokenizer.eos_token_id is not None:
         stop_ids.add(tokenizer.eos_token_id)
-    for turn in range(max_turns):
-        for trajectory in trajectories:
-            if not trajectory.done and _room(trajectory, max_length) <= 0:
-                trajectory.truncated = trajectory.done = True  # a prompt that fills the limit
-        active = [t for t in trajectories if not t.done]
-        if not active and not engine.lockstep:
-            break
-        # A shared (lockstep) engine needs this rank's call even with nothing to generate.
-        room = max((_room(t, max_length) for t in active), default=1)
-        generations = engine.generate(
-            [t.token_ids for t in active], dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
-        )
-        for trajectory, generation in zip(active, generations):
+    for trajectory in trajectories:
+        if _room(trajectory, max_length) <= 0:
+            trajectory.truncated = trajectory.done = True  # a prompt that fills the limit
+    active = [t for t in trajectories if not t.done]
+
+    def next_turn(trajectory: Trajectory, result: EnvResult) -> Turn | None:
+        """Runs when the tool answered: append its tokens, or end the episode."""
+        if result.error is not None:
+            trajectory.errors.append(result.error)
+        if result.error is not None or not result.value:
+            trajectory.done = True
+            return None
+        _append_observation(trajectory, result.value, tokenizer, max_length)
+        return None if trajectory.done else _turn(trajectory, params, max_length)
+
+    with env.interactions() if max_turns > 1 else contextlib.nullcontext() as interact:
+
+        def on_generation(index: int, generation: Generation) -> Future | None:
+            trajectory = active[index]
             _append_generation(trajectory, generation, tokenizer, stop_ids, max_length)
-            if turn == max_turns - 1:
+            if trajectory.turns == max_turns:
                 trajectory.done = True
-        waiting = [t for t in active if not t.done]
-        if not waiting:
-            continue
-        for trajectory, result in zip(waiting, env.interact([t.messages for t in waiting])):
-            if result.error is not None:
-                trajectory.errors.append(result.error)
-            if result.error is not None or not result.value:
-                trajectory.done = True
-                continue
-            _append_observation(trajectory, result.value, tokenizer, max_length)
+            if trajectory.done:
+                return None
+            return _then(interact(trajectory.messages), lambda result: next_turn(trajectory, result))
+
+        engine.generate_turns([_turn(t, params, max_length) for t in active], params, on_generation, max_turns)
     return trajectories
+
+
+def _turn(trajectory: Trajectory, params: SamplingParams, max_length: int | None) -> Turn:
+    return Turn(list(trajectory.token_ids), min(params.max_new_tokens, _room(trajectory, max_length)))
+
+
+def _then(future: Future, fn: Callable[[Any], Any]) -> Future:
+    """A future of `fn(future's result)`; `fn` runs in the thread that completes `future`."""
+    chained: Future = Future()
+
+    def run(done: Future) -> None:
+        try:
+            chained.set_result(fn(done.result()))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on `chained`
+            chained.set_exception(exc)
+
+    future.add_done_callback(run)
+    return chained
 
 
 def _room(trajectory: Trajectory, max_length: int | None) -> int:

@@ -18,6 +18,28 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return save_tiny(str(tmp_path_factory.mktemp("tiny") / "model"))
 
 
+@pytest.fixture(scope="session")
+def peaked_model_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny model with larger random weights.
+
+    At the default init (std 0.02) the residual stream is mostly the input embedding and the
+    embeddings are tied, so greedy decoding repeats the last token forever and tests on greedy
+    outputs would prove little. Larger weights give varied, peaked next-token distributions.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.3 if "embed_tokens" in name else 0.15, generator=generator)
+    folder = str(tmp_path_factory.mktemp("peaked"))
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    return folder
+
+
 def run_torchrun(
     args: list[str], nproc: int = 2, timeout: int = 300, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:

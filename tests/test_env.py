@@ -82,6 +82,35 @@ def test_concurrency_is_bounded():
         assert time.perf_counter() - start >= 0.55
 
 
+@pytest.mark.parametrize("name", ["slow_sync.py", "slow_async.py"])
+def test_interactions_one_call_at_a_time(name):
+    """`interactions()` starts calls one by one (futures of EnvResult), concurrently, bounded by
+    `concurrency`; errors come back as results; calls still running at the end are cancelled."""
+    with Env(env_path(name), concurrency=3, need_interact=True) as env:
+        with env.interactions() as interact:
+            start = time.perf_counter()
+            futures = [interact(chat("a")) for _ in range(6)]  # 0.3 s each, 3 at once: two rounds
+            results = [future.result(timeout=5) for future in futures]
+            elapsed = time.perf_counter() - start
+            left_running = interact(chat("a"))
+        assert left_running.cancelled()
+    assert results == [EnvResult([{"role": "tool", "content": "done"}], None)] * 6
+    assert 0.55 <= elapsed < 1.5
+
+
+def test_interactions_report_errors_and_need_interact(tmp_path):
+    path = write_env(tmp_path, "def reward_fn(messages, answer):\n    return 0.0\n"
+                               "def interact(messages):\n    raise ValueError('no tool here')\n")
+    with Env(path) as env:
+        with env.interactions() as interact:
+            result = interact(chat("a")).result(timeout=5)
+    assert result.value == [] and result.error == "interact raised ValueError: no tool here"
+    with Env(env_path("reward_only.py")) as env:
+        with pytest.raises(EnvError, match="does not define interact"):
+            with env.interactions():
+                pass
+
+
 def test_reward_types_converted(tmp_path):
     numpy = pytest.importorskip("numpy")
     path = write_env(tmp_path, "import numpy\n\ndef reward_fn(messages, answer):\n    return eval(answer)\n")

@@ -19,23 +19,8 @@ def tokenizer(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir, tokenizer, tmp_path_factory) -> str:
-    """The tiny model with larger random weights.
-
-    At the default init (std 0.02) the residual stream is mostly the input embedding and the
-    embeddings are tied, so greedy decoding repeats the last token forever and tests on greedy
-    outputs would prove little. Larger weights give varied, peaked next-token distributions.
-    """
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.3 if "embed_tokens" in name else 0.15, generator=generator)
-    folder = str(tmp_path_factory.mktemp("peaked"))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+def model_dir(peaked_model_dir) -> str:
+    return peaked_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -387,5 +372,119 @@ def test_abort_from_another_thread(engine, prompts):
     timer.start()
     aborted = engine.generate(prompts[:2], SamplingParams(max_new_tokens=100_000, ignore_eos=True))
     assert all(g.finish_reason == "abort" and g.error == "aborted" and 0 < len(g.token_ids) < 100_000 for g in aborted)
+    after = engine.generate(prompts[:2], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert [g.finish_reason for g in after] == ["length", "length"]
+
+
+# ---- multi-turn scheduling ----------------------------------------------------------------------
+
+TOOL_TOKENS = [5, 6, 7]
+
+
+def run_turns(engine: Engine, prompts: list[list[int]], limits: list[int], params: SamplingParams, turns: int,
+              tool_delay=lambda index: 0.0, generate_turns=None):
+    """Each request's conversation after `turns` generations (a fixed tool reply between them), and
+    the order in which (request, turn) generations finished. A tool answers after `tool_delay(i)` s."""
+    import threading
+    from concurrent.futures import Future
+
+    from rl2.engines.base import Turn
+
+    conversations = [list(p) for p in prompts]
+    logprobs = [[] for _ in prompts]
+    order = []
+
+    def on_generation(index, generation):
+        order.append((index, len(logprobs[index])))
+        conversations[index] += generation.token_ids
+        logprobs[index].append(generation.logprobs)
+        if len(logprobs[index]) == turns:
+            return None
+        future = Future()
+
+        def answer():
+            conversations[index] += TOOL_TOKENS
+            future.set_result(Turn(list(conversations[index]), limits[index]))
+
+        delay = tool_delay(index)
+        threading.Timer(delay, answer).start() if delay else answer()
+        return future
+
+    (generate_turns or engine.generate_turns)([Turn(list(p), n) for p, n in zip(prompts, limits)], params,
+                                              on_generation, turns)
+    return conversations, logprobs, order
+
+
+def test_next_turns_start_while_others_decode(model_dir, tokenizer):
+    """A request whose tool answers at once runs all its turns while a long request is still on
+    its first; greedy, every conversation equals the turn-by-turn schedule's (one `generate` call
+    per turn), which waits for every tool before the next turn."""
+    prompts = many_prompts(5, seed=4)
+    limits = [2, 30, 30, 25, 30]
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    engine = HFEngine(model_dir, tokenizer, CPU, max_batch_size=6)
+    conversations, logprobs, order = run_turns(engine, prompts, limits, params, turns=3)
+    assert order[:3] == [(0, 0), (0, 1), (0, 2)]  # request 0 finished all its turns first
+    assert engine.stats["next_turns"] == 2 * 5
+    assert engine.stats["reused_tokens"] > 0  # the next turns continued their kept caches
+    reference = HFEngine(model_dir, tokenizer, CPU, max_batch_size=4)
+    expected, expected_logprobs, expected_order = run_turns(
+        reference, prompts, limits, params, turns=3,
+        generate_turns=lambda *args: Engine.generate_turns(reference, *args),
+    )
+    assert expected_order[:5] == [(i, 0) for i in range(5)]
+    assert conversations == expected
+    assert [len(c) - len(p) for c, p in zip(conversations, prompts)] == [n * 3 + 6 for n in limits]
+    for got, want in zip(logprobs, expected_logprobs):
+        assert torch.allclose(torch.tensor(sum(got, [])), torch.tensor(sum(want, [])), atol=1e-5)
+
+
+def test_multi_turn_samples_do_not_depend_on_tool_timing(model_dir, tokenizer):
+    """Sampled, the same seed gives the same conversations whether the tools answer at once or
+    after delays that reorder the turns (turn t of request i has its own random stream)."""
+    prompts = many_prompts(6, seed=5)
+    limits = [4, 9, 3, 12, 6, 8]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+    engine = HFEngine(model_dir, tokenizer, CPU, seed=7, max_batch_size=3)
+    at_once, logprobs, _ = run_turns(engine, prompts, limits, params, turns=3)
+    engine.reseed(7)
+    delayed, delayed_logprobs, order = run_turns(engine, prompts, limits, params, turns=3,
+                                                 tool_delay=lambda i: 0.02 * ((5 - i) % 3))
+    assert delayed == at_once
+    for got, want in zip(delayed_logprobs, logprobs):
+        assert torch.allclose(torch.tensor(sum(got, [])), torch.tensor(sum(want, [])), atol=1e-5)
+    generated = [c[len(p):] for c, p in zip(at_once, prompts)]
+    assert len({tuple(g[:4]) for g in generated}) > 1
+
+
+def test_abort_and_tool_failure_during_multi_turn(model_dir, tokenizer, prompts):
+    """abort() while tools are running ends their next turns with "abort"; a tool whose future
+    fails raises from generate_turns; the engine works normally afterwards."""
+    import threading
+    from concurrent.futures import Future
+
+    from rl2.engines.base import Turn
+
+    engine = HFEngine(model_dir, tokenizer, CPU, seed=1)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    results = {}
+
+    def slow_tool(index, generation):
+        results.setdefault(index, []).append(generation)
+        future = Future()
+        threading.Timer(0.3, lambda: future.set_result(Turn(prompts[index] + generation.token_ids, 4))).start()
+        threading.Timer(0.1, engine.abort).start()
+        return future
+
+    engine.generate_turns([Turn(p, 4) for p in prompts[:2]], params, slow_tool, max_turns=2)
+    assert [[g.finish_reason for g in results[i]] for i in range(2)] == [["length", "abort"]] * 2
+
+    def failing_tool(index, generation):
+        future = Future()
+        future.set_exception(RuntimeError(f"tool of request {index} crashed"))
+        return future
+
+    with pytest.raises(RuntimeError, match="tool of request 0 crashed"):
+        engine.generate_turns([Turn(p, 4) for p in prompts[:2]], params, failing_tool, max_turns=2)
     after = engine.generate(prompts[:2], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert [g.finish_reason for g in after] == ["length", "length"]

@@ -191,3 +191,47 @@ def test_aborted_generation_ends_the_trajectory_with_its_reason(tokenizer, env):
     trajectory = rollout(Aborting(tokenizer, None), env, tokenizer, [prompt(tokenizer)], 1, SamplingParams(), max_turns=3)[0]
     assert trajectory.done and trajectory.turns == 1 and trajectory.response_length == 2
     assert trajectory.errors == ["SGLang aborted the request: too long"]
+
+
+TOOL_ENV = textwrap.dedent(
+    """
+    import time, zlib
+
+    def interact(messages):
+        # Tools that take different times: the trajectories' turns interleave in the engine.
+        time.sleep(0.002 * (zlib.crc32(messages[-1]["content"].encode()) % 20))
+        return [{"role": "tool", "content": f"call {len(messages)}"}]
+
+    def reward_fn(messages, answer):
+        return 0.0
+    """
+)
+
+
+def test_interleaved_turns_equal_turn_by_turn_rollouts(tokenizer, peaked_model_dir, tmp_path):
+    """With the hf engine the next turn of a trajectory starts as soon as its tool answers; greedy,
+    the trajectories (tokens, masks, log-probs, messages, truncation) equal the turn-by-turn ones."""
+    from rl2.engines import Engine, HFEngine
+
+    class TurnByTurn(HFEngine):
+        def generate_turns(self, *args):
+            return Engine.generate_turns(self, *args)
+
+    path = tmp_path / "tools.py"
+    path.write_text(TOOL_ENV)
+    # Greedy, the peaked model stops on these ids after a few tokens or runs to max_new_tokens.
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=[135, 189, 194, 874])
+    prompts = [prompt(tokenizer, f"question {i}" + " more" * (3 * i)) for i in range(5)]
+    runs, engines = [], []
+    with Env(str(path), need_interact=True) as env:
+        for engine_class in (HFEngine, TurnByTurn):
+            engines.append(engine_class(peaked_model_dir, tokenizer, "cpu", max_batch_size=4))
+            runs.append(rollout(engines[-1], env, tokenizer, prompts, 2, params, max_turns=3, max_length=120))
+    interleaved, turn_by_turn = runs
+    assert engines[0].stats["next_turns"] > 0 and engines[1].stats["next_turns"] == 0
+    assert {t.truncated for t in interleaved} == {True, False} and {t.turns for t in interleaved} == {2, 3}
+    for got, want in zip(interleaved, turn_by_turn):
+        assert got.token_ids == want.token_ids and got.action_mask == want.action_mask
+        assert got.messages == want.messages and got.turns == want.turns and got.truncated == want.truncated
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-5
+        assert len(got.token_ids) <= 120

@@ -1,7 +1,9 @@
 """The rollout engine interface: sampling parameters, generations, and the `Engine` contract."""
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -62,6 +64,20 @@ class Generation:
     error: str | None = None
 
 
+@dataclass
+class Turn:
+    """One generation of a multi-turn request: the whole conversation so far as token ids, and
+    how many tokens this turn may add (at most the sampling parameters' `max_new_tokens`)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+
+
+# Called with (request index, finished generation): None when the request is done, else a future
+# of its next `Turn` (None once the tool decides the episode is over).
+OnGeneration = Callable[[int, Generation], "Future[Turn | None] | None"]
+
+
 class Engine(ABC):
     """Generates completions of tokenized prompts and takes weight updates from the trainer.
 
@@ -77,6 +93,34 @@ class Engine(ABC):
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """One generation per prompt, in the order of `prompts`."""
+
+    def generate_turns(
+        self, turns: list[Turn], params: SamplingParams, on_generation: OnGeneration, max_turns: int
+    ) -> None:
+        """Multi-turn generation: each finished generation goes to `on_generation`, which may
+        return a future of the request's next turn (e.g. the conversation with a tool's output
+        appended), generated once the future resolves; `max_turns` generations per request at most.
+
+        This default runs turn by turn: every request's turn is generated in one `generate` call,
+        then all the futures are awaited. An engine with its own scheduler overrides it to let a
+        request's next turn start while others still generate.
+        """
+        pending = dict(enumerate(turns))
+        for _ in range(max_turns):
+            if not pending and not self.lockstep:  # a lockstep engine needs this rank's every call
+                break
+            room = max((turn.max_new_tokens for turn in pending.values()), default=1)
+            call_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+            generations = self.generate([turn.prompt for turn in pending.values()], call_params)
+            futures = [
+                (index, on_generation(index, _within(generation, turn.max_new_tokens)))
+                for (index, turn), generation in zip(pending.items(), generations)
+            ]
+            pending = {}
+            for index, future in futures:
+                turn = future.result() if future is not None else None
+                if turn is not None:
+                    pending[index] = turn
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -98,3 +142,12 @@ class Engine(ABC):
 
     def shutdown(self) -> None:
         """Free the engine's memory and processes; it cannot be used afterwards (no-op by default)."""
+
+
+def _within(generation: Generation, max_new_tokens: int) -> Generation:
+    """`generation` cut to `max_new_tokens` tokens (finish reason "length" if that cut it, unless aborted)."""
+    if len(generation.token_ids) <= max_new_tokens:
+        return generation
+    reason = "abort" if generation.finish_reason == "abort" else "length"
+    return dataclasses.replace(generation, token_ids=generation.token_ids[:max_new_tokens],
+                               logprobs=generation.logprobs[:max_new_tokens], finish_reason=reason)

@@ -12,16 +12,17 @@ It needs nothing beyond transformers, runs on CPU, and its log-probs follow the 
 convention exactly.
 """
 
+import concurrent.futures
 import logging
 import threading
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from rl2.engines.base import Engine, Generation, SamplingParams
+from rl2.engines.base import Engine, Generation, OnGeneration, SamplingParams, Turn
 from rl2.engines.decode_step import DecodeStep
 from rl2.engines.kv_slots import NO_MASKS, KVSlots, PrefillPlan, register_slot_attention
 from rl2.engines.sampling import request_uniforms, sample
@@ -34,7 +35,10 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Request:
     index: int  # in the `generate` call
+    turn: int  # how many generations of this request came before
     prompt: list[int]
+    max_new: int  # tokens this turn may add
+    sample_key: int  # which random stream its tokens are drawn from (`request_uniforms`)
     slot: int = -1
     fed_bound: int = 0  # at least the positions its slot holds: for sizing the decode's kv_length
     checked: int = 0  # generated tokens already checked for stop strings
@@ -48,7 +52,8 @@ class _DeviceState:
     length: torch.Tensor  # [S] positions in the slot's cache (= the next input's position)
     count: torch.Tensor  # [S] tokens generated
     live: torch.Tensor  # [S] still generating
-    request: torch.Tensor  # [S] the index of the slot's request in the `generate` call
+    limit: torch.Tensor  # [S] tokens the slot's request may generate
+    sample_key: torch.Tensor  # [S] the slot's request's `sample_key`
     tokens: torch.Tensor  # [S, max_new + 1] generated tokens (the last column is scratch)
     logprobs: torch.Tensor  # [S, max_new + 1]
     stop_ids: torch.Tensor  # [k]
@@ -61,17 +66,17 @@ class _DeviceState:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         return cls(zeros(slots), zeros(slots), zeros(slots), zeros(slots, dtype=torch.bool), zeros(slots),
-                   zeros(slots, max_new + 1), zeros(slots, max_new + 1, dtype=torch.float32),
+                   zeros(slots), zeros(slots, max_new + 1), zeros(slots, max_new + 1, dtype=torch.float32),
                    torch.tensor(sorted(stop_ids), dtype=torch.long, device=device), max_new, call_key)
 
     def record(self, rows: torch.Tensor, running: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Append `tokens` to the running ones of `rows`; a row stops on a stop id or at max_new."""
+        """Append `tokens` to the running ones of `rows`; a row stops on a stop id or at its limit."""
         column = torch.where(running, self.count[rows], self.max_new)
         self.tokens[rows, column] = tokens
         self.logprobs[rows, column] = logprobs
         self.count[rows] += running
         self.next_input[rows] = torch.where(running, tokens, self.next_input[rows])
-        stopped = torch.isin(tokens, self.stop_ids) | (self.count[rows] >= self.max_new)
+        stopped = torch.isin(tokens, self.stop_ids) | (self.count[rows] >= self.limit[rows])
         self.live[rows] = running & ~stopped
 
 
@@ -119,39 +124,92 @@ class HFEngine(Engine):
 
     # ---- generation ------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """One generation per prompt, in the order of `prompts`."""
+        results: list[Generation | None] = [None] * len(prompts)
+
+        def keep(index: int, generation: Generation) -> None:
+            results[index] = generation
+
+        self._schedule([Turn(list(p), params.max_new_tokens) for p in prompts], params, keep, max_turns=1)
+        return results
+
+    def generate_turns(
+        self, turns: list[Turn], params: SamplingParams, on_generation: OnGeneration, max_turns: int
+    ) -> None:
+        """Multi-turn generation in one schedule: a request's next turn enters a free slot as soon
+        as its future resolves (its tool answered), while the others go on decoding, and reuses the
+        cache its earlier turns left in their slot. The futures are looked at every host sync.
+
+        Turn t of request i draws from random stream t·len(turns) + i, so the samples do not
+        depend on how fast the tools answer.
+        """
+        self._schedule(turns, params, on_generation, max_turns)
+
+    @torch.inference_mode()
+    def _schedule(self, turns: list[Turn], params: SamplingParams, on_generation: OnGeneration, max_turns: int) -> None:
         if self.asleep:
             raise RuntimeError("HFEngine.generate called while asleep: call wake() first")
-        if any(len(prompt) == 0 for prompt in prompts):
-            raise ValueError("every prompt needs at least one token")
         self.aborting.clear()
-        if not prompts:
-            return []
-        self._reserve(max(len(p) for p in prompts) + min(params.max_new_tokens, 256))
+        if not turns:
+            return
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         call_key = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         state = _DeviceState.create(self.max_batch_size, params.max_new_tokens, stop_ids, call_key, self.device)
-        waiting = deque(_Request(i, list(p)) for i, p in enumerate(prompts))
+        waiting = deque(self._request(i, 0, turn, params, len(turns)) for i, turn in enumerate(turns))
         running: list[_Request] = []
-        results: list[Generation | None] = [None] * len(prompts)
+        tools: list[tuple[_Request, concurrent.futures.Future]] = []  # requests waiting for their next turn
+        self._reserve(max(len(r.prompt) for r in waiting) + min(params.max_new_tokens, 256))
+
+        def finished(request: _Request, generation: Generation) -> None:
+            future = on_generation(request.index, generation)
+            if future is not None:
+                tools.append((request, future))
+
         try:
-            while waiting or running:
+            while waiting or running or tools:
+                self._collect_turns(tools, waiting, params, len(turns), max_turns, block=not (waiting or running))
                 if self.aborting.is_set():
-                    self._finish(running, state, params, stop_ids, results, abort=True)
-                    for request in waiting:
-                        results[request.index] = Generation([], [], "abort", "aborted")
-                    break
+                    self._finish(running, state, params, stop_ids, finished, abort=True)
+                    running = []
+                    while waiting:
+                        finished(waiting.popleft(), Generation([], [], "abort", "aborted"))
+                    continue
                 while waiting and self.slots.free_slots():
                     running += self._admit(waiting, state, params)
                 for _ in range(self.sync_interval):
                     self._decode_step(running, state, params)
-                self._finish(running, state, params, stop_ids, results)
+                self._finish(running, state, params, stop_ids, finished)
                 running = [r for r in running if r.slot >= 0]
         finally:
             self.slots.drop_active()  # after an error: their caches are incomplete
-        return results
+
+    @staticmethod
+    def _request(index: int, turn_number: int, turn: Turn, params: SamplingParams, requests: int) -> _Request:
+        if len(turn.prompt) == 0:
+            raise ValueError("every prompt needs at least one token")
+        if turn.max_new_tokens < 1:
+            raise ValueError(f"a turn needs max_new_tokens >= 1, got {turn.max_new_tokens} (request {index})")
+        max_new = min(turn.max_new_tokens, params.max_new_tokens)
+        return _Request(index, turn_number, list(turn.prompt), max_new, sample_key=turn_number * requests + index)
+
+    def _collect_turns(self, tools: list, waiting: deque, params: SamplingParams, requests: int, max_turns: int,
+                       block: bool) -> None:
+        """Move the requests whose next turn is ready from `tools` to `waiting` (in the order they
+        were handed out); with `block`, wait until at least one future is done. A future that fails
+        raises here; a turn past `max_turns` is dropped."""
+        if block and tools:
+            concurrent.futures.wait([future for _, future in tools], return_when=concurrent.futures.FIRST_COMPLETED)
+        still = []
+        for request, future in tools:
+            if not future.done():
+                still.append((request, future))
+                continue
+            turn = future.result()
+            if turn is not None and request.turn + 1 < max_turns:
+                waiting.append(self._request(request.index, request.turn + 1, turn, params, requests))
+                self.stats["next_turns"] += 1
+        tools[:] = still
 
     def _admit(self, waiting: deque, state: _DeviceState, params: SamplingParams) -> list[_Request]:
         """Prefill as many waiting requests as there are free slots (and prefill budget) in one
@@ -180,6 +238,7 @@ class HFEngine(Engine):
         waiting.extendleft(reversed(deferred))
         if not admitted:
             return []
+        self._reserve(max(len(request.prompt) for request, _ in admitted) + 1)
         self.stats["prefill_tokens"] += tokens
         self.stats["reused_tokens"] += sum(shared for _, shared in admitted)
         ids, positions, slots, segments, last = [], [], [], [], []
@@ -202,10 +261,11 @@ class HFEngine(Engine):
             logits_to_keep=as_tensor(last),
         ).logits[0]
         rows = as_tensor([request.slot for request, _ in admitted])
-        state.request[rows] = as_tensor([request.index for request, _ in admitted])
-        uniforms = request_uniforms(state.call_key, state.request[rows], torch.zeros_like(rows))  # token 0
+        state.sample_key[rows] = as_tensor([request.sample_key for request, _ in admitted])
+        uniforms = request_uniforms(state.call_key, state.sample_key[rows], torch.zeros_like(rows))  # token 0
         next_tokens, logprobs = sample(logits, params, uniforms)
         state.length[rows] = as_tensor([len(request.prompt) for request, _ in admitted])
+        state.limit[rows] = as_tensor([request.max_new for request, _ in admitted])
         state.count[rows] = 0
         state.record(rows, torch.ones_like(rows, dtype=torch.bool), next_tokens, logprobs)
         for request, _ in admitted:
@@ -229,17 +289,17 @@ class HFEngine(Engine):
         live = state.live[:rows]
         write_positions = torch.where(live, state.length[:rows], self.kv.capacity)
         logits = self.decode(state.next_input[:rows], write_positions, kv_length)
-        uniforms = request_uniforms(state.call_key, state.request[:rows], state.count[:rows])
+        uniforms = request_uniforms(state.call_key, state.sample_key[:rows], state.count[:rows])
         next_tokens, logprobs = sample(logits, params, uniforms)
         state.length[:rows] += live
         state.record(torch.arange(rows, device=self.device), live, next_tokens, logprobs)
         for request in running:
-            request.fed_bound = min(request.fed_bound + 1, len(request.prompt) + params.max_new_tokens - 1)
+            request.fed_bound = min(request.fed_bound + 1, len(request.prompt) + request.max_new - 1)
 
     def _finish(self, running: list[_Request], state: _DeviceState, params: SamplingParams, stop_ids: set[int],
-                results: list, abort: bool = False) -> None:
-        """Look at the device state (the host's sync): hand back the requests that finished and
-        keep their caches. Stop strings are searched in the new tokens and cut exactly."""
+                finished: Callable[[_Request, Generation], None], abort: bool = False) -> None:
+        """Look at the device state (the host's sync): hand the requests that finished to
+        `finished` and keep their caches. Stop strings are searched in the new tokens and cut exactly."""
         if not running:
             return
         self.stats["host_syncs"] += 1
@@ -261,14 +321,14 @@ class HFEngine(Engine):
                 if live[i]:
                     stopped_rows.append(request.slot)
             elif not live[i]:
-                length_reached = n >= params.max_new_tokens and row_tokens[-1] not in stop_ids
+                length_reached = n >= request.max_new and row_tokens[-1] not in stop_ids
                 reason, error = ("length" if length_reached else "stop"), None
             else:
                 continue  # only searched for stop strings, none yet
-            results[request.index] = Generation(row_tokens, row_logprobs, reason, error)
             # The cache holds the prompt and every generated token but the last (never fed back).
             self.slots.keep(request.slot, request.prompt + row_tokens[:-1])
             request.slot = -1
+            finished(request, Generation(row_tokens, row_logprobs, reason, error))
         if stopped_rows:
             state.live[torch.tensor(stopped_rows, device=self.device)] = False
 
