@@ -5,7 +5,8 @@ Cases (prompts of 64..512 tokens, `--new-tokens` each, eos ignored, temperature 
 - `distinct B`: B different prompts;
 - `shared B`: B/8 prompts, 8 responses each (the engine prefills each prompt once);
 - `multi-turn`: B/8 conversations of 3 turns, each turn followed by 32 tool tokens; the engine
-  continues its kept caches, `model.generate` re-reads the whole conversation every turn.
+  runs them in one schedule (`generate_turns`) and continues its kept caches, `model.generate`
+  re-reads the whole conversation every turn.
 The engine runs each case twice: the first call includes capturing its CUDA graphs (as after
 every `sleep` in training), the second is steady state. The bandwidth bound is the decode step
 that only reads the weights and each row's keys and values once, at the GPU's memory bandwidth
@@ -20,6 +21,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -27,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_train import SHAPES, save_shape  # noqa: E402
 
-from rl2.engines import HFEngine, SamplingParams  # noqa: E402
+from rl2.engines import HFEngine, SamplingParams, Turn  # noqa: E402
 from rl2.tiny import build_tiny_tokenizer  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12
@@ -63,14 +65,25 @@ def generate_batched(model, prompts: list[list[int]], new_tokens: int, device: t
 
 
 def run_engine(engine: HFEngine, conversations: list[list[int]], new_tokens: int, turns: int) -> int:
+    """Tokens generated; the turns run in the engine's one schedule (`generate_turns`), the tool
+    tokens appended as soon as a turn ends."""
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
-    generated = 0
-    for turn in range(turns):
-        outputs = engine.generate(conversations, params)
-        generated += sum(len(g.token_ids) for g in outputs)
-        if turn < turns - 1:
-            conversations = [c + g.token_ids + list(range(10, 10 + TOOL_TOKENS)) for c, g in zip(conversations, outputs)]
-    return generated
+    conversations = [list(c) for c in conversations]
+    taken = [0] * len(conversations)
+
+    def on_generation(index: int, generation) -> Future | None:
+        conversations[index] += generation.token_ids
+        taken[index] += 1
+        if taken[index] == turns:
+            return None
+        conversations[index] += list(range(10, 10 + TOOL_TOKENS))
+        future = Future()
+        future.set_result(Turn(list(conversations[index]), new_tokens))
+        return future
+
+    start = sum(map(len, conversations))
+    engine.generate_turns([Turn(c, new_tokens) for c in conversations], params, on_generation, turns)
+    return sum(map(len, conversations)) - start - (turns - 1) * TOOL_TOKENS * len(conversations)
 
 
 def run_generate(model, conversations: list[list[int]], new_tokens: int, turns: int, device) -> int:

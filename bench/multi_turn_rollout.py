@@ -20,8 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from transformers import AutoTokenizer
 
-from rl2.engines import Engine, HFEngine, SamplingParams
-from rl2.engines.base import Turn
+from rl2.engines import Engine, HFEngine, SamplingParams, Turn
 from rl2.tiny import save_tiny
 
 

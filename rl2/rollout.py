@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rl2.data import render_chat
-from rl2.engines import Engine, Generation, SamplingParams
-from rl2.engines.base import Turn
+from rl2.engines import Engine, Generation, SamplingParams, Turn
 from rl2.env import Env, EnvResult
 
 logger = logging.getLogger(__name__)

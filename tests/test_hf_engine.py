@@ -3,9 +3,9 @@ stop conditions, seeding, and weight updates."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from rl2.engines import Engine, HFEngine, SamplingParams, build_engine
+from rl2.engines import Engine, HFEngine, SamplingParams, Turn, build_engine
 from rl2.engines.sampling import filter_top_k_top_p
 from rl2.tiny import build_tiny_model
 
@@ -388,8 +388,6 @@ def run_turns(engine: Engine, prompts: list[list[int]], limits: list[int], param
     import threading
     from concurrent.futures import Future
 
-    from rl2.engines.base import Turn
-
     conversations = [list(p) for p in prompts]
     logprobs = [[] for _ in prompts]
     order = []
@@ -462,8 +460,6 @@ def test_abort_and_tool_failure_during_multi_turn(model_dir, tokenizer, prompts)
     fails raises from generate_turns; the engine works normally afterwards."""
     import threading
     from concurrent.futures import Future
-
-    from rl2.engines.base import Turn
 
     engine = HFEngine(model_dir, tokenizer, CPU, seed=1)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)

@@ -2,10 +2,10 @@
 
 import torch
 
-from rl2.engines.base import Engine, Generation, SamplingParams
+from rl2.engines.base import Engine, Generation, SamplingParams, Turn
 from rl2.engines.hf import HFEngine
 
-__all__ = ["Engine", "Generation", "HFEngine", "SamplingParams", "build_engine"]
+__all__ = ["Engine", "Generation", "HFEngine", "SamplingParams", "Turn", "build_engine"]
 
 
 def build_engine(
