@@ -117,10 +117,8 @@ config = ModelConfig(model_name=folder, dtype="float32", max_length_per_device=1
                      logps_chunk_size=int(sys.argv[1]), gradient_checkpointing=True)
 actor = Actor(config, total_steps=1)
 batch = [{"input_ids": torch.randint(0, 151936, (1024,)), "loss_mask": torch.ones(1024, dtype=torch.long)}]
-actor.train_step(batch, sft_loss)  # warm up allocations that are not about logits
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-actor.train_step(batch, sft_loss)
-print("peak_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, before)
+actor.train_step(batch, sft_loss)  # the peak over the process: the step's logits, and everything else once
+print("peak_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
