@@ -1,6 +1,7 @@
 """The retrieval index (`rl2.tools.retrieval_index`) and server (`rl2.tools.retrieval_server`):
-a real server process on the sample corpus, Search-R1's API shapes, 400s for bad requests, the
-saved index reused on restart and rebuilt when the corpus changes, malformed corpora."""
+a real server process on the sample corpus, Search-R1's API shapes, what its pydantic model accepts,
+422s in FastAPI's shape for bad requests, JSON for every error, the saved index reused on restart
+and rebuilt when the corpus changes, malformed corpora."""
 
 import asyncio
 import json
@@ -59,7 +60,8 @@ def test_query_returns_its_document_first(server, query, title):
     assert status == 200, body
     (hits,) = body["result"]
     assert titles([hit["document"] for hit in hits])[0] == title
-    assert set(hits[0]["document"]) == {"id", "contents"} and isinstance(hits[0]["document"]["id"], str)
+    assert set(hits[0]["document"]) == {"id", "contents", "url"} and isinstance(hits[0]["document"]["id"], str)
+    assert hits[0]["document"]["url"] == ""  # the sample corpus has no urls
 
 
 def test_scores_sorted_topk_and_batch_order(server):
@@ -99,26 +101,81 @@ def test_health(server):
     assert status == 200 and body == {"status": "ok", "documents": 314, "retriever": "bm25"}
 
 
-@pytest.mark.parametrize("body,needle", [
-    ("not json", "not JSON"),
-    ("", "not JSON"),
-    ([1, 2], "expected a JSON object"),
-    ({"topk": 3}, "'queries' must be a list of strings (missing)"),
-    ({"queries": "capital"}, "'queries' must be a list of strings, got str"),
-    ({"queries": ["ok", 3]}, "'queries' item 1 is int"),
-    ({"queries": ["a"], "topk": 0}, "'topk' must be an integer from 1 to 100, got 0"),
-    ({"queries": ["a"], "topk": -2}, "got -2"),
-    ({"queries": ["a"], "topk": "3"}, 'got "3"'),
-    ({"queries": ["a"], "topk": 2.5}, "got 2.5"),
-    ({"queries": ["a"], "topk": True}, "got true"),
-    ({"queries": ["a"], "topk": 101}, "got 101"),
-    ({"queries": ["a"] * (MAX_QUERIES + 1)}, f"too many queries: {MAX_QUERIES + 1} (at most {MAX_QUERIES} per request)"),
-    ({"queries": ["a"], "return_scores": "yes"}, "'return_scores' must be true or false"),
+@pytest.mark.parametrize("body,kind,loc", [
+    ("not json", "json_invalid", []),
+    ("", "json_invalid", []),
+    ([1, 2], "model_attributes_type", []),
+    ({"topk": 3}, "missing", ["queries"]),
+    ({"queries": "capital"}, "list_type", ["queries"]),
+    ({"queries": ["ok", 3]}, "string_type", ["queries", 1]),
+    ({"queries": ["a"], "topk": -2}, "greater_than_equal", ["topk"]),
+    ({"queries": ["a"], "topk": "three"}, "int_parsing", ["topk"]),
+    ({"queries": ["a"], "topk": 2.5}, "int_from_float", ["topk"]),
+    ({"queries": ["a"], "topk": True}, "int_type", ["topk"]),
+    ({"queries": ["a"], "topk": 101}, "less_than_equal", ["topk"]),
+    ({"queries": ["a"], "return_scores": "maybe"}, "bool_parsing", ["return_scores"]),
+    ({"queries": ["a"], "return_scores": [True]}, "bool_type", ["return_scores"]),
 ])
-def test_bad_requests_get_400_with_a_message(server, body, needle):
+def test_bad_requests_get_422_in_fastapis_shape(server, body, kind, loc):
     status, answer = retrieve(server.url, body)
-    assert status == 400
-    assert needle in answer["error"], answer
+    assert status == 422, answer
+    (entry,) = answer["detail"]
+    assert entry["type"] == kind and entry["loc"] == ["body", *loc] and entry["msg"] and "input" in entry
+
+
+def test_what_search_r1s_model_accepts(server):
+    """topk 0 or null means the server's --topk (3), as in Search-R1; numbers and booleans as strings."""
+    expected = retrieve(server.url, {"queries": ["capital city"], "topk": 3, "return_scores": True})[1]
+    for body in ({"topk": 0, "return_scores": True}, {"topk": None, "return_scores": "true"},
+                 {"topk": "3", "return_scores": 1}, {"topk": 3.0, "return_scores": "yes"}):
+        assert retrieve(server.url, {"queries": ["capital city"], **body}) == (200, expected)
+    assert retrieve(server.url, {"queries": ["capital city"], "return_scores": "off"})[1]["result"] == [
+        [hit["document"] for hit in expected["result"][0]]]
+
+
+def test_other_errors_are_json(server):
+    status, answer = retrieve(server.url, {"queries": ["a"] * (MAX_QUERIES + 1)})
+    assert status == 413 and answer == {"detail": f"too many queries: {MAX_QUERIES + 1} (at most {MAX_QUERIES} "
+                                                  "per request, --max-queries)"}
+    assert asyncio.run(request("GET", f"{server.url}/nowhere")) == (404, {"detail": "Not Found"})
+    assert asyncio.run(request("GET", f"{server.url}/retrieve")) == (405, {"detail": "Method Not Allowed"})
+
+
+def test_a_whole_rollouts_queries_in_one_request_searched_in_chunks():
+    """Search-R1's client sends a rollout's queries at once (2,560 in its script); the server takes far
+    more by default, searches them a chunk at a time in order, and its body limit is configurable."""
+
+    class CountingIndex:
+        kind = "test"
+
+        def __init__(self):
+            self.chunks = []
+
+        def __len__(self) -> int:
+            return 1
+
+        def search(self, queries, topk):
+            self.chunks.append(len(queries))
+            return [[({"id": str(i), "contents": f"T\n{q}", "url": f"https://x/{q}"}, 1.0)] for i, q in enumerate(queries)]
+
+        def close(self):
+            pass
+
+    index = CountingIndex()
+    queries = [f"q{i}" for i in range(2560)]
+
+    async def main():
+        async with serving(make_app(index, search_chunk=1000)) as url:
+            whole = await request("POST", f"{url}/retrieve", json={"queries": queries, "topk": 5})
+        async with serving(make_app(index, max_request_mb=0.01)) as url:
+            too_big = await request("POST", f"{url}/retrieve", json={"queries": queries})
+        return whole, too_big
+
+    whole, too_big = asyncio.run(main())
+    assert whole[0] == 200 and [row[0]["contents"] for row in whole[1]["result"]] == [f"T\n{q}" for q in queries]
+    assert whole[1]["result"][7][0]["url"] == "https://x/q7"  # the corpus's url kept
+    assert index.chunks == [1000, 1000, 560]
+    assert too_big[0] == 413 and "Maximum request body size 10485 exceeded" in too_big[1]["detail"]
 
 
 def test_in_process_app_and_search_errors():
@@ -150,8 +207,8 @@ def test_in_process_app_and_search_errors():
             return bad, good
 
     bad, good = asyncio.run(main())
-    assert bad[0] == 500 and "disk on fire" in bad[1]["error"]
-    assert good == (200, {"result": [[{"document": {"id": "0", "contents": "T\nx"}, "score": 1.0}]]})
+    assert bad[0] == 500 and "disk on fire" in bad[1]["detail"]
+    assert good == (200, {"result": [[{"document": {"id": "0", "contents": "T\nx", "url": ""}, "score": 1.0}]]})
     assert index.calls[-1] == (["x"], 5)  # the app's default topk
 
 
@@ -186,7 +243,7 @@ def test_index_is_saved_reused_on_restart_and_rebuilt_when_the_corpus_changes(tm
         status, body = retrieve(third.url, {"queries": ["zorblax"], "return_scores": True})
     assert "the corpus changed since the index was built" in third.log()
     assert "built BM25 index of 315 documents" in third.log()
-    assert body["result"][0][0]["document"] == {"id": "new", "contents": "Zorblax\nZorblax is a made-up word."}
+    assert body["result"][0][0]["document"] == {"id": "new", "contents": "Zorblax\nZorblax is a made-up word.", "url": ""}
 
 
 def test_index_dir_option_and_in_process_reload(tmp_path):
@@ -252,7 +309,7 @@ def test_corpus_errors_from_the_command_line(tmp_path):
 def test_command_line_option_errors(tmp_path):
     for args, message in [(["--retriever", "dense"], "--retriever dense needs --encoder PATH"),
                           (["--encoder", str(tmp_path)], "--encoder is only used with --retriever dense"),
-                          (["--topk", "0"], "1 <= --topk <= --max-topk, got 1024, 0, 100")]:
+                          (["--topk", "0"], "1 <= --topk <= --max-topk, got 65536, 0, 100")]:
         result = subprocess.run([sys.executable, "-m", "rl2.tools.retrieval_server", "--corpus", SAMPLE_CORPUS,
                                  "--index-dir", str(tmp_path / "index"), "--port", "0", *args],
                                 capture_output=True, text=True, timeout=60, cwd=REPO, env=python_env())

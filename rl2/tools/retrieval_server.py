@@ -3,14 +3,23 @@
     python -m rl2.tools.retrieval_server --corpus corpus.jsonl [--host 127.0.0.1 --port 8000 --topk 3]
 
 `POST /retrieve` with `{"queries": [str, ...], "topk": int (optional), "return_scores": bool
-(optional, default false)}` (other fields are ignored) answers `{"result": [...]}` with one list per query, best first:
-`[{"document": {"id", "contents", ...}, "score": float}, ...]` with scores, or just the documents
-without (as Search-R1's retrieval_server.py does). `GET /health` answers `{"status": "ok",
-"documents": n, "retriever": "bm25"}`. A malformed request gets HTTP 400 and `{"error": message}`.
+(optional, default false)}` (other fields are ignored) answers `{"result": [...]}` with one list per
+query, best first: `[{"document": {"id", "contents", "url", ...}, "score": float}, ...]` with scores,
+or just the documents without (as Search-R1's retrieval_server.py does). `GET /health` answers
+`{"status": "ok", "documents": n, "retriever": "bm25"}`.
 
-The index is BM25 by default (`--retriever dense --encoder PATH` for embeddings); it is built at
-the first start and saved next to the corpus (see `rl2.tools.retrieval_index`). Searches run one
-batch at a time in a worker thread, so `/health` answers while a batch is searched.
+What Search-R1's server (FastAPI, pydantic) accepts is accepted: `topk` null or 0 means `--topk`;
+numbers and booleans sent as strings ("5", "true") are read as such. A malformed request gets HTTP
+422 with FastAPI's error shape, `{"detail": [{"type", "loc", "msg", "input"}]}`; every other error
+is JSON `{"detail": message}` too (404, 405, 413 over `--max-request-mb` or `--max-queries`, 500).
+Differences, on purpose: a negative `topk` or one above `--max-topk` is a 422 (Search-R1 passes it
+to its index); every document has a `url` (the corpus row's, else ""), which some clients (RLinf's,
+ASearcher's) require.
+
+A whole rollout's queries come in one request (Search-R1's client sends 512 × 5 = 2,560); they are
+searched `--search-chunk` at a time, so `/health` and other requests are answered in between. The
+index is BM25 by default (`--retriever dense --encoder PATH` for embeddings); it is built at the
+first start and saved next to the corpus (see `rl2.tools.retrieval_index`).
 """
 
 import argparse
@@ -20,6 +29,7 @@ import json
 import logging
 import signal
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -27,21 +37,32 @@ from rl2.tools.retrieval_index import SearchIndex, open_index
 
 logger = logging.getLogger("rl2.tools.retrieval_server")  # not __name__: "__main__" under `python -m`
 
-MAX_QUERIES = 1024  # per request
+MAX_QUERIES = 65536  # per request
 MAX_TOPK = 100
+MAX_REQUEST_MB = 64
+SEARCH_CHUNK = 1024  # queries per index search
 
 _EXECUTOR = web.AppKey("executor", concurrent.futures.ThreadPoolExecutor)
 
 
-class BadRequest(ValueError):
-    """A request that does not follow the API; answered with HTTP 400."""
+class Invalid(ValueError):
+    """A request that does not follow the API: FastAPI's error entry for it (answered with 422)."""
+
+    def __init__(self, kind: str, loc: tuple, msg: str, value: Any = None):
+        super().__init__(msg)
+        self.entry = {"type": kind, "loc": ["body", *loc], "msg": msg, "input": value}
 
 
-def make_app(index: SearchIndex, topk: int = 3, max_queries: int = MAX_QUERIES, max_topk: int = MAX_TOPK) -> web.Application:
-    """The aiohttp app serving `index`; `topk` is used when a request names none."""
+class TooLarge(ValueError):
+    """A well-formed request over the server's limits (answered with 413)."""
+
+
+def make_app(index: SearchIndex, topk: int = 3, max_queries: int = MAX_QUERIES, max_topk: int = MAX_TOPK,
+             max_request_mb: float = MAX_REQUEST_MB, search_chunk: int = SEARCH_CHUNK) -> web.Application:
+    """The aiohttp app serving `index`; `topk` is used when a request names none (or 0)."""
     if not 1 <= topk <= max_topk:
         raise ValueError(f"default topk must be between 1 and max_topk={max_topk}, got {topk}")
-    app = web.Application()
+    app = web.Application(client_max_size=int(max_request_mb * 2**20), middlewares=[json_errors])
 
     async def make_executor(app: web.Application):
         app[_EXECUTOR] = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl2-retrieval")
@@ -50,20 +71,27 @@ def make_app(index: SearchIndex, topk: int = 3, max_queries: int = MAX_QUERIES, 
 
     async def retrieve(request: web.Request) -> web.Response:
         try:
-            queries, k, return_scores = parse_request(await request.read(), topk, max_queries, max_topk)
-        except BadRequest as e:
-            return web.json_response({"error": str(e)}, status=400)
+            queries, k, return_scores = parse_request(await request.read(), topk, max_topk)
+        except Invalid as e:
+            return web.json_response({"detail": [e.entry]}, status=422)
+        if len(queries) > max_queries:
+            return web.json_response({"detail": f"too many queries: {len(queries)} (at most {max_queries} per "
+                                                f"request, --max-queries)"}, status=413)
         started = time.perf_counter()
+        hits = []
         try:
-            hits = await asyncio.get_running_loop().run_in_executor(app[_EXECUTOR], index.search, queries, k)
+            for start in range(0, len(queries), search_chunk):
+                chunk = queries[start : start + search_chunk]
+                hits += await asyncio.get_running_loop().run_in_executor(app[_EXECUTOR], index.search, chunk, k)
         except Exception as e:
             logger.exception("search failed for %d queries (topk %d)", len(queries), k)
-            return web.json_response({"error": f"search failed: {type(e).__name__}: {e}"}, status=500)
+            return web.json_response({"detail": f"search failed: {type(e).__name__}: {e}"}, status=500)
         logger.debug("%d queries, topk %d: %.1f ms", len(queries), k, 1000 * (time.perf_counter() - started))
+        rows = [[({**doc, "url": doc.get("url") or ""}, score) for doc, score in row] for row in hits]
         if return_scores:
-            result = [[{"document": doc, "score": score} for doc, score in row] for row in hits]
+            result = [[{"document": doc, "score": score} for doc, score in row] for row in rows]
         else:
-            result = [[doc for doc, _ in row] for row in hits]
+            result = [[doc for doc, _ in row] for row in rows]
         return web.json_response({"result": result})
 
     async def health(request: web.Request) -> web.Response:
@@ -75,33 +103,80 @@ def make_app(index: SearchIndex, topk: int = 3, max_queries: int = MAX_QUERIES, 
     return app
 
 
-def parse_request(body: bytes, default_topk: int, max_queries: int, max_topk: int) -> tuple[list[str], int, bool]:
-    """(queries, topk, return_scores) from a /retrieve body, or BadRequest saying what is wrong."""
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own errors (unknown path, wrong method, body over the limit) as JSON `{"detail"}`."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.json_response({"detail": e.reason if e.status != 413 else e.text}, status=e.status,
+                                 headers={k: v for k, v in e.headers.items() if k == "Allow"})
+
+
+def parse_request(body: bytes, default_topk: int, max_topk: int) -> tuple[list[str], int, bool]:
+    """(queries, topk, return_scores) from a /retrieve body, read as Search-R1's pydantic model
+    `QueryRequest(queries: list[str], topk: int | None, return_scores: bool = False)` reads it;
+    `Invalid` says what is wrong."""
     try:
         request = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the body is not JSON: {e}") from None
+        raise Invalid("json_invalid", (), f"JSON decode error: {e}", body[:200].decode(errors="replace")) from None
     if not isinstance(request, dict):
-        raise BadRequest(f"expected a JSON object with 'queries', got {type(request).__name__}")
-    queries = request.get("queries")
+        raise Invalid("model_attributes_type", (), "Input should be a valid dictionary or object to extract "
+                      "fields from", request)
+    if "queries" not in request:
+        raise Invalid("missing", ("queries",), "Field required", request)
+    queries = request["queries"]
     if not isinstance(queries, list):
-        raise BadRequest("'queries' must be a list of strings" + (" (missing)" if queries is None else f", got {type(queries).__name__}"))
+        raise Invalid("list_type", ("queries",), "Input should be a valid list", queries)
     for i, query in enumerate(queries):
         if not isinstance(query, str):
-            raise BadRequest(f"'queries' item {i} is {type(query).__name__}, expected a string")
-    if len(queries) > max_queries:
-        raise BadRequest(f"too many queries: {len(queries)} (at most {max_queries} per request)")
-
-    topk = request.get("topk")
-    if topk is None:
+            raise Invalid("string_type", ("queries", i), "Input should be a valid string", query)
+    topk = _lax_int(request.get("topk"), "topk")
+    if topk is None or topk == 0:  # Search-R1: `if not request.topk: request.topk = config.retrieval_topk`
         topk = default_topk
-    elif not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= max_topk:
-        raise BadRequest(f"'topk' must be an integer from 1 to {max_topk}, got {json.dumps(topk)}")
+    elif topk < 0:
+        raise Invalid("greater_than_equal", ("topk",), "Input should be greater than or equal to 0", topk)
+    elif topk > max_topk:
+        raise Invalid("less_than_equal", ("topk",), f"Input should be less than or equal to {max_topk} "
+                      "(the server's --max-topk)", topk)
+    return queries, topk, _lax_bool(request.get("return_scores", False), "return_scores")
 
-    return_scores = request.get("return_scores", False)
-    if not isinstance(return_scores, bool):
-        raise BadRequest(f"'return_scores' must be true or false, got {json.dumps(return_scores)}")
-    return queries, topk, return_scores
+
+def _lax_int(value: Any, name: str) -> int | None:
+    """pydantic's lax int: an int, a float without a fraction, or a string holding an integer."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        raise Invalid("int_from_float", (name,), "Input should be a valid integer, got a number with a "
+                      "fractional part", value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise Invalid("int_parsing", (name,), "Input should be a valid integer, unable to parse string "
+                          "as an integer", value) from None
+    raise Invalid("int_type", (name,), "Input should be a valid integer", value)
+
+
+_TRUE, _FALSE = {"1", "on", "t", "true", "y", "yes"}, {"0", "off", "f", "false", "n", "no"}
+
+
+def _lax_bool(value: Any, name: str) -> bool:
+    """pydantic's lax bool: a bool, 0 / 1, or a string such as "true", "no", "1"."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise Invalid("bool_parsing" if isinstance(value, str) else "bool_type", (name,),
+                  "Input should be a valid boolean" + (", unable to interpret input" if isinstance(value, str) else ""),
+                  value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--index-dir", help="where the index is saved and looked for (default: <corpus>.bm25 or .dense)")
     parser.add_argument("--max-queries", type=int, default=MAX_QUERIES, help="queries per request at most")
     parser.add_argument("--max-topk", type=int, default=MAX_TOPK)
+    parser.add_argument("--max-request-mb", type=float, default=MAX_REQUEST_MB, help="request bodies at most")
+    parser.add_argument("--search-chunk", type=int, default=SEARCH_CHUNK, help="queries per index search")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # it logs each step at DEBUG
@@ -151,9 +228,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--encoder is only used with --retriever dense")
     if args.max_queries < 1 or args.max_topk < 1 or not 1 <= args.topk <= args.max_topk:
         parser.error(f"need --max-queries >= 1 and 1 <= --topk <= --max-topk, got {args.max_queries}, {args.topk}, {args.max_topk}")
+    if args.max_request_mb <= 0 or args.search_chunk < 1:
+        parser.error(f"need --max-request-mb > 0 and --search-chunk >= 1, got {args.max_request_mb}, {args.search_chunk}")
     try:
         index = open_index(args.corpus, args.retriever, args.index_dir, args.encoder)
-        app = make_app(index, args.topk, args.max_queries, args.max_topk)
+        app = make_app(index, args.topk, args.max_queries, args.max_topk, args.max_request_mb, args.search_chunk)
     except (ValueError, ImportError, OSError) as e:
         parser.exit(1, f"{parser.prog}: error: {e}\n")
     try:

@@ -113,6 +113,16 @@ def kill_descendants() -> None:
                 pass
 
 
+def flushing_exit(status: int, _exit=os._exit) -> None:
+    """`os._exit` for the program: flush its output first (the real one would drop what is buffered)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    _exit(status)
+
+
 def run_child(request: dict, run_dir: str, fds: tuple[int, int, int], uid: int | None, worker_pid: int) -> None:
     """In the forked child: confine this process, then execute the program. Never returns."""
     try:
@@ -146,7 +156,8 @@ def run_child(request: dict, run_dir: str, fds: tuple[int, int, int], uid: int |
             signal.signal(sig, signal.SIG_DFL)
         sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", closefd=False)
-        sys.stderr = open(2, "w", closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # line-buffered, as Python's own stderr
+        os._exit = flushing_exit  # the program's os._exit keeps what it printed (rStar2-Agent's tool wrapper exits so)
         sys.argv = ["solution.py"]
         sys.path[0] = run_dir  # was this file's directory
     except BaseException:
@@ -164,12 +175,7 @@ def run_child(request: dict, run_dir: str, fds: tuple[int, int, int], uid: int |
         # Leave this file's frame out: the traceback starts in the program, as under `python solution.py`.
         traceback.print_exception(type(error), error, error.__traceback__.tb_next)
         status = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    os._exit(status & 0xFF)
+    flushing_exit(status & 0xFF)
 
 
 def clear_scratch(dirs: list[str], keep: set[str]) -> None:

@@ -91,11 +91,15 @@ def _check_result(text: str, n_queries: int, url: str) -> list[list[dict]]:
 
 
 def _error_message(text: str) -> str:
-    """The `error` of a JSON error body, else the start of the body."""
+    """The message of a JSON error body (`{"detail": str}`, FastAPI's `{"detail": [{"loc", "msg"}]}`,
+    or `{"error": str}`), else the start of the body."""
     try:
         body = json.loads(text)
     except json.JSONDecodeError:
         return text[:200] or "(empty body)"
-    if isinstance(body, dict) and isinstance(body.get("error"), str):
-        return body["error"]
+    message = body.get("detail", body.get("error")) if isinstance(body, dict) else None
+    if isinstance(message, str):
+        return message
+    if isinstance(message, list) and message and all(isinstance(entry, dict) for entry in message):
+        return "; ".join(f"{'.'.join(map(str, entry.get('loc', [])))}: {entry.get('msg')}" for entry in message)
     return text[:200]
