@@ -43,6 +43,7 @@ bench: install
 	$(PYTHON) bench/packing.py
 	$(PYTHON) bench/train_throughput.py
 	$(PYTHON) bench/rollout_throughput.py
+	$(PYTHON) bench/multi_turn_rollout.py
 	$(PYTHON) bench/ring_attention.py
 	$(PYTHON) bench/sandbox.py
 	$(PYTHON) bench/retrieval.py
