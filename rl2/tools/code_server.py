@@ -38,6 +38,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rl2.tools.http_errors import BadRequest, json_errors
 from rl2.tools.sandbox import Sandbox, SandboxError
 
 logger = logging.getLogger("rl2.tools.code_server")
@@ -46,17 +47,6 @@ LANGUAGES = ("python",)  # what this service runs
 CODE_JUDGE_TYPES = ("python", "cpp", "math")  # what code-judge's Submission.type accepts
 QUEUE_TIMEOUT = 4.0  # code-judge's MAX_QUEUE_WORK_LIFE_TIME default
 REASONS = {"timeout": "worker_timeout", "sandbox_error": "internal_error"}  # sandbox reason -> code-judge's
-
-
-class BadRequest(Exception):
-    """A request that does not follow the API; `loc` is the path of the offending field."""
-
-    def __init__(self, loc: tuple, msg: str, kind: str = "value_error"):
-        super().__init__(msg)
-        self.loc, self.msg, self.kind = loc, msg, kind
-
-    def detail(self) -> dict:
-        return {"type": self.kind, "loc": list(self.loc), "msg": self.msg}
 
 
 @dataclass
@@ -210,21 +200,6 @@ async def _read_json(request: web.Request) -> Any:
         raise BadRequest(("body",), f"the request body is not valid JSON: {error}", "json_invalid") from None
 
 
-@web.middleware
-async def _json_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Bad requests and HTTP errors (404, 405, 413) as JSON, in FastAPI's shape."""
-    try:
-        return await handler(request)
-    except BadRequest as error:
-        logger.debug("bad request to %s: %s", request.path, error.msg)
-        return web.json_response({"detail": [error.detail()]}, status=422)
-    except web.HTTPException as error:
-        if error.status < 400:
-            raise
-        return web.json_response({"detail": error.text or error.reason}, status=error.status, headers={
-            key: value for key, value in error.headers.items() if key.lower() == "allow"})
-
-
 def _handlers(with_output: bool) -> tuple:
     """The single and batch handlers; `with_output=False` drops stdout/stderr (the /judge routes)."""
 
@@ -267,7 +242,7 @@ def make_app(sandbox: Any, workers: int | None = None, queue_timeout: float = QU
     if not workers:
         raise ValueError("make_app needs workers= (how many programs the sandbox runs at once)")
     service = CodeService(sandbox, int(workers), queue_timeout)
-    app = web.Application(middlewares=[_json_errors], client_max_size=max_request_mb * 1024 * 1024)
+    app = web.Application(middlewares=[json_errors], client_max_size=max_request_mb * 1024 * 1024)
     app[SERVICE] = service
     run, run_batch, run_long_batch = _handlers(with_output=True)
     judge, judge_batch, judge_long_batch = _handlers(with_output=False)

@@ -33,6 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rl2.tools.http_errors import BadRequest, json_errors
 from rl2.tools.retrieval_index import SearchIndex, open_index
 
 logger = logging.getLogger("rl2.tools.retrieval_server")  # not __name__: "__main__" under `python -m`
@@ -43,18 +44,6 @@ MAX_REQUEST_MB = 64
 SEARCH_CHUNK = 1024  # queries per index search
 
 _EXECUTOR = web.AppKey("executor", concurrent.futures.ThreadPoolExecutor)
-
-
-class Invalid(ValueError):
-    """A request that does not follow the API: FastAPI's error entry for it (answered with 422)."""
-
-    def __init__(self, kind: str, loc: tuple, msg: str, value: Any = None):
-        super().__init__(msg)
-        self.entry = {"type": kind, "loc": ["body", *loc], "msg": msg, "input": value}
-
-
-class TooLarge(ValueError):
-    """A well-formed request over the server's limits (answered with 413)."""
 
 
 def make_app(index: SearchIndex, topk: int = 3, max_queries: int = MAX_QUERIES, max_topk: int = MAX_TOPK,
@@ -70,10 +59,7 @@ def make_app(index: SearchIndex, topk: int = 3, max_queries: int = MAX_QUERIES, 
         app[_EXECUTOR].shutdown(wait=False, cancel_futures=True)
 
     async def retrieve(request: web.Request) -> web.Response:
-        try:
-            queries, k, return_scores = parse_request(await request.read(), topk, max_topk)
-        except Invalid as e:
-            return web.json_response({"detail": [e.entry]}, status=422)
+        queries, k, return_scores = parse_request(await request.read(), topk, max_topk)
         if len(queries) > max_queries:
             return web.json_response({"detail": f"too many queries: {len(queries)} (at most {max_queries} per "
                                                 f"request, --max-queries)"}, status=413)
@@ -87,11 +73,9 @@ def make_app(index: SearchIndex, topk: int = 3, max_queries: int = MAX_QUERIES, 
             logger.exception("search failed for %d queries (topk %d)", len(queries), k)
             return web.json_response({"detail": f"search failed: {type(e).__name__}: {e}"}, status=500)
         logger.debug("%d queries, topk %d: %.1f ms", len(queries), k, 1000 * (time.perf_counter() - started))
-        rows = [[({**doc, "url": doc.get("url") or ""}, score) for doc, score in row] for row in hits]
-        if return_scores:
-            result = [[{"document": doc, "score": score} for doc, score in row] for row in rows]
-        else:
-            result = [[doc for doc, _ in row] for row in rows]
+        with_url = lambda doc: {**doc, "url": doc.get("url") or ""}  # noqa: E731
+        result = [[{"document": with_url(doc), "score": score} if return_scores else with_url(doc) for doc, score in row]
+                  for row in hits]
         return web.json_response({"result": result})
 
     async def health(request: web.Request) -> web.Response:
@@ -103,46 +87,39 @@ def make_app(index: SearchIndex, topk: int = 3, max_queries: int = MAX_QUERIES, 
     return app
 
 
-@web.middleware
-async def json_errors(request: web.Request, handler) -> web.StreamResponse:
-    """aiohttp's own errors (unknown path, wrong method, body over the limit) as JSON `{"detail"}`."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return web.json_response({"detail": e.reason if e.status != 413 else e.text}, status=e.status,
-                                 headers={k: v for k, v in e.headers.items() if k == "Allow"})
-
-
 def parse_request(body: bytes, default_topk: int, max_topk: int) -> tuple[list[str], int, bool]:
     """(queries, topk, return_scores) from a /retrieve body, read as Search-R1's pydantic model
     `QueryRequest(queries: list[str], topk: int | None, return_scores: bool = False)` reads it;
-    `Invalid` says what is wrong."""
+    `BadRequest` says what is wrong."""
     try:
         request = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise Invalid("json_invalid", (), f"JSON decode error: {e}", body[:200].decode(errors="replace")) from None
+        raise _invalid("json_invalid", (), f"JSON decode error: {e}", body[:200].decode(errors="replace")) from None
     if not isinstance(request, dict):
-        raise Invalid("model_attributes_type", (), "Input should be a valid dictionary or object to extract "
+        raise _invalid("model_attributes_type", (), "Input should be a valid dictionary or object to extract "
                       "fields from", request)
     if "queries" not in request:
-        raise Invalid("missing", ("queries",), "Field required", request)
+        raise _invalid("missing", ("queries",), "Field required", request)
     queries = request["queries"]
     if not isinstance(queries, list):
-        raise Invalid("list_type", ("queries",), "Input should be a valid list", queries)
+        raise _invalid("list_type", ("queries",), "Input should be a valid list", queries)
     for i, query in enumerate(queries):
         if not isinstance(query, str):
-            raise Invalid("string_type", ("queries", i), "Input should be a valid string", query)
+            raise _invalid("string_type", ("queries", i), "Input should be a valid string", query)
     topk = _lax_int(request.get("topk"), "topk")
     if topk is None or topk == 0:  # Search-R1: `if not request.topk: request.topk = config.retrieval_topk`
         topk = default_topk
     elif topk < 0:
-        raise Invalid("greater_than_equal", ("topk",), "Input should be greater than or equal to 0", topk)
+        raise _invalid("greater_than_equal", ("topk",), "Input should be greater than or equal to 0", topk)
     elif topk > max_topk:
-        raise Invalid("less_than_equal", ("topk",), f"Input should be less than or equal to {max_topk} "
+        raise _invalid("less_than_equal", ("topk",), f"Input should be less than or equal to {max_topk} "
                       "(the server's --max-topk)", topk)
     return queries, topk, _lax_bool(request.get("return_scores", False), "return_scores")
+
+
+def _invalid(kind: str, loc: tuple, msg: str, value: Any) -> BadRequest:
+    """A pydantic-style error entry for the body field at `loc`, with the offending input."""
+    return BadRequest(("body", *loc), msg, kind, input=value)
 
 
 def _lax_int(value: Any, name: str) -> int | None:
@@ -152,15 +129,15 @@ def _lax_int(value: Any, name: str) -> int | None:
     if isinstance(value, float):
         if value.is_integer():
             return int(value)
-        raise Invalid("int_from_float", (name,), "Input should be a valid integer, got a number with a "
+        raise _invalid("int_from_float", (name,), "Input should be a valid integer, got a number with a "
                       "fractional part", value)
     if isinstance(value, str):
         try:
             return int(value.strip())
         except ValueError:
-            raise Invalid("int_parsing", (name,), "Input should be a valid integer, unable to parse string "
+            raise _invalid("int_parsing", (name,), "Input should be a valid integer, unable to parse string "
                           "as an integer", value) from None
-    raise Invalid("int_type", (name,), "Input should be a valid integer", value)
+    raise _invalid("int_type", (name,), "Input should be a valid integer", value)
 
 
 _TRUE, _FALSE = {"1", "on", "t", "true", "y", "yes"}, {"0", "off", "f", "false", "n", "no"}
@@ -174,7 +151,7 @@ def _lax_bool(value: Any, name: str) -> bool:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
-    raise Invalid("bool_parsing" if isinstance(value, str) else "bool_type", (name,),
+    raise _invalid("bool_parsing" if isinstance(value, str) else "bool_type", (name,),
                   "Input should be a valid boolean" + (", unable to interpret input" if isinstance(value, str) else ""),
                   value)
 
