@@ -38,6 +38,7 @@ import re
 from rl2.tools import code_client
 from rl2.tools.lazy import Lazy
 from rl2.tools.math_grader import MathGrader
+from rl2.tools.code_server import TIMEOUT_LINE
 from rl2.tools.sandbox import Sandbox
 
 TOOL_SCHEMA = {
@@ -178,7 +179,9 @@ async def run_programs(programs: list[tuple[str, str]]) -> list[tuple[str, str, 
         problems = [r.get("stderr") or r["reason"] for r in results if r.get("reason") in NOT_RUN]
         if problems:
             raise _not_run(f"the code service at {client.url}", problems, len(results))
-        return [(r.get("stdout") or "", r.get("stderr") or "", _status_from_judge(r)) for r in results]
+        # code-judge ends a timed-out program's stdout with its own line; our message says it instead
+        return [((r.get("stdout") or "").removesuffix(TIMEOUT_LINE), r.get("stderr") or "", _status_from_judge(r))
+                for r in results]
     sandbox = _sandbox.get()
     results = await asyncio.gather(*(sandbox.run_async(code, stdin) for code, stdin in programs))
     problems = [r.stderr or r.reason for r in results if r.reason == "sandbox_error"]

@@ -3,6 +3,7 @@
 batching, concurrency bounds, retries, and a service that dies or is not there."""
 
 import asyncio
+import shutil
 import time
 
 import pytest
@@ -11,6 +12,7 @@ from aiohttp import web
 from rl2.tools.code_client import CodeClient
 from rl2.tools.code_server import Submission, judge_result, make_app
 from rl2.tools.sandbox import RunResult, Sandbox
+from clients import rstar2_agent
 from server_process import ServerProcess, free_port, request, serving
 
 
@@ -107,7 +109,6 @@ def test_batch_and_long_batch_concurrently_in_order(server):
     ("POST", "/run", {"json": ["print(1)"]}, 422, "JSON object"),
     ("POST", "/run", {"json": {"type": "python"}}, 422, "'solution'"),
     ("POST", "/run", {"json": {"solution": "print(1)"}}, 422, "'type' is missing"),
-    ("POST", "/run", {"json": py("print(1)") | {"type": "cpp"}}, 422, "unsupported type 'cpp'"),
     ("POST", "/run", {"json": {"type": "python", "solution": 5}}, 422, "'solution' must be a string"),
     ("POST", "/run", {"json": py("print(1)", input=3)}, 422, "'input' must be a string"),
     ("POST", "/run/batch", {"json": {"type": "batch", "submissions": []}}, 422, "non-empty"),
@@ -127,6 +128,74 @@ def test_bad_requests_get_json_errors(server, method, path, body, status, needle
         assert set(detail) == {"type", "loc", "msg"} and detail["loc"][0] == "body"
 
 
+def test_code_judge_semantics(server):
+    """What code-judge answers, case by case: a timed-out program's last line, a long output cut
+    to 1,000 characters without failing (compared before the cut), C++ next to Python in one batch,
+    and a type the service cannot run answered per submission, not by rejecting the batch."""
+    long_output = "print('7' * 1500)"
+    cpp = "#include <cstdio>\nint main(){char s[8]; scanf(\"%7s\", s); printf(\"<%s>\", s); return 0;}"
+    body = {"type": "batch", "submissions": [
+        py("import time\nprint('before', flush=True)\ntime.sleep(5)"),
+        py(long_output, expected_output="7" * 1500),
+        {"type": "cpp", "solution": cpp, "input": "abc", "expected_output": "<abc>"},
+        {"type": "cpp", "solution": "int main(){return 0}"},
+        {"type": "math", "solution": "1+1", "expected_output": "2"},
+        py("print(1)", expected_output="1"),
+    ]}
+    status, answer = asyncio.run(request("POST", server.url + "/run/long-batch", json=body))
+    assert status == 200
+    timed_out, long, compiled, broken, math, plain = answer["results"]
+    assert timed_out["stdout"] == "before\nSuicide from timeout.\n" and timed_out["reason"] == "worker_timeout"
+    assert (long["run_success"], long["success"], long["stdout"], long["reason"]) == (True, True, "7" * 1000, "")
+    if shutil.which("g++"):
+        assert (compiled["success"], compiled["stdout"], compiled["reason"]) == (True, "<abc>", "")
+        assert broken["run_success"] is False and broken["reason"] == "" and "error" in broken["stderr"]
+    assert (math["run_success"], math["reason"], math["stdout"]) == (False, "internal_error", None)
+    assert "type 'math' cannot run" in math["stderr"]
+    assert plain["success"] is True
+
+
+def test_cpp_without_a_compiler_is_answered_per_submission(sandbox):
+    class PythonOnly:
+        languages = ("python",)
+
+        def run(self, code: str, stdin: str):
+            return sandbox.run(code, stdin)
+
+    body = {"submissions": [{"type": "cpp", "solution": "int main(){}"}, py("print(2)")]}
+
+    async def main():
+        async with serving(make_app(PythonOnly(), workers=1)) as url:
+            return await request("POST", url + "/run/batch", json=body)
+
+    status, answer = asyncio.run(main())
+    cpp, python = answer["results"]
+    assert status == 200 and python["stdout"] == "2\n"
+    assert (cpp["reason"], cpp["stdout"], cpp["stderr"]) == ("internal_error", None, "type 'cpp' cannot run: g++ is not installed here")
+
+
+def test_rstar2_agent_tool_calls(server):
+    """rStar2-Agent's code tool (tests/clients/rstar2_agent.py) against the server: a Jupyter-like
+    session replayed from history, stdin, an error reported through `os._exit(1)`, a timeout."""
+    history = [{"name": "jupyter_code", "arguments": {"code": "x = 20\nprint('not shown')"}},
+               {"name": "jupyter_code", "arguments": {"code": "undefined_name"}}]  # failed earlier: ignored now
+    calls = [
+        {"name": "jupyter_code", "arguments": {"code": "y = x + 1\ny * 2"}, "history_tool_calls": history},
+        {"name": "python_code_with_standard_io", "arguments": {"code": "print(input()[::-1])", "input": "abc"}},
+        {"name": "jupyter_code", "arguments": {"code": "print('partial')\n1 / 0"}},
+        {"name": "jupyter_code", "arguments": {"code": "x = 1\ny = x / 0\nprint(y)"}},
+        {"name": "jupyter_code", "arguments": {"code": "while True: pass"}},
+    ]
+    replayed, stdio, failed, located, slow = rstar2_agent.run_tool_calls(server.url, calls)
+    assert replayed.startswith("Tool call success\nstdout: 42\n\nexecution time: ")
+    assert stdio.startswith("Tool call success\nstdout: cba\n\nexecution time: ")
+    assert failed.startswith("Tool call failure\nreason: \nstdout: partial\n\n"
+                             "stderr: ZeroDivisionError: division by zero\n\nexecution time: ")
+    assert located.startswith("Tool call failure\nreason: \nstderr: ZeroDivisionError at line 2: division by zero\n"
+                              "  y = x / 0\n\nexecution time: ")
+    assert slow.startswith("Tool call failure\nreason: worker_timeout\nstdout: Suicide from timeout.\n\n")
+
+
 def test_bad_item_in_batch_is_located(server):
     body = {"submissions": [py("print(1)"), py("print(2)"), {"type": "python"}]}
     status, answer = asyncio.run(request("POST", server.url + "/run/batch", json=body))
@@ -139,8 +208,8 @@ def test_ping_and_status(server):
 
 
 def test_result_mapping_to_code_judge():
-    sub = Submission("id", "code", "", None)
-    expecting = Submission("id", "code", "", "42")
+    sub = Submission("id", "python", "code", "", None)
+    expecting = Submission("id", "python", "code", "", "42")
 
     def mapped(reason: str, stdout: str = "", sub: Submission = sub) -> tuple:
         result = judge_result(sub, RunResult(stdout, "", 0 if reason == "ok" else 1, 0.5, reason))
@@ -152,8 +221,16 @@ def test_result_mapping_to_code_judge():
     assert mapped("error") == (False, False, "")
     assert mapped("timeout") == (False, False, "worker_timeout")
     assert mapped("memory") == (False, False, "")
-    assert mapped("output_limit") == (False, False, "")
+    assert mapped("output_limit") == (False, False, "")  # the file-size limit: killed by SIGXFSZ
+    assert mapped("compile_error") == (False, False, "")
     assert mapped("sandbox_error") == (False, False, "internal_error")
+    assert mapped("not_installed") == (False, False, "internal_error")
+    cut = judge_result(expecting, RunResult("42\n" + "x" * 50, "", 0, 0.5, "output_limit", truncated=True), 10)
+    assert (cut["run_success"], cut["success"], cut["stdout"]) == (True, False, "42\n" + "x" * 7)
+    timed_out = judge_result(sub, RunResult("partial\n", "", None, 1.0, "timeout"))
+    assert timed_out["stdout"] == "partial\nSuicide from timeout.\n"
+    failed = judge_result(sub, RunResult("", "worker died", None, 0.0, "sandbox_error"))
+    assert (failed["stdout"], failed["stderr"], failed["reason"]) == (None, "worker died", "internal_error")
 
 
 def test_queue_timeout_on_batch_not_on_long_batch(sandbox, caplog):

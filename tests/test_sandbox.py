@@ -93,6 +93,88 @@ def test_output_survives_os_exit(box):
     assert child.stdout == "from the child\nparent\n"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_program_ends_as_under_python(mode):
+    """`__file__`, argv, tracebacks with source lines; at the end non-daemon threads are joined,
+    atexit handlers run and multiprocessing's children are joined; what a child process started
+    in the background does before it ends is part of the run."""
+    # preloaded: under the uid fallback the interpreter's files may be out of the programs' reach
+    modules = ["atexit", "subprocess", "threading", "time", "multiprocessing", "multiprocessing.popen_fork"]
+    with Sandbox(workers=1, isolation=mode, uid_base=UID_BASE, preload=modules) as box:
+        where, error, ending = program_endings(box)
+    assert where.stdout == "solution.py ['solution.py'] True\n"
+    assert 'File "solution.py", line 2, in <module>\n    y = x / 0' in error.stderr
+    assert ending.reason == "ok" and ending.wall_time >= 0.3, ending
+    assert sorted(ending.stdout.splitlines()) == ["atexit ran", "background done", "child process done", "main done",
+                                                  "thread done"]
+
+
+def program_endings(box: Sandbox) -> tuple[RunResult, RunResult, RunResult]:
+    where = box.run("import os, sys\nprint(os.path.basename(__file__), sys.argv, os.path.dirname(__file__) == os.getcwd())")
+    error = box.run("x = 1\ny = x / 0")
+    ending = box.run(
+        "import atexit, subprocess, threading, time\n"
+        "from multiprocessing import Process\n"
+        "atexit.register(lambda: print('atexit ran'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()\n"
+        "Process(target=print, args=('child process done',)).start()\n"
+        "subprocess.Popen(['sh', '-c', 'sleep 0.3; echo background done'])\n"
+        "print('main done')"
+    )
+    return where, error, ending
+
+
+def test_deadline_counts_from_before_the_program(box):
+    """A program that sleeps exactly its time limit always times out (the deadline is set before
+    the fork, and an end seen after it is late); a child still running at the limit is killed."""
+    for _ in range(3):
+        exact = box.run("import time\ntime.sleep(0.5)", timeout=0.5)
+        assert exact.reason == "timeout", exact
+    joined = box.run("import os, time\nif os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\nprint('started')", timeout=0.5)
+    assert (joined.reason, joined.stdout) == ("timeout", "started\n") and joined.wall_time < 1.5
+
+
+def test_output_limit_counts_characters():
+    """`output_limit` is in characters (not bytes); invalid UTF-8 is replaced, not an error."""
+    with Sandbox(workers=1, output_limit=10) as box:
+        wide = box.run("print('é' * 10, end='')")
+        assert (wide.stdout, wide.truncated, wide.reason) == ("é" * 10, False, "ok")
+        cut = box.run("print('é' * 11, end='')")
+        assert (cut.stdout, cut.truncated, cut.reason, cut.exit_code) == ("é" * 10, True, "output_limit", 0)
+        raw = box.run("import sys\nsys.stdout.buffer.write(b'\\xffok')")
+        assert (raw.stdout, raw.reason) == ("\ufffdok", "ok")
+
+
+CPP_ECHO = "#include <iostream>\n#include <string>\nint main(){std::string s; std::cin >> s; std::cout << s << s << std::endl;}"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed here")
+def test_cpp_compiles_and_runs(box):
+    assert "cpp" in box.languages
+    ok = box.run(CPP_ECHO, stdin="ab", language="cpp")
+    assert (ok.stdout, ok.reason, ok.exit_code) == ("abab\n", "ok", 0)
+    broken = box.run("int main(){return 0}", language="cpp")
+    assert broken.reason == "compile_error" and "error:" in broken.stderr and broken.stdout == ""
+    slow = box.run("#include <unistd.h>\nint main(){sleep(60); return 0;}", timeout=0.5, language="cpp")
+    assert slow.reason == "timeout" and slow.wall_time < 1.5  # the time limit is the run's, after compiling
+    failing = box.run("int main(){return 3;}", language="cpp")
+    assert (failing.reason, failing.exit_code) == ("error", 3)
+    greedy = box.run("#include <vector>\nint main(){std::vector<char> v(1ul << 34); return v[5];}", language="cpp")
+    assert greedy.reason == "memory" and "bad_alloc" in greedy.stderr
+
+
+def test_a_language_without_its_compiler_is_reported():
+    from rl2.tools import sandbox_worker
+
+    request = {"language": "cpp", "code": CPP_ECHO, "stdin": "", "timeout": 1.0, "compile_timeout": 1.0,
+               "memory_mb": 256, "file_size_mb": 1, "nproc": 8, "output_limit": 100}
+    with tempfile.TemporaryDirectory() as run_dir:
+        result = sandbox_worker.run_program(request, run_dir, ("", "", ""), None, {"cpp": None})
+    assert result["reason"] == "not_installed" and "g++ is not installed" in result["stderr"]
+    with pytest.raises(ValueError, match="sandbox language must be one of"):
+        Sandbox(workers=1).run("print(1)", language="rust")
+
+
 def test_infinite_loop_times_out(contained):
     start = time.monotonic()
     result = contained.run("while True:\n    pass", timeout=1.0)
@@ -114,9 +196,9 @@ def test_memory_bomb(contained):
 def test_fork_bomb_is_bounded_and_cleaned_up(contained):
     counted = contained.run(
         "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n"
-        "            os._exit(0)\n        n += 1\nexcept OSError:\n    print(n)"
+        "            os._exit(0)\n        n += 1\nexcept OSError:\n    print(n)", timeout=1.0
     )
-    assert counted.reason == "ok" and 0 < int(counted.stdout) < 24
+    assert counted.reason == "timeout" and 0 < int(counted.stdout) < 24  # its sleeping children outlive the limit
     bomb = contained.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", timeout=1.0)
     assert bomb.reason == "timeout"
 
@@ -191,19 +273,24 @@ def test_killing_the_parent_or_everything(contained):
     assert contained.run("print('next')").stdout == "next\n"
 
 
-def test_background_processes_are_killed(contained):
+def test_background_processes_count_and_are_killed(contained):
+    """A run lasts until every process the program started has ended: a daemon it leaves behind
+    (its own session, two forks down) runs into the time limit and is killed there."""
     program = (
         "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(120)\n"
         "    os._exit(0)\nprint('left a daemon behind')"
     )
-    assert contained.run(program).reason == "ok"
+    result = contained.run(program, timeout=1.0)
+    assert (result.reason, result.exit_code, result.stdout) == ("timeout", 0, "left a daemon behind\n")
+    assert 1.0 <= result.wall_time < 2.0
     # `contained` checks that no process of the sandbox uids survives
 
 
 def test_nothing_carries_over_between_programs(box):
     box.run("open('/tmp/planted.py', 'w').write('x = 1')\nopen('here.txt', 'w').write('x')")
     for _ in range(WORKERS):
-        assert box.run("import os\nprint(os.path.exists('/tmp/planted.py'), os.listdir('.'))").stdout == "False []\n"
+        listing = box.run("import os\nprint(os.path.exists('/tmp/planted.py'), os.listdir('.'))").stdout
+        assert listing == "False ['solution.py']\n"  # only the program's own source
 
 
 def test_runs_concurrently_up_to_the_pool_size(box):

@@ -1,16 +1,20 @@
-"""A code-judge-compatible HTTP service that runs Python in the local sandbox.
+"""A code-judge-compatible HTTP service that runs Python and C++ in the local sandbox.
 
     python -m rl2.tools.code_server --host 127.0.0.1 --port 8000 --workers 8 --timeout 10 --memory-mb 512
 
 It speaks the API of code-judge (github.com/0xWJ/code-judge, `app/main.py`, `app/model.py`), so a
-client written for one works against the other:
+client written for one works against the other (code-judge's own test suite passes against it):
 
-- `POST /run` with a submission `{"type": "python", "solution": CODE, "input": STDIN,
+- `POST /run` with a submission `{"type": "python" | "cpp", "solution": CODE, "input": STDIN,
   "expected_output": null, "sub_id": null}` answers a result `{"sub_id", "success", "run_success",
-  "cost", "stdout", "stderr", "reason"}`. `run_success`: the program exited 0 within its limits;
-  `success`: `run_success` and, when `expected_output` is given, stdout matches it (stripped);
-  `cost`: seconds; `reason`: "" (it ran: passed or failed), "worker_timeout" (killed at the time
-  limit), "queue_timeout" (no worker free in time), "internal_error" (the sandbox failed).
+  "cost", "stdout", "stderr", "reason"}`. `run_success`: the program exited 0 within its limits (a
+  long output is cut to `--output-limit` characters, 1,000 as in code-judge, and is not a failure);
+  `success`: `run_success` and, when `expected_output` is given, stdout matches it (stripped,
+  compared before the cut); `cost`: seconds; `reason`: "" (it ran: passed or failed),
+  "worker_timeout" (killed at the time limit; stdout ends with code-judge's "Suicide from
+  timeout."), "queue_timeout" (no worker free in time), "internal_error" (the sandbox failed, or
+  the type cannot run here: "math", or "cpp" without g++). On the last two stdout is null and
+  stderr says why.
 - `POST /run/batch` and `POST /run/long-batch` with `{"type": "batch", "submissions": [...]}`
   answer `{"sub_id", "results": [...]}` in submission order. As in code-judge, `/run` and
   `/run/batch` give up on a submission that waits longer than `--queue-timeout` seconds for a
@@ -18,9 +22,9 @@ client written for one works against the other:
   takes. `/judge`, `/judge/batch`, `/judge/long-batch` answer the same without stdout/stderr.
 - `GET /ping` answers "pong"; `GET /status` answers `{"queue": waiting, "num_workers": N}`.
 
-Only type "python" runs here (code-judge also has "cpp"). A malformed request gets HTTP 422 with
-FastAPI's error shape, `{"detail": [{"type", "loc", "msg"}]}`, naming the field; unknown paths 404,
-wrong methods 405, bodies over `--max-request-mb` 413, all as JSON `{"detail": ...}`.
+A malformed request gets HTTP 422 with FastAPI's error shape, `{"detail": [{"type", "loc", "msg"}]}`,
+naming the field; unknown paths 404, wrong methods 405, bodies over `--max-request-mb` 413, all as
+JSON `{"detail": ...}`. README ("The code service") lists where rl2 differs from code-judge, and why.
 """
 
 import argparse
@@ -43,10 +47,13 @@ from rl2.tools.sandbox import Sandbox, SandboxError
 
 logger = logging.getLogger("rl2.tools.code_server")
 
-LANGUAGES = ("python",)  # what this service runs
 CODE_JUDGE_TYPES = ("python", "cpp", "math")  # what code-judge's Submission.type accepts
 QUEUE_TIMEOUT = 4.0  # code-judge's MAX_QUEUE_WORK_LIFE_TIME default
-REASONS = {"timeout": "worker_timeout", "sandbox_error": "internal_error"}  # sandbox reason -> code-judge's
+OUTPUT_LIMIT = 1000  # characters of stdout and of stderr in a result: code-judge's MAX_STDOUT_ERROR_LENGTH
+COMPARED_OUTPUT = 1 << 20  # characters of stdout kept for comparing with expected_output before the cut
+TIMEOUT_LINE = "Suicide from timeout.\n"  # what code-judge's timed-out programs print last
+# sandbox reason -> code-judge's ("" is a program that ran, whether it passed or failed)
+REASONS = {"timeout": "worker_timeout", "sandbox_error": "internal_error", "not_installed": "internal_error"}
 
 
 @dataclass
@@ -54,6 +61,7 @@ class Submission:
     """One program to run (code-judge's `Submission`, validated)."""
 
     sub_id: str
+    type: str
     solution: str
     input: str
     expected_output: str | None
@@ -77,9 +85,8 @@ def parse_submission(body: Any, loc: tuple = ("body",)) -> Submission:
     if "type" not in body:
         raise BadRequest(loc + ("type",), "'type' is missing (this service runs type 'python')", "missing")
     kind = body["type"]
-    if kind not in LANGUAGES:
-        known = "a code-judge type this service does not run" if kind in CODE_JUDGE_TYPES else "not a code-judge type"
-        raise BadRequest(loc + ("type",), f"unsupported type {kind!r} ({known}); this service runs only 'python'",
+    if kind not in CODE_JUDGE_TYPES:
+        raise BadRequest(loc + ("type",), f"unsupported type {kind!r}: code-judge's types are {CODE_JUDGE_TYPES}",
                          "literal_error")
     if "solution" not in body:
         raise BadRequest(loc + ("solution",), "'solution' (the program's source) is missing", "missing")
@@ -91,6 +98,7 @@ def parse_submission(body: Any, loc: tuple = ("body",)) -> Submission:
         raise BadRequest(loc + ("options",), "'options' must be an object or null", "dict_type")
     return Submission(
         sub_id=_optional_str(body, "sub_id", loc) or str(uuid.uuid4()),
+        type=kind,
         solution=body["solution"],
         input=_optional_str(body, "input", loc) or "",
         expected_output=_optional_str(body, "expected_output", loc),
@@ -113,25 +121,32 @@ def parse_batch(body: Any) -> tuple[str, list[Submission]]:
     return sub_id, [parse_submission(item, loc + ("submissions", i)) for i, item in enumerate(submissions)]
 
 
-def judge_result(sub: Submission, run: Any) -> dict:
-    """code-judge's `SubmissionResult` for a sandbox `RunResult`."""
-    run_success = run.reason == "ok"
+def judge_result(sub: Submission, run: Any, output_limit: int = OUTPUT_LIMIT) -> dict:
+    """code-judge's `SubmissionResult` for a sandbox `RunResult`: `run_success` is a zero exit within
+    the limits (a long output is cut, not a failure); stdout is compared with `expected_output`
+    before it is cut to `output_limit` characters; a timed-out program's stdout ends with
+    code-judge's "Suicide from timeout." line."""
+    if run.reason in ("sandbox_error", "not_installed"):
+        return failed_result(sub, "internal_error", float(run.wall_time), run.stderr)
+    run_success = run.reason == "ok" or (run.reason == "output_limit" and run.exit_code == 0)
     matches = sub.expected_output is None or run.stdout.strip() == sub.expected_output.strip()
+    stdout = run.stdout + TIMEOUT_LINE if run.reason == "timeout" else run.stdout
     return {
         "sub_id": sub.sub_id,
         "success": run_success and matches,
         "run_success": run_success,
         "cost": float(run.wall_time),
-        "stdout": run.stdout,
-        "stderr": run.stderr,
+        "stdout": stdout[:output_limit],
+        "stderr": run.stderr[:output_limit],
         "reason": REASONS.get(run.reason, ""),
     }
 
 
-def failed_result(sub: Submission, reason: str, cost: float, message: str = "") -> dict:
-    """A result for a submission that did not run: `reason` "queue_timeout" or "internal_error"."""
+def failed_result(sub: Submission, reason: str, cost: float, message: str) -> dict:
+    """A result for a submission that did not run: `reason` "queue_timeout" or "internal_error";
+    stdout is null, as in code-judge, and stderr says why (null in code-judge)."""
     return {"sub_id": sub.sub_id, "success": False, "run_success": False, "cost": cost,
-            "stdout": "", "stderr": message, "reason": reason}
+            "stdout": None, "stderr": message, "reason": reason}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,10 +156,12 @@ def failed_result(sub: Submission, reason: str, cost: float, message: str = "") 
 class CodeService:
     """Runs submissions on a sandbox with at most `workers` at once; the state behind one app."""
 
-    def __init__(self, sandbox: Any, workers: int, queue_timeout: float):
+    def __init__(self, sandbox: Any, workers: int, queue_timeout: float, output_limit: int = OUTPUT_LIMIT):
         if workers < 1:
             raise ValueError(f"code service workers must be at least 1, got {workers}")
         self.sandbox, self.workers, self.queue_timeout = sandbox, workers, queue_timeout
+        self.output_limit = output_limit
+        self.languages = tuple(getattr(sandbox, "languages", ("python",)))
         self.waiting = 0  # submissions waiting for a worker
         self._slots = asyncio.Semaphore(workers)
         # Our own threads: the loop's default executor may have fewer than `workers`.
@@ -152,6 +169,9 @@ class CodeService:
 
     async def judge(self, sub: Submission, long_batch: bool) -> dict:
         """Run one submission; without `long_batch` give up if no worker frees within the queue timeout."""
+        if sub.type not in self.languages:  # as code-judge answers a type it cannot run
+            why = "g++ is not installed here" if sub.type == "cpp" else "this service runs no such programs"
+            return failed_result(sub, "internal_error", 0.0, f"type {sub.type!r} cannot run: {why}")
         start = time.monotonic()
         self.waiting += 1
         try:
@@ -165,14 +185,19 @@ class CodeService:
         finally:
             self.waiting -= 1
         try:
-            run = await asyncio.get_running_loop().run_in_executor(self._pool, self.sandbox.run, sub.solution, sub.input)
+            run = await asyncio.get_running_loop().run_in_executor(self._pool, self._run, sub)
         except Exception as error:
             logger.exception("sandbox failed on submission %s", sub.sub_id)
             return failed_result(sub, "internal_error", time.monotonic() - start,
                                  f"sandbox failed: {type(error).__name__}: {error}")
         finally:
             self._slots.release()
-        return judge_result(sub, run)
+        return judge_result(sub, run, self.output_limit)
+
+    def _run(self, sub: Submission) -> Any:
+        if sub.type == "python":
+            return self.sandbox.run(sub.solution, sub.input)
+        return self.sandbox.run(sub.solution, sub.input, language=sub.type)
 
     async def judge_all(self, subs: list[Submission], long_batch: bool) -> list[dict]:
         """Results for `subs`, in order; they run concurrently."""
@@ -232,16 +257,18 @@ async def _status(request: web.Request) -> web.Response:
 
 
 def make_app(sandbox: Any, workers: int | None = None, queue_timeout: float = QUEUE_TIMEOUT,
-             max_request_mb: int = 64) -> web.Application:
-    """The service's aiohttp app over `sandbox` (anything with `run(code, stdin) -> RunResult`).
+             max_request_mb: int = 64, output_limit: int = OUTPUT_LIMIT) -> web.Application:
+    """The service's aiohttp app over `sandbox` (anything with `run(code, stdin) -> RunResult`, and
+    `run(code, stdin, language=...)` for the `languages` it lists besides "python").
 
     `workers`: how many submissions run at once; give the sandbox's worker count (read from
-    `sandbox.workers` when not given). The app does not close the sandbox: its owner does.
+    `sandbox.workers` when not given). `output_limit`: characters of stdout and stderr in a result.
+    The app does not close the sandbox: its owner does.
     """
     workers = workers or getattr(sandbox, "workers", None)
     if not workers:
         raise ValueError("make_app needs workers= (how many programs the sandbox runs at once)")
-    service = CodeService(sandbox, int(workers), queue_timeout)
+    service = CodeService(sandbox, int(workers), queue_timeout, output_limit)
     app = web.Application(middlewares=[json_errors], client_max_size=max_request_mb * 1024 * 1024)
     app[SERVICE] = service
     run, run_batch, run_long_batch = _handlers(with_output=True)
@@ -296,7 +323,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="programs run at once (default: the number of CPUs)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds a program may run (default 10)")
     parser.add_argument("--memory-mb", type=int, default=512, help="address-space limit of a program (default 512)")
-    parser.add_argument("--output-limit", type=int, default=65536, help="characters of stdout/stderr kept (default 65536)")
+    parser.add_argument("--output-limit", type=int, default=OUTPUT_LIMIT,
+                        help=f"characters of stdout and of stderr in a result (default {OUTPUT_LIMIT}, as code-judge); "
+                             f"stdout is compared with expected_output before the cut")
     parser.add_argument("--isolation", default="auto", choices=("auto", "bwrap", "uid", "none"),
                         help="sandbox isolation (default auto: the strongest that works here)")
     parser.add_argument("--queue-timeout", type=float, default=QUEUE_TIMEOUT,
@@ -312,15 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sandbox = Sandbox(workers=args.workers, timeout=args.timeout, memory_mb=args.memory_mb,
-                          output_limit=args.output_limit, isolation=args.isolation)
+                          output_limit=max(args.output_limit, COMPARED_OUTPUT), isolation=args.isolation)
     except (SandboxError, ValueError) as error:
         logger.error("cannot start the sandbox: %s", error)
         return 1
     with sandbox:
         description = (f"{args.workers} workers, timeout {args.timeout:g}s, memory {args.memory_mb} MB, "
-                       f"isolation: {sandbox.isolation}")
+                       f"languages: {', '.join(sandbox.languages)}, isolation: {sandbox.isolation}")
         try:
-            asyncio.run(serve(make_app(sandbox, args.workers, args.queue_timeout, args.max_request_mb),
+            asyncio.run(serve(make_app(sandbox, args.workers, args.queue_timeout, args.max_request_mb, args.output_limit),
                               args.host, args.port, description))
         except OSError as error:  # the port is taken, the address is not ours
             logger.error("cannot serve on %s:%d: %s", args.host, args.port, error)

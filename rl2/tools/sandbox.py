@@ -1,10 +1,14 @@
-"""A local sandbox for untrusted Python (the code tool's default executor).
+"""A local sandbox for untrusted Python and C++ (the code tool's default executor).
 
 Generated code is hostile. `Sandbox` keeps a bounded pool of warm worker processes
 (`sandbox_worker.py`); each program runs in a child forked from a worker, in its own session and
 process group, in a fresh temporary directory, with CPU, address-space, file-size and process-count
-limits, a wall-clock timeout after which everything it started is killed, and an environment that
-holds nothing of ours. Isolation, strongest first (`isolation="auto"` picks the first that works):
+limits and an environment that holds nothing of ours. A run ends when the program and every process
+it started have ended; its wall-clock deadline is counted from before the fork, and whatever still
+runs then is killed (reason "timeout"). A Python program ends as under `python solution.py`: its
+non-daemon threads are joined and its atexit handlers run, and `os._exit` keeps what it printed.
+C++ is compiled with g++ (`-O2`, as code-judge does; within `compile_timeout`) and then run the same way.
+Isolation, strongest first (`isolation="auto"` picks the first that works):
 
 - "bwrap": the workers run inside bubblewrap with new mount, pid, network, ipc and uts namespaces,
   a read-only root and a private size-limited /tmp, so a program cannot reach the network or write
@@ -23,6 +27,7 @@ what was recovered; a program that still cannot run gets reason "sandbox_error".
 
     with Sandbox(workers=2) as box:
         result = box.run("print(1+1)")        # RunResult(stdout='2\\n', reason='ok', ...)
+        result = box.run(CPP_SOURCE, language="cpp")
 """
 
 import asyncio
@@ -43,6 +48,7 @@ logger = logging.getLogger("rl2.tools.sandbox")
 # replaces with an empty tmpfs.
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
 ISOLATIONS = ("auto", "bwrap", "uid", "none")
+LANGUAGES = ("python", "cpp")
 # Imported once by each worker so programs using them start instantly (children share them), and
 # so they work even where the sandbox uid cannot read the interpreter's files (see `uid` above).
 DEFAULT_PRELOAD = ("math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "heapq",
@@ -53,8 +59,10 @@ RETRIES = 1  # runs of a program on a fresh worker after its worker died: a host
 
 @dataclass
 class RunResult:
-    """What one program did. `reason` is "ok", "error" (non-zero exit or exception), "timeout",
-    "memory", "output_limit" (output cut or the file-size limit hit) or "sandbox_error"."""
+    """What one program did. `reason` is "ok", "error" (non-zero exit or exception), "timeout" (the
+    program, or a process it started, still ran at the time limit), "memory", "output_limit" (output
+    cut or the file-size limit hit), "compile_error" (C++ only; `stderr` has the compiler's
+    messages), "not_installed" (no compiler for the language here) or "sandbox_error"."""
 
     stdout: str
     stderr: str
@@ -206,7 +214,9 @@ class Sandbox:
     `workers` are busy; `run_async` does the same without blocking an event loop. A worker that
     dies is replaced and the program it was running is run once more on a fresh one (a program that
     kills its worker twice gets reason "sandbox_error"); `faults` counts `sandbox_restarts`,
-    `sandbox_retries` and `sandbox_timeouts` (a worker that gave no answer in time)."""
+    `sandbox_retries` and `sandbox_timeouts` (a worker that gave no answer in time). `output_limit`
+    is in characters, for stdout and stderr each (invalid UTF-8 is replaced, not an error);
+    `languages` says what the workers can run."""
 
     def __init__(
         self,
@@ -219,12 +229,14 @@ class Sandbox:
         max_processes: int = 64,
         tmpfs_mb: int = 256,
         uid_base: int = 600000,
+        compile_timeout: float = 10.0,
         preload: list[str] | tuple[str, ...] = DEFAULT_PRELOAD,
     ):
         if workers < 1:
             raise ValueError(f"sandbox workers must be at least 1, got {workers}")
-        if timeout <= 0 or memory_mb <= 0 or output_limit <= 0:
-            raise ValueError("sandbox timeout, memory_mb and output_limit must be positive")
+        if timeout <= 0 or memory_mb <= 0 or output_limit <= 0 or compile_timeout <= 0:
+            raise ValueError("sandbox timeout, compile_timeout, memory_mb and output_limit must be positive")
+        self.compile_timeout = float(compile_timeout)
         self.workers = workers
         self.timeout, self.memory_mb, self.output_limit = float(timeout), int(memory_mb), int(output_limit)
         self.file_size_mb, self.max_processes = int(file_size_mb), int(max_processes)
@@ -251,6 +263,8 @@ class Sandbox:
             self.close()
             raise
         self.faults = self._pool.faults
+        # What the workers can run (C++ needs g++ where they run).
+        self.languages = tuple(self._pool.ready_frames()[0]["languages"])
         self.isolation = self._describe(kind, privileged, uid_base, workers)
         log = logger.warning if kind == "none" else logger.info
         log("sandbox: %d workers, isolation: %s", workers, self.isolation)
@@ -270,27 +284,34 @@ class Sandbox:
             return f"uid (programs run under {uids}, {network}; world-writable dirs such as /tmp are shared)"
         return "none (resource limits and timeouts only: no namespaces, network and files NOT isolated)"
 
-    def run(self, code: str, stdin: str = "", timeout: float | None = None, memory_mb: int | None = None) -> RunResult:
-        """Run `code` as a Python program with `stdin`; see `RunResult`."""
+    def run(self, code: str, stdin: str = "", timeout: float | None = None, memory_mb: int | None = None,
+             language: str = "python") -> RunResult:
+        """Run `code`, a program in `language` ("python" or "cpp"), with `stdin`; see `RunResult`.
+        C++ is compiled first, with a time limit of its own."""
         if not isinstance(code, str) or not isinstance(stdin, str):
             raise TypeError("sandbox code and stdin must be strings")
+        if language not in LANGUAGES:
+            raise ValueError(f"sandbox language must be one of {LANGUAGES}, got {language!r}")
         request = {
+            "language": language,
             "code": code,
             "stdin": stdin,
             "timeout": float(timeout or self.timeout),
+            "compile_timeout": self.compile_timeout,
             "memory_mb": int(memory_mb or self.memory_mb),
             "output_limit": self.output_limit,
             "file_size_mb": self.file_size_mb,
             "nproc": self.max_processes,
         }
         try:
-            return RunResult(**self._pool.call(request, request["timeout"] + RESPONSE_GRACE))
+            compiling = self.compile_timeout if language == "cpp" else 0.0
+            return RunResult(**self._pool.call(request, compiling + request["timeout"] + RESPONSE_GRACE))
         except WorkerFailed as error:  # WorkerTimeout included
             return RunResult("", f"sandbox error: {error}", None, 0.0, "sandbox_error")
 
     async def run_async(self, code: str, stdin: str = "", timeout: float | None = None,
-                        memory_mb: int | None = None) -> RunResult:
-        return await asyncio.to_thread(self.run, code, stdin, timeout, memory_mb)
+                        memory_mb: int | None = None, language: str = "python") -> RunResult:
+        return await asyncio.to_thread(self.run, code, stdin, timeout, memory_mb, language)
 
     def close(self) -> None:
         self._closed = True

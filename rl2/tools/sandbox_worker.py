@@ -123,59 +123,98 @@ def flushing_exit(status: int, _exit=os._exit) -> None:
     _exit(status)
 
 
-def run_child(request: dict, run_dir: str, fds: tuple[int, int, int], uid: int | None, worker_pid: int) -> None:
-    """In the forked child: confine this process, then execute the program. Never returns."""
+def confine(limits: dict, run_dir: str, fds: tuple[int, int, int], uid: int | None, worker_pid: int) -> None:
+    """In a forked child: take the program's files, session, limits, uid, directory and environment."""
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.closerange(3, 65536)
+    mb = 1024 * 1024
+    cpu = max(1, int(limits["timeout"] + 0.999))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mb,) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_size_mb"] * mb,) * 2)
+    resource.setrlimit(resource.RLIMIT_NPROC, (limits["nproc"],) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    # Die with the worker (killed from outside mid-run); set after setuid, which clears it.
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != worker_pid:
+        os._exit(SETUP_FAILED)
+    os.chdir(run_dir)
+    os.environ.clear()
+    os.environ.update(
+        PATH="/usr/local/bin:/usr/bin:/bin", HOME=run_dir, TMPDIR=run_dir, LANG="C.UTF-8",
+        OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+    )
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def run_child(program: dict, limits: dict, run_dir: str, fds: tuple[int, int, int], uid: int | None,
+              worker_pid: int) -> None:
+    """In the forked child: confine this process, then run `program`, either {"python": path of the
+    source} or {"argv": a command to execute}. Never returns."""
     try:
-        os.setsid()
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-        os.closerange(3, 65536)
-        mb = 1024 * 1024
-        cpu = max(1, int(request["timeout"] + 0.999))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (request["memory_mb"] * mb,) * 2)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (request["file_size_mb"] * mb,) * 2)
-        resource.setrlimit(resource.RLIMIT_NPROC, (request["nproc"],) * 2)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        prctl(PR_SET_NO_NEW_PRIVS, 1)
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-        # Die with the worker (killed from outside mid-run); set after setuid, which clears it.
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != worker_pid:
-            os._exit(SETUP_FAILED)
-        os.chdir(run_dir)
-        os.environ.clear()
-        os.environ.update(
-            PATH="/usr/local/bin:/usr/bin:/bin", HOME=run_dir, TMPDIR=run_dir, LANG="C.UTF-8",
-            OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
-        )
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
+        confine(limits, run_dir, fds, uid, worker_pid)
+        if "argv" in program:
+            os.execv(program["argv"][0], program["argv"])
         sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # line-buffered, as Python's own stderr
         os._exit = flushing_exit  # the program's os._exit keeps what it printed (rStar2-Agent's tool wrapper exits so)
-        sys.argv = ["solution.py"]
+        name = os.path.basename(program["python"])
+        sys.argv = [name]  # as under `python solution.py` in its directory
         sys.path[0] = run_dir  # was this file's directory
+        with open(name, encoding="utf-8") as f:
+            source = f.read()
     except BaseException:
         os._exit(SETUP_FAILED)
     status = 0
     try:
-        exec(compile(request["code"], "solution.py", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+        code = compile(source, name, "exec")  # by relative name: tracebacks show lines, not our temp path
+        exec(code, {"__name__": "__main__", "__file__": program["python"], "__builtins__": builtins})
     except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            status = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
-            status = 1
+        status = exit_status(stop)
     except BaseException as error:
         # Leave this file's frame out: the traceback starts in the program, as under `python solution.py`.
         traceback.print_exception(type(error), error, error.__traceback__.tb_next)
         status = 1
-    flushing_exit(status & 0xFF)
+    for stream in (sys.stdout, sys.stderr):  # what it printed survives a kill while threads or children end
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    flushing_exit(finish_interpreter(status) & 0xFF)
+
+
+def exit_status(stop: SystemExit) -> int:
+    """The exit status `sys.exit(code)` gives, printing a non-integer code as Python does."""
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
+def finish_interpreter(status: int) -> int:
+    """What the interpreter does when a program ends: join its non-daemon threads, then run its atexit
+    handlers (multiprocessing's joins the processes it started). CPython's own forked children end
+    so too (`multiprocessing.process.BaseProcess._bootstrap`)."""
+    try:
+        if "threading" in sys.modules:
+            sys.modules["threading"]._shutdown()
+        import atexit
+        atexit._run_exitfuncs()
+    except SystemExit as stop:
+        return exit_status(stop)
+    except BaseException:
+        traceback.print_exc()
+        return status or 1
+    return status
 
 
 def clear_scratch(dirs: list[str], keep: set[str]) -> None:
@@ -235,9 +274,12 @@ def clear_owned(before: dict[str, int], uid: int) -> None:
 
 
 def read_capped(path: str, limit: int) -> tuple[str, bool]:
+    """The first `limit` characters of a file (UTF-8, invalid bytes replaced) and whether it had more."""
     with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    return data[:limit].decode("utf-8", errors="replace"), len(data) > limit
+        data = f.read(4 * limit + 4)  # a character takes at most 4 bytes
+        more = f.read(1) != b""
+    text = data.decode("utf-8", errors="replace")
+    return text[:limit], more or len(text) > limit
 
 
 def classify(status: int, timed_out: bool, cpu_limited: bool, stderr: str, truncated: bool) -> str:
@@ -245,7 +287,7 @@ def classify(status: int, timed_out: bool, cpu_limited: bool, stderr: str, trunc
         return "timeout"
     if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXFSZ:
         return "output_limit"
-    if "MemoryError" in stderr[-2000:] and status != 0:
+    if status != 0 and any(marker in stderr[-2000:] for marker in ("MemoryError", "std::bad_alloc")):
         return "memory"
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) == SETUP_FAILED:
         return "sandbox_error"
@@ -254,58 +296,123 @@ def classify(status: int, timed_out: bool, cpu_limited: bool, stderr: str, trunc
     return "ok" if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else "error"
 
 
-def run(request: dict, base_dir: str, io_dir: str, scratch_dirs: list[str], keep: set[str], uid: int | None,
-        in_namespace: bool) -> dict:
-    """Execute one program and describe what happened."""
-    run_dir = tempfile.mkdtemp(dir=base_dir)
-    if uid is not None:
-        os.chown(run_dir, uid, uid)
-    paths = [os.path.join(io_dir, name) for name in ("stdin", "stdout", "stderr")]
-    with open(paths[0], "w", encoding="utf-8") as f:
-        f.write(request["stdin"])
-    fds = (os.open(paths[0], os.O_RDONLY),) + tuple(
-        os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for p in paths[1:]
-    )
-    shared_before = modification_times(SHARED_DIRS) if uid is not None and not in_namespace else {}
+def wait_for_orphans(deadline: float) -> bool:
+    """Wait until every process the program started has ended (they are re-parented to us, a child
+    subreaper, when their parents exit); False if some still run at `deadline`."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if pid == 0:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+
+def execute(program: dict, limits: dict, run_dir: str, paths: tuple[str, str, str], uid: int | None,
+            output_limit: int) -> dict:
+    """Run `program` (see `run_child`) with stdin, stdout and stderr on `paths` (stdout and stderr may
+    be one file) and describe what happened. The run ends when the program and every process it
+    started have ended, or at its deadline, counted from before the fork."""
+    stdin = os.open(paths[0], os.O_RDONLY)
+    outputs = {path: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for path in paths[1:]}
+    fds = (stdin, outputs[paths[1]], outputs[paths[2]])
     start = time.monotonic()
+    deadline = start + limits["timeout"]
     worker_pid = os.getpid()
     pid = os.fork()
     if pid == 0:
-        run_child(request, run_dir, fds, uid, worker_pid)
-    for fd in fds:
+        run_child(program, limits, run_dir, fds, uid, worker_pid)
+    for fd in {*fds}:
         os.close(fd)
     pidfd = os.pidfd_open(pid)
-    timed_out = not select.select([pidfd], [], [], request["timeout"])[0]
+    ended = select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))[0]
     os.close(pidfd)
-    kill_group(pid)  # the program's group (it called setsid): whatever it left running, or all of it on timeout
+    # select may wake up to 0.1% late (the kernel's timer slack), so an end seen after the deadline
+    # happened after it: a program that sleeps exactly its timeout times out.
+    timed_out = not ended or time.monotonic() >= deadline
     if timed_out:
+        kill_group(pid)  # the program's group (it called setsid), forks included
         os.kill(pid, signal.SIGKILL)
     _, status, usage = os.wait4(pid, 0)
+    if not timed_out:
+        timed_out = not wait_for_orphans(deadline)
     wall = time.monotonic() - start
+    kill_group(pid)
     kill_descendants()
-    limit = request["output_limit"]
-    stdout, out_cut = read_capped(paths[1], limit)
-    stderr, err_cut = read_capped(paths[2], limit)
-    clear_scratch(scratch_dirs, keep)
-    if shared_before:
-        clear_owned(shared_before, uid)
+    stdout, out_cut = read_capped(paths[1], output_limit)
+    stderr, err_cut = read_capped(paths[2], output_limit)
     cpu_limited = os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL) and (
-        usage.ru_utime + usage.ru_stime >= int(request["timeout"] + 0.999) - 0.05
+        usage.ru_utime + usage.ru_stime >= int(limits["timeout"] + 0.999) - 0.05
     )
-    if os.WIFSIGNALED(status):
-        exit_code = None
-        sig = os.WTERMSIG(status)
-    else:
-        exit_code, sig = os.WEXITSTATUS(status), None
+    signaled = os.WIFSIGNALED(status)
     return {
         "stdout": stdout,
         "stderr": stderr,
-        "exit_code": exit_code,
-        "signal": sig,
+        "exit_code": None if signaled else os.WEXITSTATUS(status),
+        "signal": os.WTERMSIG(status) if signaled else None,
         "wall_time": wall,
         "reason": classify(status, timed_out, cpu_limited, stderr, out_cut or err_cut),
         "truncated": out_cut or err_cut,
     }
+
+
+def write_source(run_dir: str, name: str, code: str) -> str:
+    path = os.path.join(run_dir, name)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(code)
+    os.chmod(path, 0o644)  # readable by the program's uid
+    return path
+
+
+COMPILE_MEMORY_MB = 2048  # g++'s address-space limit: cc1plus needs more than a program usually gets
+CPP_FLAGS = ("-O2", "-pipe", "-o", "solution", "solution.cpp")  # code-judge's (-pipe: no temporary files)
+
+
+def run_program(request: dict, run_dir: str, paths: tuple[str, str, str], uid: int | None,
+                compilers: dict[str, str | None]) -> dict:
+    """Run the request's program: Python in a forked child, C++ compiled with g++ (under its own time
+    limit, `compile_timeout`, as code-judge gives compilation one) and then executed."""
+    limits = {key: request[key] for key in ("timeout", "memory_mb", "file_size_mb", "nproc")}
+    language = request.get("language", "python")
+    if language == "python":
+        return execute({"python": write_source(run_dir, "solution.py", request["code"])}, limits, run_dir, paths,
+                       uid, request["output_limit"])
+    if language != "cpp":
+        raise ValueError(f"unknown language {language!r}")
+    if compilers.get("cpp") is None:
+        return {"stdout": "", "stderr": "C++ cannot run here: g++ is not installed", "exit_code": None,
+                "signal": None, "wall_time": 0.0, "reason": "not_installed", "truncated": False}
+    write_source(run_dir, "solution.cpp", request["code"])
+    compile_limits = limits | {"timeout": request["compile_timeout"],
+                               "memory_mb": max(limits["memory_mb"], COMPILE_MEMORY_MB)}
+    compiled = execute({"argv": [compilers["cpp"], *CPP_FLAGS]}, compile_limits, run_dir,
+                       (os.devnull, paths[2], paths[2]), uid, request["output_limit"])
+    if compiled["reason"] != "ok":
+        if compiled["reason"] == "timeout":
+            late = f"compilation did not finish within {compile_limits['timeout']:g}s"
+            compiled["stderr"] = "\n".join(filter(None, (compiled["stderr"].rstrip("\n"), late)))
+        return compiled | {"reason": "compile_error", "stdout": ""}
+    return execute({"argv": [os.path.join(run_dir, "solution")]}, limits, run_dir, paths, uid, request["output_limit"])
+
+
+def run(request: dict, base_dir: str, io_dir: str, scratch_dirs: list[str], keep: set[str], uid: int | None,
+        in_namespace: bool, compilers: dict[str, str | None]) -> dict:
+    """Execute one program in a fresh directory, then wipe what it left."""
+    run_dir = tempfile.mkdtemp(dir=base_dir)
+    if uid is not None:
+        os.chown(run_dir, uid, uid)
+    paths = tuple(os.path.join(io_dir, name) for name in ("stdin", "stdout", "stderr"))
+    with open(paths[0], "w", encoding="utf-8") as f:
+        f.write(request["stdin"])
+    shared_before = modification_times(SHARED_DIRS) if uid is not None and not in_namespace else {}
+    try:
+        return run_program(request, run_dir, paths, uid, compilers)
+    finally:
+        clear_scratch(scratch_dirs, keep)
+        if shared_before:
+            clear_owned(shared_before, uid)
 
 
 def main() -> None:
@@ -334,10 +441,12 @@ def main() -> None:
     scratch_dirs = [base_dir] + (["/dev/shm"] if settings["in_namespace"] else [])
     # What survives the wipe: our io files, and the interpreter's own paths bound in under /tmp.
     keep = {io_dir} | {os.path.join(base_dir, name) for name in settings["keep"]}
-    write_frame(responses, {"ready": True, "pid": os.getpid(), "network": network})
+    compilers = {"cpp": shutil.which("g++")}
+    write_frame(responses, {"ready": True, "pid": os.getpid(), "network": network,
+                            "languages": ["python"] + [language for language, path in compilers.items() if path]})
     while (request := read_frame(requests)) is not None:
         try:
-            response = run(request, base_dir, io_dir, scratch_dirs, keep, uid, settings["in_namespace"])
+            response = run(request, base_dir, io_dir, scratch_dirs, keep, uid, settings["in_namespace"], compilers)
         except Exception:
             response = {"reason": "sandbox_error", "stdout": "", "stderr": traceback.format_exc(),
                         "exit_code": None, "signal": None, "wall_time": 0.0, "truncated": False}
