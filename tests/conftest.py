@@ -2,11 +2,11 @@
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
+import rank_launcher
 from rl2.tiny import save_tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,23 +43,24 @@ def peaked_model_dir(tiny_model_dir, tmp_path_factory) -> str:
 def run_torchrun(
     args: list[str], nproc: int = 2, timeout: int = 300, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node=nproc ARGS` on CPU; the output is shown when it fails; `env`
-    entries override."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    """What `torchrun --nproc_per_node=nproc ARGS` does, on CPU, with ranks forked from preloaded
+    modules (`rank_launcher`); the output is shown when it fails; `env` entries override."""
     env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO, **(env or {})}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    result = rank_launcher.launch(args, nproc, env, REPO, timeout)
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-5000:]}\n{result.stderr[-8000:]}")
+        raise AssertionError(f"torchrun --nproc_per_node={nproc} {' '.join(args)} failed ({result.returncode}):\n"
+                             f"{result.stdout[-5000:]}\n{result.stderr[-8000:]}")
     return result
 
 
 def run_python(args: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """A single-process run (world size 1, no torchrun); `env` entries override (None removes)."""
+    """A single-process run (world size 1, no torchrun), forked like `run_torchrun`'s ranks; `env`
+    entries override (None removes)."""
     env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO, **(env or {})}
     env = {key: value for key, value in env.items() if value is not None}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    result = rank_launcher.launch(args, 1, env, REPO, timeout, distributed=False)
     if result.returncode != 0:
         raise AssertionError(f"{args} failed ({result.returncode}):\n{result.stdout[-5000:]}\n{result.stderr[-8000:]}")
     return result

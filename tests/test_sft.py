@@ -81,6 +81,25 @@ def test_loss_falls_and_checkpoint_reloads(reference_run, tiny_model_dir, sft_da
     assert abs(total / tokens - metrics[-1]["test/loss"]) < 1e-4
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it. torchrun starts each rank in a session of its own, so
+    killing torchrun's process group would leave the ranks training on."""
+    children: dict[int, list[int]] = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(b")") + 2:].split()[1])  # after "pid (comm) state"
+        children.setdefault(parent, []).append(int(name))
+    tree, frontier = [], [pid]
+    while frontier:
+        tree.append(frontier.pop())
+        frontier += children.get(tree[-1], [])
+    return tree[::-1]  # the ranks before torchrun
+
+
 def test_kill_and_resume_continues_exactly(reference_run, tiny_model_dir, sft_data, tmp_path):
     save_dir = str(tmp_path / "interrupted")
     args = sft_args(tiny_model_dir, sft_data, save_dir, 30, "actor.save_freq=5", "trainer.load_ckpt_from=latest")
@@ -92,7 +111,8 @@ def test_kill_and_resume_continues_exactly(reference_run, tiny_model_dir, sft_da
     deadline = time.time() + 240
     while not os.path.exists(first_checkpoint) and process.poll() is None and time.time() < deadline:
         time.sleep(0.01)
-    os.killpg(process.pid, signal.SIGKILL)  # the whole torchrun group, mid-run
+    for pid in process_tree(process.pid):  # torchrun and its ranks, mid-run: a crashed node
+        os.kill(pid, signal.SIGKILL)
     process.wait()
     assert os.path.exists(first_checkpoint)
     assert not os.path.exists(os.path.join(save_dir, "step30", "trainer_state.json")), "run finished before the kill"

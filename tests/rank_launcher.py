@@ -1,0 +1,122 @@
+"""Rank processes for the tests' distributed runs, forked from a server that imported torch,
+transformers and rl2 once.
+
+On this 2-core machine a `torchrun --nproc_per_node=2` launch spends ~20 CPU-seconds before the
+first line of a test's work: ~3 in torchrun's own process and ~8 in each rank importing the same
+modules. Most distributed tests do a second or two of work after that, so launches were most of the
+suite's time. `launch` starts the ranks from a `multiprocessing` forkserver that has preloaded those
+modules (it imports, it never runs a torch op, so forking it is safe) and gives each rank what
+torchrun gives it: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in
+an environment of the caller's choosing, `python -m module` or `python script.py` semantics for
+`__main__` and `sys.argv`, every rank's output on one stdout and one stderr, and the other ranks
+stopped when one fails. The recipe and demo tests still launch through the real torchrun.
+"""
+
+import multiprocessing
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "datasets", "rl2.trainer.ppo", "rl2.trainer.sft",
+           "rl2.trainer.rm", "rl2.trainer.dpo", "rl2.trainer.difficulty_filter"]
+STOP_GRACE = 5.0  # seconds the other ranks get to end after one failed, before they are killed
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_rank(target: list[str], env: dict[str, str], cwd: str, stdout_path: str, stderr_path: str) -> None:
+    """In the forked rank: take the environment, output files and argv, then run `target` as __main__."""
+    os.setsid()  # its own group: the launcher kills everything a rank started
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, path in ((1, stdout_path), (2, stderr_path)):
+        out = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(out, fd)
+        os.close(out)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.stdin = open(os.devnull)
+    tempfile.tempdir = None  # read TMPDIR again
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[:0] = extra
+    if target[0] == "-m":
+        sys.argv = [target[1], *target[2:]]
+        sys.modules.pop(target[1], None)  # run fresh as __main__, as `python -m` does (preloaded here)
+        runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+    elif target[0] == "-c":
+        sys.argv = ["-c", *target[2:]]
+        exec(compile(target[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    else:
+        sys.argv = list(target)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
+        runpy.run_path(target[0], run_name="__main__")
+
+
+def launch(target: list[str], nproc: int, env: dict[str, str], cwd: str, timeout: float,
+           distributed: bool = True) -> subprocess.CompletedProcess:
+    """Run `target` (["-m", module, *args], ["-c", code, *args] or [script, *args]) on `nproc` ranks;
+    the ranks' combined output and the first failing rank's exit status (0 when all succeeded).
+    `distributed=False` (one process): no torchrun variables, as under plain `python`."""
+    context = _context()
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="rl2-ranks-") as folder:
+        stdout_path, stderr_path = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+        for path in (stdout_path, stderr_path):
+            open(path, "w").close()
+        ranks = []
+        for rank in range(nproc):
+            rank_env = dict(env)
+            if distributed:
+                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                                GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            process = context.Process(target=_run_rank, args=(target, rank_env, cwd, stdout_path, stderr_path))
+            process.start()
+            ranks.append(process)
+        returncode = _wait(ranks, timeout)
+        with open(stdout_path) as out, open(stderr_path) as err:
+            stdout, stderr = out.read(), err.read()
+    if returncode is None:
+        raise subprocess.TimeoutExpired(target, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(target, returncode, stdout, stderr)
+
+
+def _wait(ranks: list, timeout: float) -> int | None:
+    """The first non-zero exit status (0 if none); after a failure the others get STOP_GRACE seconds.
+    None on timeout. Every rank's process group is killed before returning."""
+    deadline = time.monotonic() + timeout
+    failed: int | None = None
+    try:
+        while True:
+            codes = [process.exitcode for process in ranks]
+            if failed is None:
+                failed = next((code for code in codes if code not in (None, 0)), None)
+                if failed is not None:
+                    deadline = min(deadline, time.monotonic() + STOP_GRACE)
+            if all(code is not None for code in codes):
+                return failed or 0
+            if time.monotonic() > deadline:
+                return failed
+            time.sleep(0.02)
+    finally:
+        for process in ranks:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            process.join()
