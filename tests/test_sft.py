@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import rank_launcher
 from conftest import REPO, assert_same_gradients, run_python, run_torchrun
 from rl2.actor import token_logps
 from rl2.data import SFTDataset
@@ -198,10 +199,12 @@ def test_command_line_errors_are_one_clear_line(tiny_model_dir, tmp_path):
 
 
 def run_python_raw(args):
+    """`python ARGS` as one process (forked from preloaded modules, see `rank_launcher`), whatever
+    its exit status. tests/test_eval_and_filter.py's command-line errors run a real interpreter."""
     env = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    return rank_launcher.launch(args, 1, env, REPO, timeout=120, distributed=False)
 
 
 def test_sequence_parallel_gives_the_same_curve(tiny_model_dir, sft_data, tmp_path):
