@@ -43,8 +43,9 @@ import traceback
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterator
+from typing import Any, Callable, Iterator
 
+from rl2.sync import run_coroutine
 from rl2.tools.faults import FaultCounter
 from rl2.tools.lazy import Lazy
 
@@ -194,7 +195,7 @@ class Env:
     def _run_batch(self, name: str, fn: Callable, calls: list[tuple]) -> list[EnvResult]:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
-        return _run_coroutine(lambda: self._gather(name, fn, calls))
+        return run_coroutine(lambda: self._gather(name, fn, calls))
 
     async def _gather(self, name: str, fn: Callable, calls: list[tuple]) -> list[EnvResult]:
         semaphore = asyncio.Semaphore(self.concurrency)  # made here: it binds to this batch's loop
@@ -301,17 +302,6 @@ def _get_function(module: Any, path: str, name: str, params: tuple[str, ...], re
 
 # ----------------------------------------------------------------------------------------------
 # helpers
-
-
-def _run_coroutine(make: Callable[[], Awaitable]) -> Any:
-    """Run the coroutine `make()` to completion from synchronous code, even inside a running loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(make())
-    # A loop already runs in this thread (a notebook): asyncio.run would refuse, so use a new thread.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
-        return thread.submit(lambda: asyncio.run(make())).result()
 
 
 def _is_async(fn: Callable) -> bool:

@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny offline model folder and a helper to launch torchrun workers."""
 
 import os
+import signal
 import subprocess
 
 import pytest
@@ -64,6 +65,34 @@ def run_python(args: list[str], timeout: int = 300, env: dict | None = None) -> 
     if result.returncode != 0:
         raise AssertionError(f"{args} failed ({result.returncode}):\n{result.stdout[-5000:]}\n{result.stderr[-8000:]}")
     return result
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it. torchrun starts each rank in a session of its own, so
+    killing torchrun's process group would leave the ranks training on."""
+    children: dict[int, list[int]] = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(b")") + 2:].split()[1])  # after "pid (comm) state"
+        children.setdefault(parent, []).append(int(name))
+    tree, frontier = [], [pid]
+    while frontier:
+        tree.append(frontier.pop())
+        frontier += children.get(tree[-1], [])
+    return tree[::-1]  # the deepest first: children before the parents that would re-parent them
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it."""
+    for member in process_tree(pid):
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 # Gradients computed in another order (1 vs 2 ranks, packed rows vs separate ones, threads, processors)

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, kill_tree
 from rl2.config import load_config
 from rl2.metrics import read_metrics
 
@@ -75,7 +75,8 @@ def run_tiny(recipe: str, out: str, **env: str) -> str:
         try:
             returncode = process.wait(timeout=600)
         finally:
-            if process.poll() is None:
+            if process.poll() is None:  # torchrun's ranks run in sessions of their own: the whole tree
+                kill_tree(process.pid)
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
     output = open(log).read()

@@ -3,7 +3,6 @@
 import glob
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rank_launcher
-from conftest import REPO, assert_same_gradients, run_python, run_torchrun
+from conftest import REPO, assert_same_gradients, kill_tree, run_python, run_torchrun
 from rl2.actor import token_logps
 from rl2.data import SFTDataset
 from rl2.metrics import read_metrics
@@ -82,25 +81,6 @@ def test_loss_falls_and_checkpoint_reloads(reference_run, tiny_model_dir, sft_da
     assert abs(total / tokens - metrics[-1]["test/loss"]) < 1e-4
 
 
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process below it. torchrun starts each rank in a session of its own, so
-    killing torchrun's process group would leave the ranks training on."""
-    children: dict[int, list[int]] = {}
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        parent = int(stat[stat.rindex(b")") + 2:].split()[1])  # after "pid (comm) state"
-        children.setdefault(parent, []).append(int(name))
-    tree, frontier = [], [pid]
-    while frontier:
-        tree.append(frontier.pop())
-        frontier += children.get(tree[-1], [])
-    return tree[::-1]  # the ranks before torchrun
-
-
 def test_kill_and_resume_continues_exactly(reference_run, tiny_model_dir, sft_data, tmp_path):
     save_dir = str(tmp_path / "interrupted")
     args = sft_args(tiny_model_dir, sft_data, save_dir, 30, "actor.save_freq=5", "trainer.load_ckpt_from=latest")
@@ -112,8 +92,7 @@ def test_kill_and_resume_continues_exactly(reference_run, tiny_model_dir, sft_da
     deadline = time.time() + 240
     while not os.path.exists(first_checkpoint) and process.poll() is None and time.time() < deadline:
         time.sleep(0.01)
-    for pid in process_tree(process.pid):  # torchrun and its ranks, mid-run: a crashed node
-        os.kill(pid, signal.SIGKILL)
+    kill_tree(process.pid)  # torchrun and its ranks, mid-run: a crashed node
     process.wait()
     assert os.path.exists(first_checkpoint)
     assert not os.path.exists(os.path.join(save_dir, "step30", "trainer_state.json")), "run finished before the kill"

@@ -30,16 +30,16 @@ fresh event loop for each batch. `run_sync` / `run_many_sync` are the same from 
 """
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import logging
 import uuid
 import weakref
-from typing import Any, AsyncIterator, Sequence
+from typing import AsyncIterator, Sequence
 
 import aiohttp
 
+from rl2.sync import run_coroutine
 from rl2.tools.faults import FaultCounter
 
 logger = logging.getLogger("rl2.tools.code_client")
@@ -129,11 +129,11 @@ class CodeClient:
 
     def run_sync(self, code: str, stdin: str = "") -> dict:
         """`run` from synchronous code (on a new event loop; in a new thread if a loop already runs here)."""
-        return _run_coroutine(lambda: self.run(code, stdin))
+        return run_coroutine(lambda: self.run(code, stdin))
 
     def run_many_sync(self, programs: Sequence[Program]) -> list[dict]:
         """`run_many` from synchronous code."""
-        return _run_coroutine(lambda: self.run_many(programs))
+        return run_coroutine(lambda: self.run_many(programs))
 
     # ------------------------------------------------------------------------------------------
     # requests
@@ -248,16 +248,6 @@ def failure(sub: dict, reason: str, message: str) -> dict:
     """A code-judge result for a submission the service did not run."""
     return {"sub_id": sub["sub_id"], "success": False, "run_success": False, "cost": 0.0,
             "stdout": "", "stderr": message, "reason": reason}
-
-
-def _run_coroutine(make) -> Any:
-    """Run the coroutine `make()` to completion from synchronous code, even inside a running loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(make())
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as thread:
-        return thread.submit(lambda: asyncio.run(make())).result()
 
 
 __all__ = ["CodeClient", "failure"]
