@@ -35,11 +35,19 @@ def token_logps(
 ) -> torch.Tensor:
     """log p(token t | tokens before t in its sequence) under softmax(logits / temperature),
     aligned with `input_ids`; 0 at sequence starts."""
-    logits = logits[0].float()
-    if temperature != 1.0:
-        logits = logits / temperature
     next_ids = F.pad(input_ids[0, 1:], (0, 1))
-    return align_to_tokens(-F.cross_entropy(logits, next_ids, reduction="none").unsqueeze(0), position_ids)
+    return align_to_tokens(next_token_logps(scaled_logits(logits[0], temperature), next_ids).unsqueeze(0), position_ids)
+
+
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`logits` in fp32, divided by the sampling temperature."""
+    logits = logits.float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def next_token_logps(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits[t])[next_ids[t]] for every position t of [T, V] logits: [T]."""
+    return -F.cross_entropy(logits, next_ids, reduction="none")
 
 
 def align_to_tokens(next_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -156,10 +164,8 @@ class Actor:
             if with_entropy:
                 outputs["entropy"] = per_token[..., 1].detach()
         else:
-            logits = self._per_token_outputs(**inputs)[0].float()
-            if self.temperature != 1.0:
-                logits = logits / self.temperature
-            outputs = {"logps": -F.cross_entropy(logits, next_ids[0], reduction="none").unsqueeze(0)}
+            logits = scaled_logits(self._per_token_outputs(**inputs)[0], self.temperature)
+            outputs = {"logps": next_token_logps(logits, next_ids[0]).unsqueeze(0)}
             if with_entropy:
                 with torch.no_grad():
                     logps = torch.log_softmax(logits, dim=-1)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import assert_same_gradients
+from conftest import assert_same_gradients, run_python
 from rl2.actor import token_logps
 from rl2.attention import cu_seqlens_from_position_ids, packed_attention_implementation
 from rl2.packing import pack_micro_batch, unpack_row
@@ -75,3 +75,39 @@ def test_packed_gradients_equal_unpacked(tiny_model_dir):
 def test_cu_seqlens_from_position_ids():
     positions = torch.tensor([[0, 1, 2, 0, 0, 1, 0, 1, 2, 3]])
     assert cu_seqlens_from_position_ids(positions).tolist() == [0, 3, 4, 6, 10]
+
+
+ACTOR_WORKER = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from rl2.actor import Actor, token_logps
+from rl2.config import ModelConfig
+from rl2.distributed import init_distributed
+init_distributed()
+folder, chunk, temperature = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+config = ModelConfig(model_name=folder, dtype="float32", max_length_per_device=128, lr=1e-4, logps_chunk_size=chunk,
+                     gradient_checkpointing=False)
+actor = Actor(config, total_steps=1, temperature=temperature)
+generator = torch.Generator().manual_seed(2)
+sequences = [{"input_ids": torch.randint(0, 1000, (n,), generator=generator)} for n in (5, 40, 17, 1, 30)]
+ours = actor.compute_logps(sequences)
+plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+worst = 0.0
+with torch.no_grad():
+    for seq, got in zip(sequences, ours):
+        ids = seq["input_ids"].unsqueeze(0)
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        expected = token_logps(plain(input_ids=ids, use_cache=False).logits, ids, positions, temperature)[0]
+        worst = max(worst, (got - expected).abs().max().item())
+print("max_difference", worst)
+"""
+
+
+@pytest.mark.parametrize("chunk,temperature", [(0, 1.0), (0, 0.7), (16, 0.7)], ids=["full", "full-t0.7", "chunked-t0.7"])
+def test_actor_forward_agrees_with_token_logps(tiny_model_dir, chunk, temperature):
+    """What training uses (`Actor.forward` through `compute_logps`: packed rows, full logits or the
+    chunked head, the sampling temperature) equals `token_logps`, the function the tests above
+    check, on the plain model one sequence at a time."""
+    result = run_python(["-c", ACTOR_WORKER, tiny_model_dir, str(chunk), str(temperature)])
+    difference = float(result.stdout.split("max_difference")[-1])
+    assert difference < 1e-5, difference  # float32 rounding of another kernel and row length
