@@ -16,11 +16,12 @@ import multiprocessing
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from server_process import free_port
 
 PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "datasets", "rl2.trainer.ppo", "rl2.trainer.sft",
            "rl2.trainer.rm", "rl2.trainer.dpo", "rl2.trainer.difficulty_filter"]
@@ -31,12 +32,6 @@ def _context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_rank(target: list[str], env: dict[str, str], cwd: str, stdout_path: str, stderr_path: str) -> None:
@@ -74,7 +69,7 @@ def launch(target: list[str], nproc: int, env: dict[str, str], cwd: str, timeout
     the ranks' combined output and the first failing rank's exit status (0 when all succeeded).
     `distributed=False` (one process): no torchrun variables, as under plain `python`."""
     context = _context()
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="rl2-ranks-") as folder:
         stdout_path, stderr_path = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
         for path in (stdout_path, stderr_path):

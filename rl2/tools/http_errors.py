@@ -18,9 +18,6 @@ class BadRequest(Exception):
         self.msg = msg
         self.entry = {"type": kind, "loc": list(loc), "msg": msg, **fields}
 
-    def detail(self) -> dict:
-        return self.entry
-
 
 @web.middleware
 async def json_errors(request: web.Request, handler) -> web.StreamResponse:
@@ -30,7 +27,7 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except BadRequest as error:
         logger.debug("bad request to %s: %s", request.path, error.msg)
-        return web.json_response({"detail": [error.detail()]}, status=422)
+        return web.json_response({"detail": [error.entry]}, status=422)
     except web.HTTPException as error:
         if error.status < 400:
             raise

@@ -113,13 +113,17 @@ def kill_descendants() -> None:
                 pass
 
 
-def flushing_exit(status: int, _exit=os._exit) -> None:
-    """`os._exit` for the program: flush its output first (the real one would drop what is buffered)."""
+def flush_output() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except BaseException:
             pass
+
+
+def flushing_exit(status: int, _exit=os._exit) -> None:
+    """`os._exit` for the program: flush its output first (the real one would drop what is buffered)."""
+    flush_output()
     _exit(status)
 
 
@@ -158,7 +162,7 @@ def confine(limits: dict, run_dir: str, fds: tuple[int, int, int], uid: int | No
 def run_child(program: dict, limits: dict, run_dir: str, fds: tuple[int, int, int], uid: int | None,
               worker_pid: int) -> None:
     """In the forked child: confine this process, then run `program`, either {"python": path of the
-    source} or {"argv": a command to execute}. Never returns."""
+    source file, "source": its text} or {"argv": a command to execute}. Never returns."""
     try:
         confine(limits, run_dir, fds, uid, worker_pid)
         if "argv" in program:
@@ -170,13 +174,12 @@ def run_child(program: dict, limits: dict, run_dir: str, fds: tuple[int, int, in
         name = os.path.basename(program["python"])
         sys.argv = [name]  # as under `python solution.py` in its directory
         sys.path[0] = run_dir  # was this file's directory
-        with open(name, encoding="utf-8") as f:
-            source = f.read()
     except BaseException:
         os._exit(SETUP_FAILED)
     status = 0
     try:
-        code = compile(source, name, "exec")  # by relative name: tracebacks show lines, not our temp path
+        # By its relative name: tracebacks read the lines from the file, and do not show our temp path.
+        code = compile(program["source"], name, "exec")
         exec(code, {"__name__": "__main__", "__file__": program["python"], "__builtins__": builtins})
     except SystemExit as stop:
         status = exit_status(stop)
@@ -184,11 +187,7 @@ def run_child(program: dict, limits: dict, run_dir: str, fds: tuple[int, int, in
         # Leave this file's frame out: the traceback starts in the program, as under `python solution.py`.
         traceback.print_exception(type(error), error, error.__traceback__.tb_next)
         status = 1
-    for stream in (sys.stdout, sys.stderr):  # what it printed survives a kill while threads or children end
-        try:
-            stream.flush()
-        except BaseException:
-            pass
+    flush_output()  # what it printed survives a kill while its threads or children end
     flushing_exit(finish_interpreter(status) & 0xFF)
 
 
@@ -377,8 +376,8 @@ def run_program(request: dict, run_dir: str, paths: tuple[str, str, str], uid: i
     limits = {key: request[key] for key in ("timeout", "memory_mb", "file_size_mb", "nproc")}
     language = request.get("language", "python")
     if language == "python":
-        return execute({"python": write_source(run_dir, "solution.py", request["code"])}, limits, run_dir, paths,
-                       uid, request["output_limit"])
+        program = {"python": write_source(run_dir, "solution.py", request["code"]), "source": request["code"]}
+        return execute(program, limits, run_dir, paths, uid, request["output_limit"])
     if language != "cpp":
         raise ValueError(f"unknown language {language!r}")
     if compilers.get("cpp") is None:
