@@ -163,6 +163,16 @@ def test_cpp_compiles_and_runs(box):
     assert greedy.reason == "memory" and "bad_alloc" in greedy.stderr
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed here")
+def test_compilation_has_its_own_time_limit():
+    with Sandbox(workers=1, timeout=5.0, compile_timeout=0.05) as box:
+        late = box.run(CPP_ECHO, stdin="ab", language="cpp")
+    assert late.reason == "compile_error" and late.stderr.endswith("compilation did not finish within 0.05s")
+    assert late.wall_time < 1.0  # the compiler's limit, not the program's 5 s
+    with pytest.raises(ValueError, match="compile_timeout"):
+        Sandbox(workers=1, compile_timeout=0)
+
+
 def test_a_language_without_its_compiler_is_reported():
     from rl2.tools import sandbox_worker
 
