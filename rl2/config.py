@@ -19,8 +19,8 @@ class ConfigError(ValueError):
 def _f(default: Any, help: str, choices: Optional[list[str]] = None) -> Any:
     """A dataclass field carrying its one-line meaning (and allowed values) as metadata."""
     metadata = {"help": help} if choices is None else {"help": help, "choices": choices}
-    if isinstance(default, dict):
-        return field(default_factory=lambda: dict(default), metadata=metadata)
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
@@ -155,6 +155,34 @@ class FilterConfig:
     output: Optional[str] = _f(None, "JSON lines file for the kept rows (all their columns); pass rates go to <output>.pass_rates.jsonl")
 
 
+SEARCH_MODES = ["greedy", "best_of_n", "beam", "mcts"]
+
+
+@dataclass
+class SearchConfig:
+    modes: list[str] = _f(["mcts"], f"searches to run, each reported (accuracy, tokens) and written to <output_dir>/<mode>/; any of {', '.join(SEARCH_MODES)}")
+    rollouts: int = _f(16, "MCTS: rollouts per problem")
+    width: int = _f(8, "MCTS and beam: candidate next steps sampled per expanded step")
+    max_depth: int = _f(16, "steps per solution at most; a step at this depth without an answer ends it as wrong")
+    c: float = _f(2.0, "MCTS: exploration constant of the selection rule")
+    selection: str = _f("uct", "MCTS selection rule: UCT, or PUCT with the policy's step probabilities as priors", ["uct", "puct"])
+    beam_size: int = _f(4, "beam: partial solutions kept per step (and finished ones wanted)")
+    n: int = _f(8, "best_of_n: solutions sampled per problem")
+    max_step_tokens: int = _f(512, "tokens one step may take; a longer step is invalid")
+    step_end: str = _f("<end_of_step>", "text that ends a step")
+    answer_end: str = _f("<end_of_answer>", "text that ends the final step")
+    ppm_path: Optional[str] = _f(None, "process preference model (a reward model folder, e.g. from rl2.trainer.rm): scores every step")
+    terminal_value: str = _f("env", "value of a finished solution: env (+1/-1 from rollout.env_path's reward_fn against the answer) or ppm (its PPM score; the answer is only used for the report)", ["env", "ppm"])
+    execute_code: bool = _f(True, "run each step's python blocks in the sandbox (a failing one makes the step invalid)")
+    code_timeout: float = _f(10.0, "seconds a step's program may run")
+    code_memory_mb: int = _f(1024, "memory limit of a step's program")
+    sandbox_workers: int = _f(4, "programs run at once (per rank)")
+    max_output_chars: int = _f(512, "program output shown after a step, longer output cut in the middle")
+    sft_per_problem: int = _f(2, "SFT rows per problem: its correct solutions with the highest mean Q")
+    pairs_per_side: int = _f(2, "PPM pairs: chosen and rejected steps taken per expanded step (pairs: their product)")
+    output_dir: str = _f("search", "where trees, solutions, sft.jsonl, ppm_pairs.jsonl and report.json go")
+
+
 @dataclass
 class Config:
     data: DataConfig = _section(DataConfig, "dataset")
@@ -166,6 +194,7 @@ class Config:
     adv: AdvConfig = _section(AdvConfig, "advantage estimation")
     trainer: TrainerConfig = _section(TrainerConfig, "training loop, logging and checkpoints")
     filter: FilterConfig = _section(FilterConfig, "difficulty filter between RL stages (rl2.trainer.difficulty_filter)")
+    search: SearchConfig = _section(SearchConfig, "tree search with a policy and a process preference model (python -m rl2.search)")
 
 
 def _type_name(tp: Any) -> str:

@@ -85,6 +85,11 @@ def all_reduce_sum(value: float | torch.Tensor) -> float | torch.Tensor:
     return tensor if is_tensor else tensor.item()
 
 
+def rank_slice(n: int) -> tuple[int, int]:
+    """The contiguous slice (start, end) of n items this rank handles; sizes differ by at most one."""
+    return n * rank() // world_size(), n * (rank() + 1) // world_size()
+
+
 def all_gather_objects(items: list) -> list:
     """Every rank's list concatenated in rank order (picklable items), on every rank."""
     if world_size() == 1:

@@ -2,10 +2,13 @@
 
 import torch
 
+from rl2.config import ConfigError, ModelConfig, RolloutConfig
+from rl2.distributed import device
 from rl2.engines.base import Engine, Generation, SamplingParams, Turn
 from rl2.engines.hf import HFEngine
 
-__all__ = ["Engine", "Generation", "HFEngine", "SamplingParams", "Turn", "build_engine"]
+__all__ = ["Engine", "Generation", "HFEngine", "SamplingParams", "Turn", "build_engine", "build_engine_from_config",
+           "check_sglang"]
 
 
 def build_engine(
@@ -22,3 +25,24 @@ def build_engine(
 
         return SGLangEngine(model_path, tokenizer, dtype=dtype, seed=seed, **kwargs)
     raise ValueError(f"unknown rollout engine {name!r}; choose 'hf' or 'sglang'")
+
+
+def build_engine_from_config(rollout: RolloutConfig, policy: ModelConfig, tokenizer, seed: int) -> Engine:
+    """The `rollout.engine` serving `policy.model_name` on this rank, with the rollout section's options."""
+    options = {"max_batch_size": rollout.max_batch_size, "cuda_graphs": rollout.cuda_graphs}
+    if rollout.engine == "sglang":
+        options = {"tp_size": rollout.tp_size, "memory_fraction": rollout.gpu_memory_utilization,
+                   "bucket_mb": rollout.sync_bucket_mb}
+    return build_engine(rollout.engine, policy.model_name, tokenizer, device(), policy.dtype, seed=seed, **options)
+
+
+def check_sglang(tp_size: int) -> None:
+    """SGLang is installed and `tp_size` fits the world and the nodes (a ConfigError if not)."""
+    from rl2.engines.sglang import load_sglang
+    from rl2.engines.tp_group import plan_this_rank
+
+    try:
+        load_sglang()
+        plan_this_rank(tp_size)
+    except (ImportError, ValueError) as error:
+        raise ConfigError(str(error)) from error

@@ -28,10 +28,8 @@ from rl2.algorithms import (
 )
 from rl2.config import Config, ConfigError, load_config
 from rl2.data import RLDataset
-from rl2.distributed import all_gather_objects, broadcast_from_rank0, device, exit_process, is_rank0, rank, world_size
-from rl2.engines import SamplingParams, build_engine
-from rl2.engines.sglang import load_sglang
-from rl2.engines.tp_group import plan_this_rank
+from rl2.distributed import all_gather_objects, broadcast_from_rank0, exit_process, is_rank0, rank, rank_slice
+from rl2.engines import SamplingParams, build_engine_from_config, check_sglang
 from rl2.env import Env
 from rl2.metrics import PhaseTimer, curve_summary, read_metrics
 from rl2.roc_penalty import roc_error_rates, roc_penalty
@@ -53,7 +51,7 @@ class PPOTrainer(Trainer):
         _check_config(config)
         super().__init__(config)
         if config.rollout.engine == "sglang":
-            _check_sglang(config)  # before any model is loaded
+            check_sglang(config.rollout.tp_size)  # before any model is loaded
         # The env file first: a broken one fails before any model is loaded.
         self.env = Env(
             config.rollout.env_path,
@@ -76,22 +74,7 @@ class PPOTrainer(Trainer):
         self.train_params = SamplingParams.from_dict(config.rollout.train_sampling_params)
         self.test_params = SamplingParams.from_dict(config.rollout.test_sampling_params)
         # The engine before the actor's optimizer: a GPU engine sizes its KV cache from free memory.
-        engine_options = {"max_batch_size": config.rollout.max_batch_size, "cuda_graphs": config.rollout.cuda_graphs}
-        if config.rollout.engine == "sglang":
-            engine_options = {
-                "tp_size": config.rollout.tp_size,
-                "memory_fraction": config.rollout.gpu_memory_utilization,
-                "bucket_mb": config.rollout.sync_bucket_mb,
-            }
-        self.engine = build_engine(
-            config.rollout.engine,
-            config.actor.model_name,
-            self.tokenizer,
-            device(),
-            config.actor.dtype,
-            seed=config.trainer.seed,
-            **engine_options,
-        )
+        self.engine = build_engine_from_config(config.rollout, config.actor, self.tokenizer, config.trainer.seed)
         self.actor = self.reference = self.critic = None
         if self.eval_only:
             logger.info(
@@ -154,7 +137,7 @@ class PPOTrainer(Trainer):
         rank's trajectories on every rank, in prompt order. `release_after` puts the engine to
         sleep once generation is done (training follows; the next `sync_weights` wakes it)."""
         timer = timer or PhaseTimer()
-        start, end = _share(len(prompts), rank(), world_size())
+        start, end = rank_slice(len(prompts))
         self.engine.wake()
         self.engine.reseed(seed * 1_000_003 + rank())
         with timer("rollout"):
@@ -530,11 +513,6 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     }
 
 
-def _share(n: int, rank: int, world: int) -> tuple[int, int]:
-    """The contiguous slice of n items that `rank` handles (sizes differ by at most one)."""
-    return n * rank // world, n * (rank + 1) // world
-
-
 def _check_config(config: Config) -> None:
     if config.rollout.max_turns < 1:
         raise ConfigError(f"rollout.max_turns must be >= 1, got {config.rollout.max_turns}")
@@ -572,15 +550,6 @@ def _check_config(config: Config) -> None:
             "adv.estimator=reinforce uses the group mean as baseline: set data.responses_per_prompt >= 2 "
             "(or use adv.estimator=gae)"
         )
-
-
-def _check_sglang(config: Config) -> None:
-    """SGLang is installed and `rollout.tp_size` fits the world and the nodes."""
-    try:
-        load_sglang()
-        plan_this_rank(config.rollout.tp_size)
-    except (ImportError, ValueError) as error:
-        raise ConfigError(str(error)) from error
 
 
 def main() -> None:

@@ -1,0 +1,3 @@
+from rl2.search.run import main
+
+main()
