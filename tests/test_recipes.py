@@ -19,7 +19,7 @@ RECIPE_YAMLS = sorted(glob.glob(os.path.join(REPO, "recipes", "**", "*.yaml"), r
 
 def test_recipes_exist():
     names = {os.path.relpath(p, REPO) for p in RECIPE_YAMLS}
-    for recipe in ("rstar2_agent", "search_r1", "math_grpo"):
+    for recipe in ("rstar2_agent", "search_r1", "math_grpo", "rstar_math"):
         assert {f"recipes/{recipe}/config.yaml", f"recipes/{recipe}/tiny.yaml"} <= names
         for script in ("train.sh", "prepare_data.py"):
             assert os.path.isfile(os.path.join(REPO, "recipes", recipe, script))
@@ -60,6 +60,13 @@ def test_math_grpo_config():
     config = load_config([f"config={REPO}/recipes/math_grpo/config.yaml"])
     assert config.rollout.env_path == "envs/math.py" and config.rollout.max_turns == 1
     assert config.adv.estimator == "reinforce" and config.data.responses_per_prompt > 1
+
+
+def test_rstar_math_config_is_the_papers():
+    search = load_config([f"config={REPO}/recipes/rstar_math/config.yaml"]).search
+    assert (search.rollouts, search.width, search.max_depth, search.c) == (16, 8, 16, 2.0)
+    assert (search.sft_per_problem, search.pairs_per_side) == (2, 2)
+    assert (search.step_end, search.answer_end) == ("<end_of_step>", "<end_of_answer>")
 
 
 def run_tiny(recipe: str, out: str, **env: str) -> str:
@@ -147,3 +154,27 @@ def test_math_grpo_tiny_variant(tmp_path):
     assert [row["step"] for row in rows if "reward/mean" in row] == [1, 2]
     assert len(trajectories(os.path.join(out, "grpo"))) == 2 * 4 * 4
     check_eval(out, 2)
+
+
+def test_rstar_math_tiny_variant(tmp_path):
+    """Round 1 terminal-guided MCTS on 2 ranks -> SFT of the policy and the PPM on its rows -> round 2
+    PPM-guided MCTS -> greedy / best-of-N / beam / MCTS evaluation; every problem searched once, by
+    one rank, and the steps' programs run in the sandbox."""
+    out = str(tmp_path)
+    run_tiny("rstar_math", out)
+    for round_ in ("round1", "round2"):
+        solutions = [json.loads(line) for line in open(os.path.join(out, round_, "mcts", "solutions.jsonl"))]
+        assert [s["row"] for s in solutions] == list(range(1, 17))  # both ranks' problems, in order
+        trees = [json.loads(line)["tree"] for line in open(os.path.join(out, round_, "mcts", "trees.jsonl"))]
+        assert all(tree["visits"] == 4 for tree in trees)  # search.rollouts
+    pairs = [json.loads(line) for line in open(os.path.join(out, "round1", "mcts", "ppm_pairs.jsonl"))]
+    sft = [json.loads(line) for line in open(os.path.join(out, "round1", "mcts", "sft.jsonl"))]
+    assert pairs and sft and all(row["chosen"] != row["rejected"] for row in pairs)
+    assert any("```output\n" in row["messages"][-1]["content"] for row in sft)  # a program ran and printed
+    assert os.path.isfile(os.path.join(out, "ppm1", "step4", "config.json"))
+    report = json.load(open(os.path.join(out, "eval", "report.json")))
+    assert report["ppm"].endswith("ppm1/step4") and list(report["modes"]) == ["greedy", "best_of_n", "beam", "mcts"]
+    for mode, figures in report["modes"].items():
+        assert figures["problems"] == 8 and 0 <= figures["accuracy"] <= figures["solved"] <= 1, mode
+        assert figures["tokens_per_problem"] > 0, mode
+    assert report["modes"]["greedy"]["tokens_per_problem"] < report["modes"]["best_of_n"]["tokens_per_problem"]
