@@ -359,3 +359,32 @@ def test_gpu_smoke_script_runs_against_the_stand_in(tmp_path):
     )
     summary = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
     assert summary["ok"] and summary["mismatch_after_mean"] < 1e-5 and summary["step_moved_logps_mean"] > 1e-3
+
+
+def test_search_on_a_two_rank_engine_group(tiny_model_dir, tmp_path):
+    """`python -m rl2.search` on 2 ranks sharing one TP-2 engine: rank 0's problems end in the first
+    round (no room for a step), rank 1's go on for three (a step ends at a '>', frequent in the random model's text); rank 0 keeps joining the engine's calls with
+    no prompts until rank 1 is done, and the results of both come back in row order."""
+    data, env = tmp_path / "problems.jsonl", tmp_path / "env.py"
+    env.write_text("def reward_fn(messages, answer):\n    return 0.0\n")
+    prompts = ["long " * 42, "long " * 42, "short", "short"]  # rows 1-2 on rank 0 (56 tokens), 3-4 on rank 1
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}], "answer": "1"}) + "\n"
+                            for p in prompts))
+    log = tmp_path / "sglang_calls.jsonl"
+    run_torchrun(
+        ["-m", "rl2.search", f"data.path={data}", f"actor.model_name={tiny_model_dir}", "actor.dtype=float32",
+         f"rollout.env_path={env}", "rollout.engine=sglang", "rollout.tp_size=2", "data.max_length=60",
+         "search.modes=[mcts]", "search.rollouts=1", "search.width=1", "search.max_depth=3",
+         "search.max_step_tokens=8", "search.step_end='>'", "search.execute_code=false",
+         f"search.output_dir={tmp_path / 'out'}"],
+        env={"PYTHONPATH": f"{STAND_IN}{os.pathsep}{REPO}", "STAND_IN_SGLANG_LOG": str(log)},
+    )
+    calls = [json.loads(line) for line in open(log)]
+    assert {call["rank"] for call in calls} == {0}
+    generated = [call["prompts"] for call in calls if call["call"] == "generate"]
+    solutions = [json.loads(line) for line in open(tmp_path / "out" / "mcts" / "solutions.jsonl")]
+    trees = [json.loads(line)["tree"] for line in open(tmp_path / "out" / "mcts" / "trees.jsonl")]
+    assert [s["row"] for s in solutions] == [1, 2, 3, 4]
+    assert [s["tokens"] for s in solutions[:2]] == [0, 0] and all(s["tokens"] > 0 for s in solutions[2:])
+    assert generated == [2, 2, 2]  # rank 1's two problems in each of three rounds, rank 0 joining with none
+    assert all(not tree["children"] for tree in trees[:2])
