@@ -5,11 +5,19 @@ On this 2-core machine a `torchrun --nproc_per_node=2` launch spends ~20 CPU-sec
 first line of a test's work: ~3 in torchrun's own process and ~8 in each rank importing the same
 modules. Most distributed tests do a second or two of work after that, so launches were most of the
 suite's time. `launch` starts the ranks from a `multiprocessing` forkserver that has preloaded those
-modules (it imports, it never runs a torch op, so forking it is safe) and gives each rank what
+modules and gives each rank what
 torchrun gives it: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in
 an environment of the caller's choosing, `python -m module` or `python script.py` semantics for
 `__main__` and `sys.argv`, every rank's output on one stdout and one stderr, and the other ranks
 stopped when one fails. The recipe and demo tests still launch through the real torchrun.
+
+Forking is safe only from a single-threaded process: a thread running in the server when it forks
+leaves the child with that thread's locks held and its state half-updated. The server imports, and
+never runs a torch op, so torch and transformers start no thread; but pyarrow (imported by
+`datasets`) starts its bundled jemalloc's background thread at import, which forked ranks inherited
+in an inconsistent state (the one crash seen: a segfault in a forked rank). The server therefore
+starts with that thread switched off (`JE_ARROW_MALLOC_CONF`), and `server_threads` lets a test check
+that it has no other.
 """
 
 import multiprocessing
@@ -28,10 +36,28 @@ PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "datasets", "rl2.t
 STOP_GRACE = 5.0  # seconds the other ranks get to end after one failed, before they are killed
 
 
+# The environment the forkserver starts with (it inherits the caller's): arrow's jemalloc without
+# its background thread, so that the server stays single-threaded.
+SERVER_ENVIRONMENT = {"JE_ARROW_MALLOC_CONF": "background_thread:false"}
+
+
 def _context() -> multiprocessing.context.BaseContext:
+    for key, value in SERVER_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context
+
+
+def _server_pid() -> int:
+    return os.getppid()
+
+
+def server_threads() -> list[str]:
+    """The names of the forkserver's threads (it is started if it is not running yet)."""
+    with _context().Pool(1) as pool:
+        pid = pool.apply(_server_pid)
+    return [open(f"/proc/{pid}/task/{task}/comm").read().strip() for task in os.listdir(f"/proc/{pid}/task")]
 
 
 def _run_rank(target: list[str], env: dict[str, str], cwd: str, stdout_path: str, stderr_path: str) -> None:

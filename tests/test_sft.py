@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rank_launcher
-from conftest import FORK_RANKS, REPO, assert_same_gradients, kill_tree, run_python, run_torchrun
+from conftest import REPO, assert_same_gradients, forked_or_real, kill_tree, run_python, run_torchrun
 from rl2.actor import token_logps
 from rl2.data import SFTDataset
 from rl2.metrics import read_metrics
@@ -183,9 +183,10 @@ def run_python_raw(args):
     env = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    if FORK_RANKS:
-        return rank_launcher.launch(args, 1, env, REPO, timeout=120, distributed=False)
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    return forked_or_real(
+        lambda: rank_launcher.launch(args, 1, env, REPO, timeout=120, distributed=False),
+        lambda: subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=120),
+    )
 
 
 def test_sequence_parallel_gives_the_same_curve(tiny_model_dir, sft_data, tmp_path):
