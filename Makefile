@@ -37,7 +37,7 @@ sandbox-tools:
 # finish ~15% sooner than two); one thread each keeps OpenMP's spinning threads from starving one
 # another. Tests marked with an xdist_group share a worker (loadgroup).
 test: install sandbox-tools
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest tests -q -rs -n 3 --dist loadgroup
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest tests -q -rs -n 3 --dist loadgroup --durations=15
 
 bench: install
 	$(PYTHON) bench/packing.py
