@@ -39,3 +39,43 @@ class RewardScorer:
         input_ids = torch.tensor([self.token_ids(messages)], device=self.device)
         with self._lock:
             return float(self.model(input_ids=input_ids, use_cache=False).logits[0, 0])
+
+    @torch.no_grad()
+    def score_many(self, conversations: list[list[dict]], batch_tokens: int = 16384) -> list[float]:
+        """The rewards of many conversations, in batches of about `batch_tokens` padded tokens.
+
+        Conversations of similar length are batched together, left-padded with explicit position
+        ids, and the head is applied to the base model's last position, so each score is the one
+        `score` gives (up to float rounding). A model without a `score` head (the decoder LLMs'
+        name for it) is scored one conversation at a time.
+        """
+        head = getattr(self.model, "score", None)
+        if head is None:
+            return [self.score(messages) for messages in conversations]
+        sequences = [self.token_ids(messages) for messages in conversations]
+        scores = [0.0] * len(sequences)
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+        batch: list[int] = []
+        for position, i in enumerate(order):
+            batch.append(i)
+            after = order[position + 1] if position + 1 < len(order) else None
+            if after is None or (len(batch) + 1) * len(sequences[after]) > batch_tokens:
+                for j, value in zip(batch, self._score_batch([sequences[j] for j in batch], head)):
+                    scores[j] = value
+                batch = []
+        return scores
+
+    def _score_batch(self, sequences: list[list[int]], head: torch.nn.Module) -> list[float]:
+        width = max(len(ids) for ids in sequences)
+        input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
+        attention_mask = torch.zeros(len(sequences), width, dtype=torch.long)
+        for row, ids in enumerate(sequences):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention_mask[row, width - len(ids):] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        with self._lock:
+            hidden = self.model.base_model(
+                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                position_ids=position_ids.to(self.device), use_cache=False,
+            ).last_hidden_state
+            return head(hidden[:, -1]).float()[:, 0].tolist()

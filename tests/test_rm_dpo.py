@@ -166,6 +166,20 @@ def test_reward_model_learns_reloads_and_scores_text(rm_run, pair_data):
         assert sequence_model(input_ids=ids).logits[0, 0].item() == pytest.approx(rejected[0].item(), abs=1e-5)
 
 
+def test_batched_scores_are_the_one_at_a_time_scores(rm_run, pair_data):
+    """`score_many` (length-sorted, left-padded batches; what the search's PPM uses) gives `score`'s
+    values, in input order, whatever the batch size."""
+    scorer = RewardScorer(f"{rm_run}/step12", device="cpu", dtype=torch.float32)
+    rows = list(load_rows(f"{pair_data}/test.jsonl"))
+    conversations = [conversation(row, field) for row in rows for field in ("chosen", "rejected")]
+    one_at_a_time = [scorer.score(messages) for messages in conversations]
+    lengths = {len(scorer.token_ids(messages)) for messages in conversations}
+    assert len(lengths) > 3  # the batches really pad
+    for batch_tokens in (1, 256, 1 << 20):
+        assert scorer.score_many(conversations, batch_tokens) == pytest.approx(one_at_a_time, abs=1e-5)
+    assert scorer.score_many([]) == []
+
+
 def test_env_file_serves_the_reward_model(rm_run, pair_data, monkeypatch):
     rows = list(load_rows(f"{pair_data}/test.jsonl"))[:8]
     monkeypatch.setenv("RL2_REWARD_MODEL", f"{rm_run}/step12")

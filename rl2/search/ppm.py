@@ -1,6 +1,6 @@
 """The process preference model served to the search: a reward model (trained by `rl2.trainer.rm`
 on step-level pairs) whose score of a partial solution, squashed by tanh into [-1, 1] as in
-rStar-Math, is the value of its last step."""
+rStar-Math, is the value of its last step. A round's new steps are scored in length-sorted batches."""
 
 import math
 
@@ -16,4 +16,4 @@ class ProcessPreferenceModel:
     def values(self, conversations: list[list[dict]]) -> list[float]:
         """tanh of the reward model's score of each conversation (the problem, then the partial
         solution as the assistant's message)."""
-        return [math.tanh(self.scorer.score(messages)) for messages in conversations]
+        return [math.tanh(score) for score in self.scorer.score_many(conversations)]
