@@ -24,13 +24,12 @@ def problem_messages(target: int, steps: int) -> list[dict]:
     return [{"role": "user", "content": f"Reach {target} in {steps} steps."}]
 
 
-def walk_state(text: str) -> tuple[int, int, int, list[int]]:
-    """(target, steps allowed, steps taken so far, boxed answers) from a prompt + partial solution."""
-    target, steps = map(int, PROBLEM.search(text).groups())
+def walk_state(text: str) -> tuple[int, int, int]:
+    """(steps allowed, steps taken so far, their sum) from a prompt + partial solution."""
+    steps = int(PROBLEM.search(text).group(2))
     solution = text.split("<|im_start|>assistant\n", 1)[-1]
     adds = [int(k) for k in re.findall(r"add (\d+)", solution)]
-    boxed = [int(b) for b in re.findall(r"\\boxed\{(\d+)\}", solution)]
-    return target, steps, len(adds), [sum(adds)] + boxed
+    return steps, len(adds), sum(adds)
 
 
 class WalkEngine(Engine):
@@ -47,7 +46,7 @@ class WalkEngine(Engine):
         out = []
         for prompt in prompts:
             text = self.tokenizer.decode(prompt, skip_special_tokens=False)
-            _, steps, taken, (total, *_) = walk_state(text)
+            steps, taken, total = walk_state(text)
             if taken >= steps:
                 reply, logprob = f"The sum is \\boxed{{{total}}}.<end_of_answer>", 0.0
             else:

@@ -98,16 +98,14 @@ class SearchRun:
         self.max_length = config.data.max_length
         self.data = RLDataset(config.data.path, self.tokenizer, self.max_length)
         search = config.search
-        self.sandbox = None
-        run_programs = no_programs
+        self.fmt = StepFormat(search.step_end, search.answer_end, search.max_output_chars)
+        self.sandbox, self.run_programs = None, no_programs
         if search.execute_code:
             self.sandbox = Sandbox(workers=search.sandbox_workers, timeout=search.code_timeout,
                                    memory_mb=search.code_memory_mb)
-            run_programs = sandbox_runner(self.sandbox)
+            self.run_programs = sandbox_runner(self.sandbox)
         self.ppm = ProcessPreferenceModel(search.ppm_path, device=str(device())) if search.ppm_path else None
         self.engine: Engine = build_engine_from_config(config.rollout, config.actor, self.tokenizer, config.trainer.seed)
-        self.fmt = StepFormat(search.step_end, search.answer_end, search.max_output_chars)
-        self.run_programs = run_programs
 
     def solver(self, mode: str) -> Solver:
         search, rollout = self.config.search, self.config.rollout

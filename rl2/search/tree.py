@@ -76,9 +76,6 @@ class Node:
         """Some terminal at or below this node has a correct answer."""
         return any(node.terminal and node.correct for node in self.walk())
 
-    def leads_to_wrong(self) -> bool:
-        return any(node.terminal and node.correct is False for node in self.walk())
-
 
 def uct(node: Node, c: float) -> float:
     """Q + c·sqrt(ln N(parent) / N): an unvisited step without a PPM score is tried first (+inf);
