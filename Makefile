@@ -47,3 +47,4 @@ bench: install
 	$(PYTHON) bench/ring_attention.py
 	$(PYTHON) bench/sandbox.py
 	$(PYTHON) bench/retrieval.py
+	$(PYTHON) bench/search_walk.py

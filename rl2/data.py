@@ -438,6 +438,15 @@ class RLDataset(_ConversationDataset):
         }
 
 
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    """Rows as JSON lines, written whole under a temporary name first, so an interrupted run leaves
+    no partial file (values JSON cannot hold are written as their str)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows)
+    os.replace(path + ".tmp", path)
+
+
 def split_rows(rows: datasets.Dataset, test_ratio: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
     """A deterministic (train, test) split of `rows`, each keeping the original row order. The test
     split has round(len * test_ratio) rows, at least one when test_ratio > 0."""

@@ -14,7 +14,9 @@ import re
 
 import torch
 
-from rl2.engines import Engine, Generation
+from rl2.engines import Engine, Generation, SamplingParams
+from rl2.search.run import no_programs
+from rl2.search.solver import Problem, Solver
 
 STEP_PROBS = {1: 0.5, 2: 0.3, 3: 0.2}
 PROBLEM = re.compile(r"Reach (\d+) in (\d+) steps\.")
@@ -98,3 +100,18 @@ class TabularPPM:
             i = self.index.get(feature)
             out.append(math.tanh(float(self.theta[i])) if i is not None else 0.0)
         return out
+
+
+def run_walk(tokenizer, env, make_agent, targets: list[int], seed: int, greedy: bool = False, ppm=None,
+             terminal_value: str = "env") -> tuple[float, float, list, list]:
+    """Search reach-`target`-in-3-steps problems with one agent each: (accuracy of the chosen answers,
+    generated tokens per problem, the agents, the problems)."""
+    params = SamplingParams(temperature=0.0 if greedy else 1.0, max_new_tokens=32)
+    solver = Solver(WalkEngine(tokenizer, seed=seed), tokenizer, params, env, no_programs, ppm=ppm,
+                    terminal_value=terminal_value, max_depth=4)
+    problems = [Problem(problem_messages(t, 3), str(t)) for t in targets]
+    agents = [make_agent() for _ in problems]
+    solver.solve(problems, agents)
+    accuracy = sum(bool(a.answer() and a.answer().correct) for a in agents) / len(agents)
+    tokens = sum(a.tokens for a in agents) / len(agents)
+    return accuracy, tokens, agents, problems

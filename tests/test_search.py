@@ -21,7 +21,8 @@ from rl2.search.steps import StepFormat, output_block, parse_step, step_output, 
 from rl2.search.training_data import ppm_pairs, sft_rows
 from rl2.search.tree import Node, backpropagate, puct, select_child, set_priors, tree_to_json, uct
 from rl2.tools.sandbox import Sandbox
-from search_task import TabularPPM, WalkEngine, problem_messages
+from conftest import run_python
+from search_task import TabularPPM, WalkEngine, problem_messages, run_walk
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = os.path.join(HERE, "envs", "boxed_equals.py")
@@ -252,20 +253,9 @@ def test_search_is_deterministic_under_a_seed(tokenizer, env):
 # ---- search beats sampling where the policy must explore ----------------------------------------
 
 
-def run_walk(tokenizer, env, make_agent, targets, seed, params=SAMPLE, ppm=None, terminal_value="env"):
-    solver = Solver(WalkEngine(tokenizer, seed=seed), tokenizer, params, env, no_programs, ppm=ppm,
-                    terminal_value=terminal_value, max_depth=4)
-    problems = [Problem(problem_messages(t, 3), str(t)) for t in targets]
-    agents = [make_agent() for _ in problems]
-    solver.solve(problems, agents)
-    accuracy = sum(bool(a.answer() and a.answer().correct) for a in agents) / len(agents)
-    tokens = sum(a.tokens for a in agents) / len(agents)
-    return accuracy, tokens, agents, problems
-
-
 def test_mcts_beats_greedy_and_a_ppm_trained_on_its_pairs_makes_beam_beat_best_of_n(tokenizer, env):
     targets = [5, 6, 7, 8] * 6
-    greedy, _, _, _ = run_walk(tokenizer, env, lambda: BestOfN(Node(), n=1), targets, seed=0, params=GREEDY)
+    greedy, _, _, _ = run_walk(tokenizer, env, lambda: BestOfN(Node(), n=1), targets, seed=0, greedy=True)
     mcts, _, agents, problems = run_walk(tokenizer, env, lambda: MCTS(Node(), rollouts=8, width=3, c=2.0),
                                          targets, seed=0)
     assert greedy == 0.0 and mcts >= 0.6, (greedy, mcts)  # greedy always sums to 3
@@ -296,3 +286,10 @@ def test_mcts_beats_greedy_and_a_ppm_trained_on_its_pairs_makes_beam_beat_best_o
 def test_bad_search_config_is_refused(args, message):
     with pytest.raises(ConfigError, match=message):
         check_search_config(load_config(args))
+
+
+def test_the_search_benchmark_runs():
+    """bench/search_walk.py (the figures in bench/RESULTS.md) runs and prints a row per evaluation seed."""
+    result = run_python(["bench/search_walk.py", "--seeds", "1", "--problems", "8"])
+    rows = [line for line in result.stdout.splitlines() if line.strip().startswith("0 |")]
+    assert len(rows) == 2 and "0.00" in rows[0].split("|")[1], result.stdout  # greedy solves nothing

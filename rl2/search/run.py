@@ -28,7 +28,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from rl2.config import SEARCH_MODES, Config, ConfigError, load_config
-from rl2.data import RLDataset
+from rl2.data import RLDataset, write_jsonl
 from rl2.distributed import (all_gather_objects, device, exit_process, init_distributed, is_rank0, rank, rank_slice,
                              world_size)
 from rl2.engines import Engine, SamplingParams, build_engine_from_config, check_sglang
@@ -198,13 +198,6 @@ def summarize(records: list[dict], generate_calls: int, seconds: float) -> dict:
     }
 
 
-def write_jsonl(path: str, rows: list[dict]) -> None:
-    """Written whole under a temporary name first, so an interrupted run leaves no partial file."""
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows)
-    os.replace(path + ".tmp", path)
-
-
 def write_json(path: str, value: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -213,7 +206,6 @@ def write_json(path: str, value: dict) -> None:
 
 
 def write_mode_outputs(folder: str, records: list[dict]) -> None:
-    os.makedirs(folder, exist_ok=True)
     keys = ("row", "answer", "solution", "correct", "solved", "finished", "invalid_steps", "tokens")
     write_jsonl(os.path.join(folder, "solutions.jsonl"), [{key: r[key] for key in keys} for r in records])
     write_jsonl(os.path.join(folder, "trees.jsonl"), [{"row": r["row"], "tree": r["tree"]} for r in records])

@@ -17,12 +17,12 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import sys
 
 from tqdm import tqdm
 
 from rl2.config import Config, ConfigError, load_config
+from rl2.data import write_jsonl
 from rl2.distributed import exit_process, is_rank0
 from rl2.trainer.base import require, user_errors_reported
 from rl2.trainer.ppo import PPOTrainer, correct_by_prompt
@@ -84,17 +84,12 @@ class DifficultyFilter(PPOTrainer):
         """The kept rows (as read, every column) and every row's pass rate, each written whole
         under a temporary name first, so an interrupted run leaves no partial file."""
         output, dataset = self.config.filter.output, self.test_data
-        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        rows = [json.dumps(dataset.rows[dataset.indices[i]], ensure_ascii=False, default=str) for i in kept]
         kept_set = set(kept)
-        rates = [
-            json.dumps({"row": dataset.indices[i] + 1, "pass_rate": None if math.isnan(rate) else rate, "kept": i in kept_set})
+        write_jsonl(output, [dataset.rows[dataset.indices[i]] for i in kept])
+        write_jsonl(output + ".pass_rates.jsonl", [
+            {"row": dataset.indices[i] + 1, "pass_rate": None if math.isnan(rate) else rate, "kept": i in kept_set}
             for i, rate in enumerate(pass_rates)
-        ]
-        for path, lines in ((output, rows), (output + ".pass_rates.jsonl", rates)):
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                f.writelines(line + "\n" for line in lines)
-            os.replace(path + ".tmp", path)
+        ])
 
 
 def check_filter_config(config: Config) -> None:
