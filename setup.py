@@ -14,17 +14,14 @@ setup(
         "transformers>=5.0",
         "tokenizers",
         "datasets",
-        "math-verify",
-        "sympy",
-        "pylatexenc",
-        "aiohttp",
-        "bm25s>=0.3",
         "wandb",
         "tqdm",
         "omegaconf",
         "pyyaml",
     ],
     extras_require={
+        # rl2.tools: the code sandbox service, the search service and client, the math grader.
+        "tools": ["aiohttp", "bm25s>=0.3", "math-verify", "sympy", "pylatexenc"],
         # sglang 0.5.20 / 0.5.21 are built for torch 2.13.0 (0.5.22+ need torch 2.14.1).
         "gpu": ["sglang[srt]>=0.5.20,<0.5.22", "flash-attn", "ring-flash-attn"],
         "test": ["pytest", "pytest-timeout", "pytest-xdist"],

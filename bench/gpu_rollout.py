@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_train import SHAPES, save_shape  # noqa: E402
 
 from rl2.engines import HFEngine, SamplingParams, Turn  # noqa: E402
-from rl2.tiny import build_tiny_tokenizer  # noqa: E402
+from rl2.testing.tiny import build_tiny_tokenizer  # noqa: E402
 
 H100_BANDWIDTH = 3.35e12
 RESPONSES_PER_PROMPT = 8

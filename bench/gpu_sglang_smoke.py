@@ -22,9 +22,9 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from rl2.actor import Actor
+from rl2.workers.policy import Policy
 from rl2.config import load_config
-from rl2.distributed import (
+from rl2.distributed.process_group import (
     all_gather_objects,
     all_reduce_sum,
     barrier,
@@ -35,8 +35,8 @@ from rl2.distributed import (
     rank,
 )
 from rl2.engines import SamplingParams, build_engine
-from rl2.tiny import save_tiny
-from rl2.weight_sync import iter_full_weights
+from rl2.testing.tiny import save_tiny
+from rl2.rollout.weight_sync import iter_full_weights
 
 QUESTIONS = [
     "What is 17 * 23? Think step by step.",
@@ -111,7 +111,7 @@ def main() -> None:
     results["engine_start_s"] = time.perf_counter() - start
     config = load_config([f"actor.model_name={model}", f"actor.dtype={args.dtype}", f"actor.lr={args.lr}",
                           "actor.gradient_checkpointing=false", "actor.max_grad_norm=1e9"])
-    actor = Actor(config.actor, total_steps=1)
+    actor = Policy(config.actor, total_steps=1)
 
     prompts = prompts_for(tokenizer, args.prompts)
     sample = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)

@@ -1,4 +1,4 @@
-"""Actor training throughput at GPU scale: rl2's `Actor.train_step` against the loop a user would write,
+"""Policy training throughput at GPU scale: rl2's `Policy.train_step` against the loop a user would write,
 same model, data and run.
 
 The plain loop: the Hugging Face model with sdpa attention, bf16 autocast over fp32 weights, AdamW,
@@ -6,7 +6,7 @@ sequences sorted by length and padded into micro-batches of at most `--max-token
 log-probs from full logits. rl2: FSDP2 (one rank), bf16 compute over fp32 master weights, balanced
 packed rows of at most `--max-tokens` tokens, packed-row attention (`actor.attn_implementation=auto`),
 log-probs from the LM head in chunks. Both train on the same long-tailed batch (RL response lengths),
-with activation checkpointing on and off; only real tokens count. Also timed: `Actor.compute_logps`
+with activation checkpointing on and off; only real tokens count. Also timed: `Policy.compute_logps`
 (no-grad forward over the same tokens) as a share of the train step.
 
 MFU = (6 × matmul parameters × tokens + causal attention FLOPs) / time / peak, with attention at
@@ -29,9 +29,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from rl2.actor import Actor, sft_loss
+from rl2.workers.policy import Policy
+from rl2.algorithms.losses import sft_loss
 from rl2.config import ModelConfig
-from rl2.distributed import init_distributed
+from rl2.distributed.process_group import init_distributed
 
 H100_BF16_PEAK = 989e12
 
@@ -124,9 +125,9 @@ def run_rl2(folder, batch, args, checkpointing: bool, device: torch.device) -> d
         gradient_checkpointing=checkpointing, max_length_per_device=args.max_tokens,
         attn_implementation=args.attention, logps_chunk_size=args.logps_chunk_size, compile=args.compile,
     )
-    actor = Actor(config, total_steps=1000)
+    actor = Policy(config, total_steps=1000)
     train = timed_steps(lambda: actor.train_step(batch, sft_loss), args.steps, device)
-    logps = timed_steps(lambda: actor.compute_logps(batch), args.steps, device)
+    logps = timed_steps(lambda: actor.compute(batch), args.steps, device)
     del actor
     return {"seconds": train, "logps_seconds": logps}
 

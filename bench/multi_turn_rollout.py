@@ -21,7 +21,7 @@ import torch
 from transformers import AutoTokenizer
 
 from rl2.engines import Engine, HFEngine, SamplingParams, Turn
-from rl2.tiny import save_tiny
+from rl2.testing.tiny import save_tiny
 
 
 def long_tailed(rng: random.Random, median: float, cap: float) -> float:

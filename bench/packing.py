@@ -6,7 +6,7 @@ For three length distributions and dp sizes 2, 8, 64 (32 sequences per rank, plu
 at dp 8) at max_tokens=16384, the first table shows, for one batch per case, rank imbalance (max
 rank tokens / mean), micro-batches per rank M next to the lower bound lb = ceil(total / (dp *
 max_tokens)), and median planning time in ms, for:
-  ours   rl2.packing.plan_micro_batches
+  ours   rl2.distributed.packing.plan_micro_batches
   ffd    first fit decreasing under the cap, bins dealt to ranks round-robin
   chunk  contiguous chunks per rank, micro-batches filled greedily in order
   kk     Karmarkar-Karp into dp ranks ignoring the cap, then first fit decreasing per rank
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from rl2.packing import balanced_partition, plan_micro_batches
+from rl2.distributed.packing import balanced_partition, plan_micro_batches
 
 MAX_TOKENS = 16384
 

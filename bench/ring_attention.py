@@ -3,8 +3,8 @@
 Each (layout, length) runs forward + backward of one attention layer (random q/k/v for one packed
 row) in fresh processes: `python` for sp=1, `torchrun --nproc_per_node=2` for sp=2. Layouts:
   varlen      rl2's varlen attention (per-sequence sdpa; on CPU a flash-style kernel, O(T) memory)
-  ring sp=1   rl2.ring_attention on a one-rank group (same pure-torch kernel as sp=2, no communication)
-  ring sp=2   rl2.ring_attention on 2 ranks, zigzag split
+  ring sp=1   rl2.distributed.ring_attention on a one-rank group (same pure-torch kernel as sp=2, no communication)
+  ring sp=2   rl2.distributed.ring_attention on 2 ranks, zigzag split
 Memory, per rank (the worst rank):
   saved     bytes of the tensors autograd keeps between forward and backward, summed by
             `torch.autograd.graph.saved_tensors_hooks` (deterministic; inputs that are saved count)
@@ -43,9 +43,9 @@ def max_rss_bytes() -> int:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from rl2.attention import varlen_attention
-    from rl2.distributed import exit_process, init_distributed
-    from rl2.ring_attention import ring_attention, zigzag_cu_seqlens, zigzag_split
+    from rl2.kernels.attention import varlen_attention
+    from rl2.distributed.process_group import exit_process, init_distributed
+    from rl2.distributed.ring_attention import ring_attention, zigzag_cu_seqlens, zigzag_split
 
     init_distributed()
     group, rank, sp = dist.group.WORLD, dist.get_rank(), dist.get_world_size()

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoTokenizer
 
 from rl2.engines import HFEngine, SamplingParams
-from rl2.tiny import save_tiny
+from rl2.testing.tiny import save_tiny
 
 
 def make_prompts(tokenizer, n: int, seed: int, min_turns: int = 1, max_turns: int = 24) -> list[list[int]]:

@@ -12,7 +12,7 @@ beside the policy is better served by vLLM / SGLang and called over HTTP from `r
 
 import os
 
-from rl2.reward_scorer import RewardScorer
+from rl2.rollout.reward_scorer import RewardScorer
 
 if not os.environ.get("RL2_REWARD_MODEL"):
     raise RuntimeError("envs/reward_model.py: set RL2_REWARD_MODEL to a reward model folder, e.g. ckpts/rm/step200")

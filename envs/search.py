@@ -35,7 +35,7 @@ from rl2.tools import search_client
 from rl2.tools.faults import FaultCounter
 from rl2.tools.search_client import passages_to_string, retrieve
 
-faults = FaultCounter()  # search_retries, for the trainer's faults/* metrics (rl2.env reads it)
+faults = FaultCounter()  # search_retries, for the trainer's faults/* metrics (rl2.rollout.env reads it)
 
 PROMPT = (
     "Answer the given question. "

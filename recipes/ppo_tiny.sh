@@ -28,7 +28,7 @@ case "$TASK" in
 esac
 export WANDB_MODE=${WANDB_MODE:-disabled}
 mkdir -p "$OUT"
-[ -f "$OUT/model/config.json" ] || python -m rl2.tiny "$OUT/model" --hidden-size 128 --layers 2
+[ -f "$OUT/model/config.json" ] || python -m rl2.testing.tiny "$OUT/model" --hidden-size 128 --layers 2
 python recipes/make_demo_data.py --task "$TASK" --out "$OUT/data" --rows 4000
 
 echo "== SFT warm-up ($SFT_STEPS steps)"

@@ -9,7 +9,7 @@ NPROC=${NPROC:-2}
 STEPS=${STEPS:-32}
 export WANDB_MODE=${WANDB_MODE:-disabled}
 mkdir -p "$OUT"
-[ -f "$OUT/model/config.json" ] || python -m rl2.tiny "$OUT/model" --hidden-size 128 --layers 2
+[ -f "$OUT/model/config.json" ] || python -m rl2.testing.tiny "$OUT/model" --hidden-size 128 --layers 2
 python recipes/make_pair_data.py "$OUT/data" --rows 512 --test-rows 64
 rm -rf "$OUT/rm"
 torchrun --nproc_per_node="$NPROC" -m rl2.trainer.rm \

@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # this checkout's rl2, whether or not (or wherever) rl2 is installed
 
-from rl2.data import DataError, load_rows  # noqa: E402
+from rl2.data.rows import DataError, load_rows  # noqa: E402
 
 
 class RowError(ValueError):

@@ -5,7 +5,7 @@ set -euo pipefail
 OUT=${OUT:-outputs/sft_tiny}
 NPROC=${NPROC:-2}
 mkdir -p "$OUT"
-[ -f "$OUT/model/config.json" ] || python -m rl2.tiny "$OUT/model" --hidden-size 128 --layers 2
+[ -f "$OUT/model/config.json" ] || python -m rl2.testing.tiny "$OUT/model" --hidden-size 128 --layers 2
 python recipes/make_sft_data.py "$OUT/data.jsonl" --rows 512
 torchrun --nproc_per_node="$NPROC" -m rl2.trainer.sft \
     data.path="$OUT/data.jsonl" data.test_ratio=0.05 data.batch_size=32 \

@@ -10,8 +10,8 @@ _EXPORTS = {
     "PPOTrainer": "rl2.trainer.ppo",
     "RMTrainer": "rl2.trainer.rm",
     "DPOTrainer": "rl2.trainer.dpo",
-    "RewardScorer": "rl2.reward_scorer",
-    "Env": "rl2.env",
+    "RewardScorer": "rl2.rollout.reward_scorer",
+    "Env": "rl2.rollout.env",
     "HFEngine": "rl2.engines",
     "SamplingParams": "rl2.engines",
 }

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rank_launcher
-from rl2.tiny import save_tiny
+from rl2.testing.tiny import save_tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Distributed tests fork their ranks from preloaded modules (`rank_launcher`; the suite in ~12 minutes

@@ -3,16 +3,8 @@ import math
 import pytest
 import torch
 
-from rl2.algorithms import (
-    gae,
-    group_advantages,
-    kl_penalty,
-    loss_weights,
-    masked_mean,
-    policy_loss,
-    uniform_groups,
-    value_loss,
-)
+from rl2.algorithms.advantages import gae, group_advantages, uniform_groups
+from rl2.algorithms.losses import kl_penalty, loss_weights, masked_mean, policy_loss, value_loss
 
 
 def gen(seed: int = 0) -> torch.Generator:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rl2.attention import (
+from rl2.kernels.attention import (
     TORCH_VARLEN_ATTENTION,
     VARLEN_ATTENTION,
     available_attention,
@@ -15,7 +15,7 @@ from rl2.attention import (
     torch_varlen_attention,
     varlen_attention,
 )
-from rl2.packing import pack_micro_batch
+from rl2.distributed.packing import pack_micro_batch
 
 CUDA = torch.device("cuda")
 ALL = {"flash_attention_2": True, "torch_varlen": True, "flex_attention": True, "sdpa_loop": True}

@@ -8,19 +8,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rl2.data import (
-    DataError,
-    PairDataset,
-    RLDataset,
-    SFTDataset,
-    load_rows,
-    parse_messages,
-    split_rows,
-    tokenize_conversation,
-    tokenize_prompt,
-    validate_rows,
-)
-from rl2.tiny import build_tiny_tokenizer
+from rl2.data.rows import DataError, load_rows, parse_messages, split_rows, validate_rows
+from rl2.data.conversations import PairDataset, RLDataset, SFTDataset
+from rl2.data.chat_template import tokenize_conversation, tokenize_prompt
+from rl2.testing.tiny import build_tiny_tokenizer
 
 RL_ROWS = [
     {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "five"},

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rl2.env import Env, EnvError, EnvResult
+from rl2.rollout.env import Env, EnvError, EnvResult
 
 ENVS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "envs")
 
@@ -28,7 +28,7 @@ def write_env(tmp_path, source: str, name: str = "env.py") -> str:
 
 
 def env_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "rl2.env" and r.levelno == logging.WARNING]
+    return [r.getMessage() for r in caplog.records if r.name == "rl2.rollout.env" and r.levelno == logging.WARNING]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,6 +223,17 @@ def test_import_error_in_env_file():
     message = str(info.value)
     assert "bad_import.py" in message and "ModuleNotFoundError" in message and "rl2_no_such_module_for_tests" in message
     assert not any(name.startswith("rl2_env_bad_import") for name in sys.modules)
+
+
+def test_a_missing_tools_extra_package_gets_an_install_hint(tmp_path):
+    env_file = tmp_path / "needs_bm25s.py"
+    env_file.write_text("raise ModuleNotFoundError(\"No module named 'bm25s'\", name='bm25s')\n"
+                        "def reward_fn(messages, answer):\n    return 0.0\n")
+    with pytest.raises(EnvError, match=r"needs_bm25s.py.*No module named 'bm25s'.*pip install 'rl2\[tools\]'"):
+        Env(str(env_file))
+    with pytest.raises(EnvError) as info:  # any other missing module: no hint
+        Env(env_path("bad_import.py"))
+    assert "rl2[tools]" not in str(info.value)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,9 +6,9 @@ import json
 import torch
 
 from conftest import run_torchrun
-from rl2.algorithms import group_advantages
+from rl2.algorithms.advantages import group_advantages
 from rl2.metrics import read_metrics
-from rl2.rollout import Trajectory
+from rl2.rollout.trajectory import Trajectory
 from rl2.trainer.ppo import correct_by_prompt, rollout_metrics
 from test_ppo import _ppo_args, rl_data  # noqa: F401  (the fixture)
 
@@ -62,7 +62,7 @@ def test_group_advantages_leave_invalid_responses_out():
 
 def _trajectory(reward, errors=()):
     return Trajectory(messages=[], answer=None, group=0, token_ids=[1, 2, 3], action_mask=[0, 1, 1],
-                      logprobs=[0.0] * 3, prompt_length=1, reward=reward, errors=list(errors))
+                      logprobs=[0.0] * 3, reward=reward, errors=list(errors))
 
 
 def test_unscored_answers_count_neither_right_nor_wrong():

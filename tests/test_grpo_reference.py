@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import run_python, run_torchrun
-from rl2.data import render_chat
+from rl2.data.chat_template import render_chat
 from test_ppo import rl_data  # noqa: F401  (the fixture)
 
 WORKER = "tests/workers/grpo_update_capture.py"
@@ -49,8 +49,7 @@ def make_batch(tokenizer) -> list[dict]:
             else:
                 response = ids(text) + ([] if text == "The answer" else [eos])  # "The answer": cut, no end token
                 mask = [1] * len(response)
-            batch.append({"token_ids": prompt + response, "action_mask": [0] * len(prompt) + mask, "reward": reward,
-                          "prompt_length": len(prompt), "group": group})
+            batch.append({"token_ids": prompt + response, "action_mask": [0] * len(prompt) + mask, "reward": reward, "group": group})
     return batch
 
 

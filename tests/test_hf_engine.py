@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from rl2.engines import Engine, HFEngine, SamplingParams, Turn, build_engine
 from rl2.engines.sampling import filter_top_k_top_p
-from rl2.tiny import build_tiny_model
+from rl2.testing.tiny import build_tiny_model
 
 CPU = torch.device("cpu")
 LENGTHS = [1, 5, 17, 40, 9]

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from conftest import REPO
-from rl2.actor import token_logps
-from rl2.logps_head import TokenLogpsHead, chunked_token_logps, install_logps_head
-from rl2.packing import pack_micro_batch
+from rl2.workers.policy import token_logps
+from rl2.kernels.logps_head import TokenLogpsHead, chunked_token_logps, install_logps_head
+from rl2.distributed.packing import pack_micro_batch
 
 
 def full_logps_entropy(hidden, weight, next_ids, temperature):
@@ -104,9 +104,10 @@ def test_models_that_transform_logits_keep_full_logits(tiny_model_dir):
 
 RSS_WORKER = """
 import resource, sys, tempfile, torch
-from rl2.actor import Actor, sft_loss
+from rl2.workers.policy import Policy
+from rl2.algorithms.losses import sft_loss
 from rl2.config import ModelConfig
-from rl2.distributed import init_distributed
+from rl2.distributed.process_group import init_distributed
 from transformers import Qwen2Config, Qwen2ForCausalLM
 init_distributed()
 torch.set_num_threads(2)
@@ -115,7 +116,7 @@ Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, hidden_size=32, intermediate_siz
                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)).save_pretrained(folder)
 config = ModelConfig(model_name=folder, dtype="float32", max_length_per_device=1024, lr=1e-4,
                      logps_chunk_size=int(sys.argv[1]), gradient_checkpointing=True)
-actor = Actor(config, total_steps=1)
+actor = Policy(config, total_steps=1)
 batch = [{"input_ids": torch.randint(0, 151936, (1024,)), "loss_mask": torch.ones(1024, dtype=torch.long)}]
 actor.train_step(batch, sft_loss)  # the peak over the process: the step's logits, and everything else once
 print("peak_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rl2.env import Env
+from rl2.rollout.env import Env
 from rl2.tools.math_grader import GradingError, MathGrader, extract_answer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

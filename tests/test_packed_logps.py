@@ -5,9 +5,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import assert_same_gradients, run_python
-from rl2.actor import token_logps
-from rl2.attention import cu_seqlens_from_position_ids, packed_attention_implementation
-from rl2.packing import pack_micro_batch, unpack_row
+from rl2.workers.policy import token_logps
+from rl2.kernels.attention import cu_seqlens_from_position_ids, packed_attention_implementation
+from rl2.distributed.packing import pack_micro_batch, unpack_row
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "rl2_varlen"])
@@ -80,17 +80,17 @@ def test_cu_seqlens_from_position_ids():
 ACTOR_WORKER = """
 import sys, torch
 from transformers import AutoModelForCausalLM
-from rl2.actor import Actor, token_logps
+from rl2.workers.policy import Policy, token_logps
 from rl2.config import ModelConfig
-from rl2.distributed import init_distributed
+from rl2.distributed.process_group import init_distributed
 init_distributed()
 folder, chunk, temperature = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 config = ModelConfig(model_name=folder, dtype="float32", max_length_per_device=128, lr=1e-4, logps_chunk_size=chunk,
                      gradient_checkpointing=False)
-actor = Actor(config, total_steps=1, temperature=temperature)
+actor = Policy(config, total_steps=1, temperature=temperature)
 generator = torch.Generator().manual_seed(2)
 sequences = [{"input_ids": torch.randint(0, 1000, (n,), generator=generator)} for n in (5, 40, 17, 1, 30)]
-ours = actor.compute_logps(sequences)
+ours = actor.compute(sequences)
 plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 worst = 0.0
 with torch.no_grad():
@@ -105,7 +105,7 @@ print("max_difference", worst)
 
 @pytest.mark.parametrize("chunk,temperature", [(0, 1.0), (0, 0.7), (16, 0.7)], ids=["full", "full-t0.7", "chunked-t0.7"])
 def test_actor_forward_agrees_with_token_logps(tiny_model_dir, chunk, temperature):
-    """What training uses (`Actor.forward` through `compute_logps`: packed rows, full logits or the
+    """What training uses (`Policy.forward` through `compute_logps`: packed rows, full logits or the
     chunked head, the sampling temperature) equals `token_logps`, the function the tests above
     check, on the plain model one sequence at a time."""
     result = run_python(["-c", ACTOR_WORKER, tiny_model_dir, str(chunk), str(temperature)])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from rl2.packing import (
+from rl2.distributed.packing import (
     _equal_count_partition,
     _fill_empty_bins,
     _rebalance,

@@ -11,7 +11,7 @@ import torch
 
 from conftest import GRAD_RTOL, REPO, assert_same_gradients, run_python, run_torchrun
 from rl2.metrics import read_metrics
-from rl2.tiny import save_tiny
+from rl2.testing.tiny import save_tiny
 
 WORKER = "tests/workers/ppo_update.py"
 
@@ -75,7 +75,7 @@ def _assert_same_sgd_update(one: dict, two: dict) -> None:
 
 @pytest.fixture(scope="module")
 def demo_model(tmp_path_factory) -> str:
-    """The model recipes/ppo_tiny.sh builds (`python -m rl2.tiny --hidden-size 128 --layers 2`), built
+    """The model recipes/ppo_tiny.sh builds (`python -m rl2.testing.tiny --hidden-size 128 --layers 2`), built
     once for the demo runs here (it is deterministic)."""
     return save_tiny(str(tmp_path_factory.mktemp("demo") / "model"), hidden_size=128, num_layers=2)
 

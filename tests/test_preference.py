@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from rl2.packing import pack_micro_batch, plan_grouped_micro_batches
-from rl2.preference import (
+from rl2.distributed.packing import pack_micro_batch, plan_grouped_micro_batches
+from rl2.algorithms.preference import (
     DPOLoss,
     bradley_terry_loss,
     count_pairs,

@@ -11,10 +11,10 @@ import pytest
 from aiohttp import web
 from transformers import AutoTokenizer
 
-from rl2.data import tokenize_prompt
+from rl2.data.chat_template import tokenize_prompt
 from rl2.engines import SamplingParams
-from rl2.env import Env, _load_module
-from rl2.rollout import assign_rewards, rollout
+from rl2.rollout.env import Env, _load_module
+from rl2.rollout.multi_turn import assign_rewards, rollout
 from rl2.tools.lazy import Lazy
 from rl2.tools.sandbox import RunResult
 from scripted_engine import ScriptedEngine
@@ -122,7 +122,7 @@ def test_interact_with_the_code_service(tool, monkeypatch):
 
 def test_unreachable_code_service_is_an_env_error(tool, monkeypatch):
     """A program the service could not run after the client's retries makes interact raise, naming
-    the URL and the cause; through rl2.env it is an env error and the retries are counted."""
+    the URL and the cause; through rl2.rollout.env it is an env error and the retries are counted."""
     url = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("CODE_SERVER_URL", url)
     monkeypatch.setenv("CODE_SERVER_RETRIES", "2")

@@ -11,9 +11,10 @@ import sys
 import datasets
 import pytest
 
-from rl2.data import RLDataset, load_rows, validate_rows
-from rl2.env import Env
-from rl2.tiny import build_tiny_tokenizer
+from rl2.data.conversations import RLDataset
+from rl2.data.rows import load_rows, validate_rows
+from rl2.rollout.env import Env
+from rl2.testing.tiny import build_tiny_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = {

@@ -10,9 +10,9 @@ from collections import Counter
 import pytest
 import torch
 
-from rl2.algorithms import ROC_EPS, resample_on_correct
-from rl2.roc_penalty import roc_penalty, roc_tool_error
-from rl2.env import _load_module
+from rl2.algorithms.resample_on_correct import ROC_EPS, resample_on_correct
+from rl2.tools.roc_penalty import roc_penalty, roc_tool_error
+from rl2.rollout.env import _load_module
 
 ENV_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "envs", "python_tool.py")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import GRAD_RTOL, run_python, run_torchrun
-from rl2.ring_attention import ring_attention, zigzag_cu_seqlens, zigzag_position_ids, zigzag_split
+from rl2.distributed.ring_attention import ring_attention, zigzag_cu_seqlens, zigzag_position_ids, zigzag_split
 
 
 def cu_of(lengths: list[int]) -> torch.Tensor:
@@ -128,7 +128,7 @@ def test_ring_attention_matches_varlen(tiny_model_dir, tmp_path, nproc):
 )
 def test_flash_kernel_matches_torch_kernel():
     """On a GPU: ring-flash-attn's zigzag kernel and the pure-torch ring agree (bf16), values and grads."""
-    from rl2.distributed import init_distributed
+    from rl2.distributed.process_group import init_distributed
 
     init_distributed()
     group = torch.distributed.group.WORLD

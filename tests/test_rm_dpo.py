@@ -16,13 +16,14 @@ from transformers import (
 )
 
 from conftest import assert_same_gradients, run_python, run_torchrun
-from rl2.actor import token_logps
+from rl2.workers.policy import token_logps
 from rl2.config import ConfigError, load_config
-from rl2.data import PairDataset, load_rows
-from rl2.env import Env, EnvError
+from rl2.data.conversations import PairDataset
+from rl2.data.rows import load_rows
+from rl2.rollout.env import Env, EnvError
 from rl2.metrics import read_metrics
-from rl2.preference import pair_sequences
-from rl2.reward_scorer import RewardScorer
+from rl2.algorithms.preference import pair_sequences
+from rl2.rollout.reward_scorer import RewardScorer
 
 TIMING_KEYS = {"step_time", "tokens_per_second", "time/reference"}
 SECTION = {"rm": "critic", "dpo": "actor"}

@@ -5,10 +5,10 @@ import textwrap
 import pytest
 from transformers import AutoTokenizer
 
-from rl2.data import render_chat, tokenize_prompt
+from rl2.data.chat_template import render_chat, tokenize_prompt
 from rl2.engines import Generation, SamplingParams
-from rl2.env import Env
-from rl2.rollout import assign_rewards, observation_tokens, rollout
+from rl2.rollout.env import Env
+from rl2.rollout.multi_turn import assign_rewards, observation_tokens, rollout
 from scripted_engine import ScriptedEngine
 
 

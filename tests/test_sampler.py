@@ -1,6 +1,6 @@
 import pytest
 
-from rl2.sampler import BatchSampler
+from rl2.data.sampler import BatchSampler
 
 
 def test_batches_cover_each_epoch_and_resume_exactly():

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from rl2.config import ConfigError, load_config
 from rl2.engines import Engine, Generation, SamplingParams
-from rl2.env import Env
+from rl2.rollout.env import Env
 from rl2.search.beam import BeamSearch
 from rl2.search.best_of_n import BestOfN
 from rl2.search.mcts import MCTS

@@ -17,10 +17,10 @@ from transformers import AutoTokenizer
 
 from retrieval_helpers import SAMPLE_CORPUS, running
 from server_process import REPO, free_port, serving
-from rl2.data import tokenize_prompt
+from rl2.data.chat_template import tokenize_prompt
 from rl2.engines import Engine, Generation, SamplingParams
-from rl2.env import Env
-from rl2.rollout import assign_rewards, rollout
+from rl2.rollout.env import Env
+from rl2.rollout.multi_turn import assign_rewards, rollout
 from rl2.tools.faults import FaultCounter
 from rl2.tools.search_client import SearchError, passages_to_string, retrieve
 
@@ -153,7 +153,7 @@ def test_no_match_gives_empty_information(search_env, search_url):
 
 
 def test_dead_service_is_an_env_error_not_a_message(search_env, monkeypatch):
-    """A search that fails after its retries raises (rl2.env counts an env error and leaves the
+    """A search that fails after its retries raises (rl2.rollout.env counts an env error and leaves the
     trajectory out of training); the model is never shown a failure message; retries are counted."""
     url = f"http://127.0.0.1:{free_port()}/retrieve"
     monkeypatch.setenv("SEARCH_URL", url)

@@ -15,7 +15,7 @@ import time
 
 from retrieval_helpers import SAMPLE_CORPUS
 from server_process import REPO, python_env
-from rl2.env import Env
+from rl2.rollout.env import Env
 from rl2.tools.code_client import CodeClient
 from rl2.tools.faults import FaultCounter
 from rl2.tools.search_client import retrieve

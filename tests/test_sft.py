@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rank_launcher
 from conftest import REPO, assert_same_gradients, forked_or_real, kill_tree, run_python, run_torchrun
-from rl2.actor import token_logps
-from rl2.data import SFTDataset
+from rl2.workers.policy import token_logps
+from rl2.data.conversations import SFTDataset
 from rl2.metrics import read_metrics
 
 TIMING_KEYS = {"step_time", "tokens_per_second"}

@@ -32,7 +32,7 @@ from rl2.engines.sglang import (
 )
 from rl2.engines.tp_group import plan_tp_group
 from rl2.metrics import read_metrics
-from rl2.rollout import rollout
+from rl2.rollout.multi_turn import rollout
 
 STAND_IN = os.path.join(REPO, "tests", "sglang_stand_in")
 SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None and STAND_IN not in sys.path

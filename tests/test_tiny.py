@@ -1,7 +1,7 @@
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rl2.tiny import build_tiny_tokenizer
+from rl2.testing.tiny import build_tiny_tokenizer
 
 
 def test_tiny_folder_loads_back_with_auto_classes(tiny_model_dir):

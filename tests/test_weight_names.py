@@ -1,4 +1,4 @@
-"""Names and buckets of the weights sent to an inference engine (rl2.weight_sync)."""
+"""Names and buckets of the weights sent to an inference engine (rl2.rollout.weight_sync)."""
 
 import os
 import re
@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from rl2.weight_sync import bucketed, engine_named_tensors, engine_param_name
+from rl2.rollout.weight_sync import bucketed, engine_named_tensors, engine_param_name
 
 CONFIGS = {"qwen2": Qwen2Config, "llama": LlamaConfig}
 MODEL_CASES = [(arch, tied) for arch in CONFIGS for tied in (True, False)]

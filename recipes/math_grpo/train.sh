@@ -21,7 +21,7 @@ if [ "$TINY" = 1 ]; then
   STEPS=${STEPS:-2}
   export WANDB_MODE=${WANDB_MODE:-disabled}
   MODEL=$OUT/model
-  [ -f "$MODEL/config.json" ] || python -m rl2.tiny "$MODEL" --hidden-size 64 --layers 2
+  [ -f "$MODEL/config.json" ] || python -m rl2.testing.tiny "$MODEL" --hidden-size 64 --layers 2
 else
   CONFIG=recipes/math_grpo/config.yaml
   OUT=${OUT:-outputs/math_grpo}

@@ -38,7 +38,7 @@ if [ "$TINY" = 1 ]; then
   PROMPT_TOKENS=${PROMPT_TOKENS:-768}  # the tool schema alone is ~600 tiny-tokenizer tokens
   export PYTHON_TOOL_WORKERS=${PYTHON_TOOL_WORKERS:-2} WANDB_MODE=${WANDB_MODE:-disabled}
   MODEL=$OUT/model
-  [ -f "$MODEL/config.json" ] || python -m rl2.tiny "$MODEL" --hidden-size 64 --layers 2
+  [ -f "$MODEL/config.json" ] || python -m rl2.testing.tiny "$MODEL" --hidden-size 64 --layers 2
 else
   CONFIG=recipes/rstar2_agent/config.yaml
   OUT=${OUT:-outputs/rstar2_agent}

@@ -29,7 +29,7 @@ if [ "$TINY" = 1 ]; then
   python recipes/rstar_math/prepare_data.py --arithmetic 16 --seed 0 --output "$OUT/data/train.jsonl"
   python recipes/rstar_math/prepare_data.py --arithmetic 8 --seed 1 --output "$OUT/data/test.jsonl"
   MODEL=$OUT/model
-  [ -f "$MODEL/config.json" ] || python -m rl2.tiny "$MODEL" --hidden-size 64 --layers 2
+  [ -f "$MODEL/config.json" ] || python -m rl2.testing.tiny "$MODEL" --hidden-size 64 --layers 2
   echo "== warm-up: $WARMUP_STEPS SFT steps on step-format demonstrations (tiny variant only)"
   python recipes/rstar_math/make_step_demos.py --rows "$OUT/data/train.jsonl" --out "$OUT/data/demos.jsonl"
   if [ ! -f "$OUT/warmup/step$WARMUP_STEPS/config.json" ]; then

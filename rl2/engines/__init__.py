@@ -3,7 +3,7 @@
 import torch
 
 from rl2.config import ConfigError, ModelConfig, RolloutConfig
-from rl2.distributed import device
+from rl2.distributed.process_group import device
 from rl2.engines.base import Engine, Generation, SamplingParams, Turn
 from rl2.engines.hf import HFEngine
 

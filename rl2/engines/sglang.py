@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from rl2.distributed import world_size
+from rl2.distributed.process_group import world_size
 from rl2.engines.base import Engine, Generation, SamplingParams
 from rl2.engines.tp_group import TPGroupLayout, new_tp_group, plan_this_rank
-from rl2.weight_sync import bucketed, engine_named_tensors
+from rl2.rollout.weight_sync import bucketed, engine_named_tensors
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from rl2.distributed import rank, world_size
+from rl2.distributed.process_group import rank, world_size
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ rStar-Math, is the value of its last step. A round's new steps are scored in len
 
 import math
 
-from rl2.reward_scorer import RewardScorer
+from rl2.rollout.reward_scorer import RewardScorer
 
 
 class ProcessPreferenceModel:

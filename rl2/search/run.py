@@ -28,11 +28,20 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from rl2.config import SEARCH_MODES, Config, ConfigError, load_config
-from rl2.data import RLDataset, write_jsonl
-from rl2.distributed import (all_gather_objects, device, exit_process, init_distributed, is_rank0, rank, rank_slice,
-                             world_size)
+from rl2.data.conversations import RLDataset
+from rl2.data.rows import write_jsonl
+from rl2.distributed.process_group import (
+    all_gather_objects,
+    device,
+    exit_process,
+    init_distributed,
+    is_rank0,
+    rank,
+    rank_slice,
+    world_size,
+)
 from rl2.engines import Engine, SamplingParams, build_engine_from_config, check_sglang
-from rl2.env import Env
+from rl2.rollout.env import Env
 from rl2.search.agent import SearchAgent
 from rl2.search.beam import BeamSearch
 from rl2.search.best_of_n import BestOfN

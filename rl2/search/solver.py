@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rl2.data import render_chat
+from rl2.data.chat_template import render_chat
 from rl2.engines import Engine, SamplingParams
-from rl2.env import Env
+from rl2.rollout.env import Env
 from rl2.search.agent import SearchAgent
 from rl2.search.steps import StepFormat, output_block, parse_step, step_output, step_program
 from rl2.search.tree import Node, set_priors

@@ -39,7 +39,7 @@ from typing import AsyncIterator, Sequence
 
 import aiohttp
 
-from rl2.sync import run_coroutine
+from rl2.coroutines import run_coroutine
 from rl2.tools.faults import FaultCounter
 
 logger = logging.getLogger("rl2.tools.code_client")

@@ -2,7 +2,7 @@
 
 A component that replaces what died (a grader or sandbox worker, a connection to a service) and
 retries the call in flight holds a `FaultCounter` as its `faults` attribute and adds to it, e.g.
-`faults.add("grader_restarts")`. `rl2.env.Env.fault_counts()` sums the counters of an env file's
+`faults.add("grader_restarts")`. `rl2.rollout.env.Env.fault_counts()` sums the counters of an env file's
 `Lazy` values (and module-level counters); the PPO trainer logs what each step added as
 `faults/<name>`, summed over ranks.
 """

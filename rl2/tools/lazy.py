@@ -9,7 +9,7 @@ T = TypeVar("T")
 class Lazy(Generic[T]):
     """`Lazy(factory).get()` calls `factory` once, at the first `get`, under a lock: env files use it
     for their worker pools (a sandbox, a grader), which must not be started at import or twice when
-    many threads call `reward_fn` / `interact` at once. `rl2.env.Env.close()` closes every `Lazy`
+    many threads call `reward_fn` / `interact` at once. `rl2.rollout.env.Env.close()` closes every `Lazy`
     of its env file, so the pools' processes end with the run."""
 
     def __init__(self, factory: Callable[[], T]):

@@ -17,9 +17,9 @@ from rl2.checkpoint import (
     save_hf_model,
 )
 from rl2.config import Config, ConfigError, ModelConfig, config_to_dict
-from rl2.data import DataError, load_rows, split_rows, validate_rows
-from rl2.env import EnvError
-from rl2.distributed import init_distributed, is_rank0, world_size
+from rl2.data.rows import DataError, load_rows, split_rows, validate_rows
+from rl2.rollout.env import EnvError
+from rl2.distributed.process_group import init_distributed, is_rank0, world_size
 from rl2.metrics import MetricsLogger
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ import sys
 from tqdm import tqdm
 
 from rl2.config import Config, ConfigError, load_config
-from rl2.data import write_jsonl
-from rl2.distributed import exit_process, is_rank0
+from rl2.data.rows import write_jsonl
+from rl2.distributed.process_group import exit_process, is_rank0
 from rl2.trainer.base import require, user_errors_reported
 from rl2.trainer.ppo import PPOTrainer, correct_by_prompt
 

@@ -11,11 +11,11 @@ import time
 
 import torch
 
-from rl2.actor import Actor
+from rl2.workers.policy import Policy
 from rl2.config import Config, ConfigError, load_config
-from rl2.data import PairDataset
-from rl2.distributed import exit_process
-from rl2.preference import PAIR, DPOLoss, count_pairs, pair_sequences
+from rl2.data.conversations import PairDataset
+from rl2.distributed.process_group import exit_process
+from rl2.algorithms.preference import PAIR, DPOLoss, count_pairs, pair_sequences
 from rl2.trainer.base import require_pair_budget, user_errors_reported
 from rl2.trainer.offline import OfflineTrainer
 
@@ -37,12 +37,12 @@ class DPOTrainer(OfflineTrainer):
             )
         require_pair_budget(config, "actor")
 
-    def build_models(self) -> Actor:
+    def build_models(self) -> Policy:
         config = self.config
-        self.actor = Actor(config.actor, self.total_steps)
+        self.actor = Policy(config.actor, self.total_steps)
         # The reference is always the starting model (actor.model_name), also when resuming.
         reference_config = dataclasses.replace(config.actor, offload_model=config.ref_actor.offload_model)
-        self.reference = Actor(reference_config, 0, trainable=False)
+        self.reference = Policy(reference_config, 0, trainable=False)
         self.loss_fn = DPOLoss(config.actor.beta, config.actor.label_smoothing)
         self._test_sequences: list[dict[str, torch.Tensor]] | None = None
         return self.actor
@@ -52,7 +52,7 @@ class DPOTrainer(OfflineTrainer):
 
     def with_reference_logps(self, sequences: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """`sequences` with the reference's per-token log-probs ("ref_logps"), computed once, no grad."""
-        ref_logps = self.reference.compute_logps(sequences)
+        ref_logps = self.reference.compute(sequences)
         return [{**seq, "ref_logps": logps} for seq, logps in zip(sequences, ref_logps)]
 
     def train_batch(self, sequences: list[dict[str, torch.Tensor]]) -> dict[str, float]:

@@ -6,10 +6,10 @@ import time
 import torch
 from tqdm import tqdm
 
-from rl2.actor import Actor
+from rl2.workers.policy import Policy
 from rl2.config import Config
-from rl2.distributed import is_rank0
-from rl2.sampler import BatchSampler
+from rl2.distributed.process_group import is_rank0
+from rl2.data.sampler import BatchSampler
 from rl2.trainer.base import Trainer, require
 
 class OfflineTrainer(Trainer):
@@ -36,7 +36,7 @@ class OfflineTrainer(Trainer):
             len(self.train_data), config.data.batch_size, config.data.shuffle, config.trainer.seed
         )
         self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
-        self.trained: Actor = self.build_models()
+        self.trained: Policy = self.build_models()
         self.resume()
         # The subclass's logger, e.g. "rl2.trainer.sft" (not __name__, "__main__" under `python -m`).
         logging.getLogger(f"rl2.trainer.{self.name.lower()}").info(
@@ -49,7 +49,7 @@ class OfflineTrainer(Trainer):
     def check_config(self, config: Config) -> None:
         """Raise ConfigError for values this trainer cannot run with (before anything loads)."""
 
-    def build_models(self) -> Actor:
+    def build_models(self) -> Policy:
         """Build the models; return the one being trained."""
         raise NotImplementedError
 

@@ -14,29 +14,30 @@ import sys
 import torch
 from tqdm import tqdm
 
-from rl2.actor import Actor, Critic
-from rl2.algorithms import (
-    gae,
-    group_advantages,
-    kl_penalty,
-    loss_weights,
-    masked_mean,
-    policy_loss,
-    resample_on_correct,
-    uniform_groups,
-    value_loss,
-)
+from rl2.workers.policy import Policy
+from rl2.workers.critic import Critic
+from rl2.algorithms.advantages import gae, group_advantages, uniform_groups
+from rl2.algorithms.losses import kl_penalty, loss_weights, masked_mean, policy_loss, value_loss
+from rl2.algorithms.resample_on_correct import resample_on_correct
 from rl2.config import Config, ConfigError, load_config
-from rl2.data import RLDataset
-from rl2.distributed import all_gather_objects, broadcast_from_rank0, exit_process, is_rank0, rank, rank_slice
+from rl2.data.conversations import RLDataset
+from rl2.distributed.process_group import (
+    all_gather_objects,
+    broadcast_from_rank0,
+    exit_process,
+    is_rank0,
+    rank,
+    rank_slice,
+)
 from rl2.engines import SamplingParams, build_engine_from_config, check_sglang
-from rl2.env import Env
+from rl2.rollout.env import Env
 from rl2.metrics import PhaseTimer, curve_summary, read_metrics
-from rl2.roc_penalty import roc_error_rates, roc_penalty
-from rl2.rollout import Trajectory, assign_rewards, rollout
-from rl2.sampler import BatchSampler
+from rl2.tools.roc_penalty import roc_error_rates, roc_penalty
+from rl2.rollout.trajectory import Trajectory
+from rl2.rollout.multi_turn import assign_rewards, rollout
+from rl2.data.sampler import BatchSampler
 from rl2.trainer.base import Trainer, require, user_errors_reported
-from rl2.weight_sync import iter_full_weights
+from rl2.rollout.weight_sync import iter_full_weights
 
 # Not __name__: under `python -m rl2.trainer.ppo` that is "__main__", outside the rl2 logger.
 logger = logging.getLogger("rl2.trainer.ppo")
@@ -84,10 +85,10 @@ class PPOTrainer(Trainer):
             return
         temperature = self.train_params.temperature or 1.0
         optimizer_steps = self.total_steps * config.actor.update_per_rollout
-        self.actor = Actor(config.actor, optimizer_steps, temperature)
+        self.actor = Policy(config.actor, optimizer_steps, temperature)
         if config.kl.coef > 0:
             reference_config = dataclasses.replace(config.actor, offload_model=config.ref_actor.offload_model)
-            self.reference = Actor(reference_config, 0, temperature, trainable=False)
+            self.reference = Policy(reference_config, 0, temperature, trainable=False)
         if config.adv.estimator == "gae":
             critic_config = dataclasses.replace(
                 config.critic, model_name=config.critic.model_name or config.actor.model_name
@@ -322,7 +323,7 @@ class PPOTrainer(Trainer):
         `rl2.algorithms.resample_on_correct`); groups of equal rewards are dropped.
 
         Penalties are the env file's `roc_penalty(messages)` where it defines one (the default
-        penalty where a call fails), else `rl2.roc_penalty.roc_penalty`; rank 0's are used on every
+        penalty where a call fails), else `rl2.tools.roc_penalty.roc_penalty`; rank 0's are used on every
         rank, so all ranks keep the same trajectories.
         """
         config = self.config

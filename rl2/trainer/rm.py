@@ -8,11 +8,12 @@ import sys
 
 import torch
 
-from rl2.actor import Actor, RewardModel
+from rl2.workers.policy import Policy
+from rl2.workers.reward_model import RewardModel
 from rl2.config import Config, ConfigError, load_config
-from rl2.data import PairDataset
-from rl2.distributed import exit_process
-from rl2.preference import PAIR, count_pairs, pair_sequences, reward_model_loss
+from rl2.data.conversations import PairDataset
+from rl2.distributed.process_group import exit_process
+from rl2.algorithms.preference import PAIR, count_pairs, pair_sequences, reward_model_loss
 from rl2.trainer.base import require_pair_budget, user_errors_reported
 from rl2.trainer.offline import OfflineTrainer
 
@@ -39,7 +40,7 @@ class RMTrainer(OfflineTrainer):
             )
         require_pair_budget(config, "critic")
 
-    def build_models(self) -> Actor:
+    def build_models(self) -> Policy:
         self.reward_model = RewardModel(self.config.critic, self.total_steps)
         self._test_sequences: list[dict[str, torch.Tensor]] | None = None
         return self.reward_model

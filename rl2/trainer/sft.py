@@ -4,10 +4,11 @@ import sys
 
 import torch
 
-from rl2.actor import Actor, sft_loss
+from rl2.workers.policy import Policy
+from rl2.algorithms.losses import sft_loss
 from rl2.config import load_config
-from rl2.data import SFTDataset
-from rl2.distributed import exit_process
+from rl2.data.conversations import SFTDataset
+from rl2.distributed.process_group import exit_process
 from rl2.trainer.base import user_errors_reported
 from rl2.trainer.offline import OfflineTrainer
 
@@ -18,8 +19,8 @@ class SFTTrainer(OfflineTrainer):
     name = "SFT"
     dataset_cls = SFTDataset
 
-    def build_models(self) -> Actor:
-        self.actor = Actor(self.config.actor, self.total_steps)
+    def build_models(self) -> Policy:
+        self.actor = Policy(self.config.actor, self.total_steps)
         self._test_sequences: list[dict[str, torch.Tensor]] | None = None
         return self.actor
 

@@ -15,11 +15,12 @@ import sys
 
 import torch
 
-from rl2.actor import Actor, sft_loss
+from rl2.workers.policy import Policy
+from rl2.algorithms.losses import sft_loss
 from rl2.checkpoint import save_hf_model
 from rl2.config import ModelConfig
-from rl2.distributed import exit_process, init_distributed, is_rank0
-from rl2.fsdp import gather_full_state_dict
+from rl2.distributed.process_group import exit_process, init_distributed, is_rank0
+from rl2.distributed.fsdp import gather_full_state_dict
 from step_capture import capture_steps, replay_adamw
 
 
@@ -45,13 +46,13 @@ def main() -> None:
         compile=len(sys.argv) > 9 and sys.argv[9] == "1",
     )
     torch.manual_seed(0)
-    actor = Actor(config, total_steps=10)
+    actor = Policy(config, total_steps=10)
     batch = random_batch(actor.model.config.vocab_size, n_sequences)
     # cloned: on one CPU rank the full state dict shares memory with the parameters
     before = {name: tensor.clone() for name, tensor in gather_full_state_dict(actor.model).items()}
     steps = capture_steps(actor.model, actor.optimizer)
     metrics = actor.accumulate_gradients(batch, sft_loss)
-    logps = actor.compute_logps(batch)
+    logps = actor.compute(batch)
     metrics["grad_norm"] = actor.optimizer_step()
     params = gather_full_state_dict(actor.model)
     if len(sys.argv) > 6 and sys.argv[6] != "-":

@@ -2,7 +2,7 @@
 
 Usage: grpo_update_capture.py MODEL_DIR DATA ENV BATCH_JSON OUT_FILE [key=value ...]
 
-BATCH_JSON holds trajectories (`token_ids`, `action_mask`, `reward`, `prompt_length`, `group`) in
+BATCH_JSON holds trajectories (`token_ids`, `action_mask`, `reward`, `group`) in
 groups of `data.responses_per_prompt`. Saved: the parameters before the step, the gradients the
 optimizer stepped with (after clipping), the parameters after it, the lr it used and the metrics.
 """
@@ -13,9 +13,9 @@ import sys
 import torch
 
 from rl2.config import load_config
-from rl2.distributed import exit_process, is_rank0
-from rl2.fsdp import gather_full_state_dict
-from rl2.rollout import Trajectory
+from rl2.distributed.process_group import exit_process, is_rank0
+from rl2.distributed.fsdp import gather_full_state_dict
+from rl2.rollout.trajectory import Trajectory
 from rl2.trainer.ppo import PPOTrainer
 
 

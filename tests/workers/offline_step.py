@@ -15,8 +15,8 @@ import torch
 
 from rl2 import DPOTrainer, RMTrainer, SFTTrainer
 from rl2.config import load_config
-from rl2.distributed import exit_process, is_rank0
-from rl2.fsdp import gather_full_state_dict
+from rl2.distributed.process_group import exit_process, is_rank0
+from rl2.distributed.fsdp import gather_full_state_dict
 from step_capture import capture_steps, replay_adamw, use_sgd
 
 TRAINERS = {"sft": SFTTrainer, "rm": RMTrainer, "dpo": DPOTrainer}

@@ -24,9 +24,9 @@ import sys
 import torch
 
 from rl2.config import load_config
-from rl2.distributed import all_gather_objects, exit_process, is_rank0
-from rl2.fsdp import gather_full_state_dict
-from rl2.rollout import Trajectory
+from rl2.distributed.process_group import all_gather_objects, exit_process, is_rank0
+from rl2.distributed.fsdp import gather_full_state_dict
+from rl2.rollout.trajectory import Trajectory
 from rl2.trainer.ppo import PPOTrainer
 from step_capture import capture_steps, use_sgd
 
@@ -54,7 +54,7 @@ def fixed_rollout(group_size: int, n_groups: int, seed: int = 0) -> list[Traject
             trajectories.append(
                 Trajectory(
                     messages=[], answer=None, group=group, token_ids=tokens, action_mask=mask,
-                    logprobs=[0.0] * len(tokens), prompt_length=len(prompt), reward=float(ints(0, 2)[0]),
+                    logprobs=[0.0] * len(tokens), reward=float(ints(0, 2)[0]),
                 )
             )
     return trajectories
@@ -96,7 +96,7 @@ def main() -> None:
         for p, g in zip(prompts, generations)
     ]
     # Every rank must join the actor's forward; each checks its own engine.
-    actor_logps = trainer.actor.compute_logps(all_gather_objects(sampled))
+    actor_logps = trainer.actor.compute(all_gather_objects(sampled))
     rank_samples = all_gather_objects([(len(p), g.logprobs) for p, g in zip(prompts, generations)])
     sync_diff = max(
         (actor[n:] - torch.tensor(engine)).abs().max().item()

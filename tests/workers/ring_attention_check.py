@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from rl2.attention import packed_attention_implementation, varlen_attention
-from rl2.distributed import exit_process, init_distributed
-from rl2.ring_attention import (
+from rl2.kernels.attention import packed_attention_implementation, varlen_attention
+from rl2.distributed.process_group import exit_process, init_distributed
+from rl2.distributed.ring_attention import (
     ring_attention,
     ring_attention_implementation,
     zigzag_cu_seqlens,

@@ -55,7 +55,7 @@ def replay_adamw(
 
 
 def use_sgd(model) -> None:
-    """Step `model` (an rl2 Actor or one of its subclasses) with plain SGD at its configured lr, kept
+    """Step `model` (an rl2 Policy or one of its subclasses) with plain SGD at its configured lr, kept
     constant, instead of its AdamW and schedule."""
     model.optimizer = torch.optim.SGD([p for p in model.model.parameters() if p.requires_grad], lr=model.config.lr)
     model.scheduler = torch.optim.lr_scheduler.LambdaLR(model.optimizer, lambda _: 1.0)

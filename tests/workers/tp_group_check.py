@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from rl2.distributed import exit_process, init_distributed
+from rl2.distributed.process_group import exit_process, init_distributed
 from rl2.engines.tp_group import all_tp_groups, new_tp_group, plan_this_rank, plan_tp_group
 
 

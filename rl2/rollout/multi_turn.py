@@ -9,55 +9,14 @@ import contextlib
 import copy
 import logging
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rl2.data import render_chat
+from rl2.data.chat_template import render_chat
 from rl2.engines import Engine, Generation, SamplingParams, Turn
-from rl2.env import Env, EnvResult
+from rl2.rollout.env import Env, EnvResult
+from rl2.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Trajectory:
-    """One episode: the conversation, its token ids, which tokens the policy generated, and its reward."""
-
-    messages: list[dict]
-    answer: Any
-    group: int  # index of the prompt: trajectories of one prompt form a group
-    token_ids: list[int]
-    action_mask: list[int]  # 1 on generated tokens, 0 on prompt and tool tokens
-    logprobs: list[float]  # the engine's log-probs of generated tokens, 0 elsewhere
-    prompt_length: int
-    turns: int = 0
-    truncated: bool = False  # cut at the length limit
-    done: bool = False
-    reward: float | None = None  # None until scored, and when reward_fn failed
-    errors: list[str] = field(default_factory=list)
-
-    @property
-    def response_length(self) -> int:
-        return sum(self.action_mask)
-
-    @property
-    def excluded(self) -> bool:
-        """Left out of training: an env call failed or the engine aborted, so the episode's
-        outcome (or its score) is not the policy's doing."""
-        return bool(self.errors) or self.reward is None
-
-    def to_json(self) -> dict:
-        """What a trajectory dump shows: the conversation and its outcome."""
-        return {
-            "group": self.group,
-            "messages": self.messages,
-            "answer": self.answer,
-            "reward": self.reward,
-            "turns": self.turns,
-            "response_length": self.response_length,
-            "truncated": self.truncated,
-            "errors": self.errors,
-        }
 
 
 def rollout(
@@ -81,7 +40,6 @@ def rollout(
             token_ids=list(prompt["prompt_ids"]),
             action_mask=[0] * len(prompt["prompt_ids"]),
             logprobs=[0.0] * len(prompt["prompt_ids"]),
-            prompt_length=len(prompt["prompt_ids"]),
         )
         for g, prompt in enumerate(prompts)
         for _ in range(responses_per_prompt)

@@ -1,5 +1,5 @@
-"""FSDP2 models on packed micro-batches: the policy (log-probs), the critic (values) and the reward
-model (a score per sequence), with globally normalised updates."""
+"""The FSDP2 model base of the policy, the critic and the reward model: packed micro-batches,
+batched inference and globally normalised gradient accumulation."""
 
 import contextlib
 import logging
@@ -7,47 +7,26 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+from transformers import AutoModelForCausalLM
 
 from rl2.config import ModelConfig
-from rl2.distributed import all_reduce_sum, build_fsdp_mesh, build_sp_group, device, rank, world_size
-from rl2.fsdp import load_fsdp_model, move_optimizer
-from rl2.logps_head import TokenLogpsHead
-from rl2.optim import build_optimizer
-from rl2.packing import pack_micro_batch, plan_grouped_micro_batches, unpack_row
-from rl2.ring_attention import (
+from rl2.distributed.fsdp import load_fsdp_model, move_optimizer
+from rl2.distributed.packing import pack_micro_batch, plan_grouped_micro_batches, unpack_row
+from rl2.distributed.process_group import all_reduce_sum, build_fsdp_mesh, build_sp_group, device, rank, world_size
+from rl2.distributed.ring_attention import (
     ring_attention_implementation,
     zigzag_cu_seqlens,
     zigzag_gather,
     zigzag_position_ids,
     zigzag_split,
 )
+from rl2.workers.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
 
 # loss_fn(outputs, micro_batch) -> (loss summed over the micro-batch's tokens, metrics summed likewise);
 # outputs holds the model's per-token tensors [1, T]: "logps" (and "entropy"), "values" or "scores".
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def token_logps(
-    logits: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """log p(token t | tokens before t in its sequence) under softmax(logits / temperature),
-    aligned with `input_ids`; 0 at sequence starts."""
-    next_ids = F.pad(input_ids[0, 1:], (0, 1))
-    return align_to_tokens(next_token_logps(scaled_logits(logits[0], temperature), next_ids).unsqueeze(0), position_ids)
-
-
-def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """`logits` in fp32, divided by the sampling temperature."""
-    logits = logits.float()
-    return logits / temperature if temperature != 1.0 else logits
-
-
-def next_token_logps(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits[t])[next_ids[t]] for every position t of [T, V] logits: [T]."""
-    return -F.cross_entropy(logits, next_ids, reduction="none")
 
 
 def align_to_tokens(next_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -57,26 +36,29 @@ def align_to_tokens(next_values: torch.Tensor, position_ids: torch.Tensor) -> to
     return F.pad(next_values[:, :-1], (1, 0)).masked_fill(position_ids == 0, 0.0)
 
 
-class Actor:
-    """A causal LM sharded with FSDP2 over all ranks, with its AdamW optimizer and schedule.
+class ModelWorker:
+    """A transformers model sharded with FSDP2 over all ranks, with its AdamW optimizer and
+    schedule, run on packed micro-batches; subclasses say what `forward` returns per token.
 
-    Every rank sees the whole list of sequences of a step (or its lengths); `plan_micro_batches`
-    gives each data-parallel group a balanced share in packed micro-batches, the same number on
-    every rank. With `sp_size > 1` the ranks of a group split each row with ZigZag ring
-    attention (`rl2.ring_attention`); a row then holds up to `sp_size × max_length_per_device`
-    tokens. `temperature` is the sampling temperature the log-probs are taken at (the policy
-    that generated the tokens). With `trainable=False` (the reference model) no optimizer is built,
-    and `offload_model` keeps the shards in CPU memory except while `compute` runs (on GPU).
+    Every rank sees the whole list of sequences of a step (or its lengths); `pack` gives each
+    data-parallel group a balanced share in packed micro-batches, the same number on every rank.
+    With `sp_size > 1` the ranks of a group split each row with ZigZag ring attention
+    (`rl2.distributed.ring_attention`); a row then holds up to `sp_size × max_length_per_device`
+    tokens. With `trainable=False` (a reference model) no optimizer is built, and `offload_model`
+    keeps the shards in CPU memory except while `compute` runs (on GPU). `model_cls` and
+    `config_overrides` (set on the model's config) choose the head.
     """
 
-    model_cls: type = AutoModelForCausalLM
-    config_overrides: dict = {}
-
     def __init__(
-        self, config: ModelConfig, total_steps: int, temperature: float = 1.0, trainable: bool = True
+        self,
+        config: ModelConfig,
+        total_steps: int,
+        trainable: bool = True,
+        model_cls: type = AutoModelForCausalLM,
+        config_overrides: dict | None = None,
+        logps_chunk_size: int = 0,
     ):
         self.config = config
-        self.temperature = temperature
         self.device = device()
         self.world_size = world_size()
         self.sp_size = config.sp_size
@@ -94,15 +76,13 @@ class Actor:
             self.device,
             dtype=config.dtype,
             gradient_checkpointing=config.gradient_checkpointing and trainable,
-            model_cls=self.model_cls,
+            model_cls=model_cls,
             attn_implementation=ring_attention_implementation(self.sp_group) if self.sp_group else None,
             attention=config.attn_implementation,
             compile_layers=config.compile,
-            logps_chunk_size=config.logps_chunk_size if self.model_cls is AutoModelForCausalLM else 0,
-            **self.config_overrides,
+            logps_chunk_size=logps_chunk_size,
+            **(config_overrides or {}),
         )
-        head = getattr(self.model, "lm_head", None)
-        self.logps_head = head if isinstance(head, TokenLogpsHead) else None
         self.optimizer = self.scheduler = None
         if trainable:
             self.optimizer, self.scheduler = build_optimizer(
@@ -152,25 +132,9 @@ class Actor:
         rows = [pack_micro_batch([sequences[i] for i in indices] or placeholder) for indices in plan]
         return plan, [{k: v.to(self.device) for k, v in row.items()} for row in rows]
 
-    # ---- forward / backward ----------------------------------------------------------------
-
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """Per-token outputs [1, T] of a packed row: "logps" (and "entropy", without gradient)."""
-        inputs, next_ids = self._model_inputs(micro_batch)
-        if self.logps_head is not None:
-            with self.logps_head.predicting(next_ids[0], self.temperature, with_entropy):
-                per_token = self._per_token_outputs(**inputs)
-            outputs = {"logps": per_token[..., 0]}
-            if with_entropy:
-                outputs["entropy"] = per_token[..., 1].detach()
-        else:
-            logits = scaled_logits(self._per_token_outputs(**inputs)[0], self.temperature)
-            outputs = {"logps": next_token_logps(logits, next_ids[0]).unsqueeze(0)}
-            if with_entropy:
-                with torch.no_grad():
-                    logps = torch.log_softmax(logits, dim=-1)
-                    outputs["entropy"] = -(logps.exp() * logps).sum(-1).unsqueeze(0)
-        return {name: self._align(value, micro_batch) for name, value in outputs.items()}
+        """The model's per-token outputs [1, T] for a packed row, by name (e.g. "logps", "values")."""
+        raise NotImplementedError
 
     def _model_inputs(self, micro_batch: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
         """The model's inputs for this rank's tokens of a packed row, and the id of the token that
@@ -206,14 +170,19 @@ class Actor:
         """The model's head output at every input token, [1, T, ...]."""
         return self.model(**inputs).logits
 
+    def _gather(self, values: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's per-token values → the whole row's (a no-op without sequence parallelism);
+        gradients flow back to the rank that computed each token."""
+        if self.sp_group is None:
+            return values
+        return zigzag_gather(values, micro_batch["cu_seqlens"], self.sp_group)
+
     def _align(self, next_values: torch.Tensor, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token values computed at each token for the next one ([1, T], or this rank's zigzag
         part) → aligned with the tokens they are about: value[t] comes from position t − 1, and
         is 0 at sequence starts. With sequence parallelism the whole row is gathered on every
         rank of the group; gradients flow back to the rank that computed each token."""
-        if self.sp_group is not None:
-            next_values = zigzag_gather(next_values, micro_batch["cu_seqlens"], self.sp_group)
-        return align_to_tokens(next_values, micro_batch["position_ids"])
+        return align_to_tokens(self._gather(next_values, micro_batch), micro_batch["position_ids"])
 
     @torch.no_grad()
     def compute(self, sequences: list[dict[str, torch.Tensor]], output: str = "logps") -> list[torch.Tensor]:
@@ -232,9 +201,6 @@ class Actor:
         # the first one reports it), zeros elsewhere: a sum gathers them all.
         local = torch.cat(result) if self.sp_rank == 0 else torch.zeros(sum(lengths))
         return list(all_reduce_sum(local).split(lengths))
-
-    def compute_logps(self, sequences: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        return self.compute(sequences, "logps")
 
     @torch.no_grad()
     def evaluate(
@@ -328,63 +294,6 @@ class Actor:
         return grad_norm.item()
 
 
-class Critic(Actor):
-    """A value model: the causal LM's body with a scalar head per token (token classification).
-
-    `values[t]` is the value of the state before token t (the prefix that token t was drawn
-    from), aligned with the policy's log-probs; 0 at sequence starts.
-    """
-
-    model_cls = AutoModelForTokenClassification
-    # No dropout: values must be the same function of the input on every rank and in every pass.
-    config_overrides = {"num_labels": 1, "classifier_dropout": 0.0}
-
-    def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        scores = self._per_token_outputs(**self._model_inputs(micro_batch)[0])
-        return {"values": self._align(scores.float().squeeze(-1), micro_batch)}
-
-
-class RewardModel(Actor):
-    """A reward model: the causal LM's body with a scalar head (sequence classification, one label).
-
-    `forward` gives the head's score at every token, [1, T]; a sequence's reward is the score of
-    its last token, which is what `AutoModelForSequenceClassification` returns for the sequence
-    alone. The exported folder loads with that class, and with `AutoModelForTokenClassification`
-    (its config says no head bias and no dropout), which gives the score of every token.
-    """
-
-    model_cls = AutoModelForSequenceClassification
-    config_overrides = {"num_labels": 1, "classifier_dropout": 0.0, "token_classification_bias": False}
-
-    def __init__(self, config: ModelConfig, total_steps: int):
-        super().__init__(config, total_steps)
-        head = getattr(self.model, "score", None)
-        if not isinstance(head, torch.nn.Linear):
-            raise ValueError(f"{type(self.model).__name__} has no linear `score` head to read per-token rewards from")
-        # The sequence-classification forward keeps only each row's last score; the head sees them all.
-        self._head_output: torch.Tensor | None = None
-        head.register_forward_hook(self._keep_head_output)
-
-    def _keep_head_output(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-        self._head_output = output
-
-    def _per_token_outputs(self, **inputs) -> torch.Tensor:
-        self.model(**inputs)
-        scores, self._head_output = self._head_output, None
-        return scores
-
-    def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        scores = self._per_token_outputs(**self._model_inputs(micro_batch)[0]).float().squeeze(-1)
-        if self.sp_group is not None:
-            scores = zigzag_gather(scores, micro_batch["cu_seqlens"], self.sp_group)
-        return {"scores": scores}
-
-
 def _placeholder_like(sequence: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A one-token sequence with the same keys and dtypes and nothing in the loss."""
     return {key: torch.zeros(1, dtype=value.dtype) for key, value in sequence.items()}
-
-
-def sft_loss(outputs: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-    """Negative log-likelihood summed over the loss-masked tokens."""
-    return -(outputs["logps"] * micro_batch["loss_mask"]).sum(), {}

@@ -5,7 +5,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from rl2.fsdp import DTYPES
+from rl2.distributed.fsdp import DTYPES
 
 
 def iter_full_weights(

@@ -45,13 +45,15 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from rl2.sync import run_coroutine
+from rl2.coroutines import run_coroutine
 from rl2.tools.faults import FaultCounter
 from rl2.tools.lazy import Lazy
 
 logger = logging.getLogger(__name__)
 
 LOG_CHARS = 300  # how much of a message / answer a warning shows
+# The packages of the `tools` extra (setup.py) that rl2.tools imports: a missing one gets an install hint.
+TOOLS_EXTRA_MODULES = ("aiohttp", "bm25s", "math_verify", "sympy", "pylatexenc")
 
 
 class EnvError(Exception):
@@ -271,8 +273,11 @@ def _load_module(path: str) -> Any:
         raise EnvError(f"syntax error in {filename}, line {exc.lineno}: {exc.msg}{loading}{text}") from exc
     except Exception as exc:
         sys.modules.pop(name, None)
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name in TOOLS_EXTRA_MODULES:
+            hint = " (rl2.tools needs the tools extra: pip install 'rl2[tools]')"
         raise EnvError(f"env file {path} failed to load{_where(exc, path)}: "
-                       f"{type(exc).__name__}: {_one_line(str(exc))}") from exc
+                       f"{type(exc).__name__}: {_one_line(str(exc))}{hint}") from exc
     finally:
         sys.path.remove(directory)
     return module

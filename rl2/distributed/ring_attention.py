@@ -41,7 +41,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from rl2.attention import no_dense_mask
+from rl2.kernels.attention import no_dense_mask
 
 
 # ---------------------------------------------------------------------------------------------

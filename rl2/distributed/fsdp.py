@@ -9,9 +9,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rl2.attention import packed_attention_implementation
-from rl2.distributed import is_rank0
-from rl2.logps_head import install_logps_head
+from rl2.kernels.attention import packed_attention_implementation
+from rl2.distributed.process_group import is_rank0
+from rl2.kernels.logps_head import install_logps_head
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +36,9 @@ def load_fsdp_model(
     Master weights are fp32 shards; forward and backward run in `dtype`; gradients are reduced
     in fp32. Rank 0 reads the checkpoint once and broadcasts it; the other ranks never hold a
     full copy. `attn_implementation` names a registered attention function (ring attention);
-    otherwise `attention` picks one for packed rows (`rl2.attention.choose_attention`). `config_overrides` go to the model config (e.g. `num_labels=1` for a critic). With
+    otherwise `attention` picks one for packed rows (`rl2.kernels.attention.choose_attention`). `config_overrides` go to the model config (e.g. `num_labels=1` for a critic). With
     `logps_chunk_size` > 0 a causal LM's `lm_head` becomes a `TokenLogpsHead` (log-probs in chunks of
-    that many tokens, see `rl2.logps_head`) where the model allows it. `compile_layers` compiles each
+    that many tokens, see `rl2.kernels.logps_head`) where the model allows it. `compile_layers` compiles each
     decoder layer (after checkpointing wraps it, before sharding, as torchtitan does).
     """
     config = AutoConfig.from_pretrained(model_name)

@@ -2,7 +2,7 @@
 losses of reward modelling (Bradley–Terry) and DPO.
 
 A batch of pairs is one list of sequences, `[chosen_0, rejected_0, chosen_1, rejected_1, ...]`;
-packed with `group_size=PAIR` (`Actor.pack`), each pair stays adjacent and in order in one packed
+packed with `group_size=PAIR` (`Policy.pack`), each pair stays adjacent and in order in one packed
 row, so a loss function sees whole pairs: the even sequences of a row are chosen, the odd ones
 rejected. Loss functions return sums over the pairs of a row; the trainer divides by the number of
 pairs of the whole batch (`count_pairs`), so the loss is a per-pair mean whatever the packing.

@@ -1,6 +1,6 @@
 """Tiny Qwen2-architecture models and byte-level BPE tokenizers, built offline from a config.
 
-`python -m rl2.tiny OUT_DIR` writes a folder usable as `actor.model_name=OUT_DIR`: random-init
+`python -m rl2.testing.tiny OUT_DIR` writes a folder usable as `actor.model_name=OUT_DIR`: random-init
 weights, a tokenizer trained locally with `tokenizers`, and a ChatML chat template. Nothing is
 downloaded. Used by the tests, the benchmarks and the CPU demos.
 """

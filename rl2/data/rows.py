@@ -1,4 +1,5 @@
-"""Conversation data for RL, SFT and pair (reward model / DPO) training.
+"""Rows of conversation data for RL, SFT and pair (reward model / DPO) training: loading, validation,
+splitting and writing.
 
 Row formats (one JSON object per row, or the same columns in CSV / parquet / arrow / a saved dataset):
 
@@ -6,10 +7,8 @@ Row formats (one JSON object per row, or the same columns in CSV / parquet / arr
     SFT:  {"messages": [...]}                                  (at least one assistant message)
     pair: {"messages": [...], "chosen": str, "rejected": str}  (messages are the prompt)
 
-Rows are loaded with `datasets`, validated eagerly (so bad data fails before training starts, with
-the file, row and field in the message) and tokenized lazily. Loss masks come from the chat
-template: the conversation is rendered once, tokenized once, and each token whose first character
-lies in an assistant message's content or end-of-turn token is in the loss.
+Rows are loaded with `datasets` and validated eagerly, so bad data fails before training starts, with
+the file, row and field in the message (`rl2.data.conversations` tokenizes them lazily).
 """
 
 import json
@@ -20,7 +19,6 @@ import random
 from typing import Any
 
 import datasets
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -274,168 +272,6 @@ def parse_messages(value: Any, where: str) -> list[dict]:
 
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
-
-
-# ----------------------------------------------------------------------------------------------
-# tokenization
-
-
-def tokenize_conversation(messages: list[dict], tokenizer, max_length: int | None) -> dict:
-    """Tokenize a conversation with the tokenizer's chat template. Returns `input_ids`, `loss_mask`
-    (1 on every assistant message's content and end-of-turn token, 0 elsewhere) and `truncated`
-    (whether it was cut to `max_length` tokens, keeping the start). Needs a fast tokenizer."""
-    return _tokenize_conversation(messages, tokenizer, max_length, loss_from=0)
-
-
-def _tokenize_conversation(messages: list[dict], tokenizer, max_length: int | None, loss_from: int) -> dict:
-    """As tokenize_conversation, with only assistant messages at index >= `loss_from` in the loss."""
-    text = render_chat(messages, tokenizer, add_generation_prompt=False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i < loss_from:
-            continue
-        start = len(_render_prefix(messages[:i], tokenizer, text, add_generation_prompt=True))
-        end = len(_render_prefix(messages[: i + 1], tokenizer, text, add_generation_prompt=False))
-        # The turn's rendering may end with separators after the end-of-turn token ("<|im_end|>\n");
-        # the model should learn to stop, not to emit the separator.
-        eos = text.rfind(tokenizer.eos_token, start, end) if tokenizer.eos_token else -1
-        if eos != -1:
-            end = eos + len(tokenizer.eos_token)
-        spans.append((start, end))
-
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = list(encoding["input_ids"])
-    loss_mask = [int(any(start <= char < end for start, end in spans)) for char, _ in encoding["offset_mapping"]]
-    truncated = max_length is not None and len(input_ids) > max_length
-    if truncated:
-        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "truncated": truncated}
-
-
-def tokenize_prompt(messages: list[dict], tokenizer) -> list[int]:
-    """Token ids of `messages` rendered with the chat template and the generation prompt."""
-    text = render_chat(messages, tokenizer, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def render_chat(messages: list[dict], tokenizer, add_generation_prompt: bool) -> str:
-    """`messages` as text through the tokenizer's chat template."""
-    # tokenize=False: in transformers 5 tokenize=True returns a BatchEncoding, and tokenizing the
-    # rendered text ourselves keeps input_ids identical to a plain tokenization of the text.
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def _render_prefix(messages: list[dict], tokenizer, full_text: str, add_generation_prompt: bool) -> str:
-    """Render the first messages of a conversation, checking that this is a prefix of `full_text`."""
-    prefix = render_chat(messages, tokenizer, add_generation_prompt=add_generation_prompt)
-    if not full_text.startswith(prefix):
-        raise DataError(
-            f"the chat template is not prefix-consistent: rendering the first {len(messages)} messages "
-            f"(add_generation_prompt={add_generation_prompt}) does not give a prefix of the whole conversation, "
-            "so assistant turns cannot be located for the loss mask; use a chat template that renders earlier "
-            "turns the same way whatever follows (e.g. one that does not strip earlier reasoning)"
-        )
-    return prefix
-
-
-# ----------------------------------------------------------------------------------------------
-# datasets
-
-
-class _ConversationDataset(torch.utils.data.Dataset):
-    """Rows loaded from a path (or given), validated eagerly for `kind`, tokenized lazily."""
-
-    kind: str
-
-    def __init__(
-        self, path_or_rows: str | datasets.Dataset, tokenizer, max_length: int | None, source: str | None = None
-    ):
-        if isinstance(path_or_rows, str):
-            self.rows = load_rows(path_or_rows)
-            self.source = source or path_or_rows
-        else:
-            self.rows = path_or_rows
-            self.source = source or "<rows>"
-        validate_rows(self.rows, self.kind, self.source)
-        self.tokenizer = tokenizer
-        self.max_length = max_length
-        # Counted in the process that calls __getitem__ (a DataLoader worker's count stays there).
-        self.num_truncated = 0
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def _messages(self, i: int) -> list[dict]:
-        return parse_messages(self.rows[i]["messages"], f"{self.source}, row {i + 1}")
-
-
-class SFTDataset(_ConversationDataset):
-    """SFT conversations; item: {"input_ids", "loss_mask"} as LongTensors of at most max_length tokens."""
-
-    kind = "sft"
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        tokens = tokenize_conversation(self._messages(i), self.tokenizer, self.max_length)
-        self.num_truncated += tokens["truncated"]
-        return {"input_ids": torch.tensor(tokens["input_ids"]), "loss_mask": torch.tensor(tokens["loss_mask"])}
-
-
-class PairDataset(_ConversationDataset):
-    """Preference pairs; item: {"chosen": {"input_ids", "loss_mask"}, "rejected": {...}} as LongTensors.
-    Only the chosen / rejected response (with its end-of-turn token) is in the loss mask."""
-
-    kind = "pair"
-
-    def __getitem__(self, i: int) -> dict[str, dict[str, torch.Tensor]]:
-        row = self.rows[i]
-        messages = self._messages(i)
-        item, truncated = {}, False
-        for field in ("chosen", "rejected"):
-            conversation = messages + [{"role": "assistant", "content": row[field]}]
-            tokens = _tokenize_conversation(conversation, self.tokenizer, self.max_length, loss_from=len(messages))
-            truncated |= tokens["truncated"]
-            item[field] = {
-                "input_ids": torch.tensor(tokens["input_ids"]),
-                "loss_mask": torch.tensor(tokens["loss_mask"]),
-            }
-        self.num_truncated += truncated
-        return item
-
-
-class RLDataset(_ConversationDataset):
-    """RL prompts; item: {"prompt_ids": list[int], "messages": list[dict], "answer": ...}. Prompts
-    longer than max_length tokens are dropped at construction and counted in `num_skipped`."""
-
-    kind = "rl"
-
-    def __init__(
-        self, path_or_rows: str | datasets.Dataset, tokenizer, max_length: int | None, source: str | None = None
-    ):
-        super().__init__(path_or_rows, tokenizer, max_length, source)
-        texts = [render_chat(self._messages(i), tokenizer, add_generation_prompt=True) for i in range(len(self.rows))]
-        prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        self.indices = [i for i, ids in enumerate(prompt_ids) if max_length is None or len(ids) <= max_length]
-        self.prompt_ids = [list(prompt_ids[i]) for i in self.indices]
-        self.num_skipped = len(self.rows) - len(self.indices)
-        if self.num_skipped:
-            first = next(i for i, ids in enumerate(prompt_ids) if len(ids) > max_length)
-            logger.warning(
-                "%s: dropped %d of %d prompts longer than max_length=%d tokens (first: row %d)",
-                self.source, self.num_skipped, len(self.rows), max_length, first + 1,
-            )
-        if not self.indices:
-            raise DataError(f"{self.source}: every prompt is longer than max_length={max_length} tokens")
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        row_index = self.indices[i]
-        return {
-            "prompt_ids": self.prompt_ids[i],
-            "messages": self._messages(row_index),
-            "answer": self.rows[row_index]["answer"],
-        }
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:

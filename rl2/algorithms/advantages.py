@@ -1,0 +1,90 @@
+"""Advantages on plain tensors: GAE (PPO) and group baselines (GRPO, Dr. GRPO).
+
+A per-sequence tensor is 1-D and aligned with the sequence's token ids, and `action_mask` is 1 on
+tokens the policy generated, 0 on prompt and tool tokens.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+@torch.no_grad()
+def gae(rewards: Tensor, values: Tensor, action_mask: Tensor, gamma: float, lamda: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over one sequence.
+
+    Only action tokens are time steps: prompt and tool tokens are skipped, so the value of the next
+    action token bootstraps the previous one across a tool output, and the episode ends (next value
+    0) after the last action token. Returns (advantages, returns), 0 at masked positions, with
+    returns = advantages + values at action positions.
+    """
+    advantages = torch.zeros_like(rewards, dtype=values.dtype)
+    returns = torch.zeros_like(rewards, dtype=values.dtype)
+    positions = torch.nonzero(action_mask.bool()).flatten()
+    if positions.numel() == 0:
+        return advantages, returns
+
+    # Python floats: element-wise tensor indexing in this loop would be far slower on long sequences.
+    step_rewards = rewards[positions].tolist()
+    step_values = values[positions].tolist()
+    step_advantages = [0.0] * len(positions)
+    next_value, next_advantage = 0.0, 0.0
+    for i in reversed(range(len(positions))):
+        # delta_t = r_t + gamma V(s_{t+1}) - V(s_t);  A_t = delta_t + gamma lamda A_{t+1}
+        delta = step_rewards[i] + gamma * next_value - step_values[i]
+        next_advantage = delta + gamma * lamda * next_advantage
+        step_advantages[i] = next_advantage
+        next_value = step_values[i]
+
+    advantages[positions] = torch.tensor(step_advantages, dtype=values.dtype, device=values.device)
+    returns[positions] = advantages[positions] + values[positions]
+    return advantages, returns
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, norm_var: bool, valid: Tensor | None = None, eps: float = 1e-6
+) -> Tensor:
+    """Each reward minus the mean of its group of `group_size` consecutive responses to one prompt.
+
+    With `norm_var` (GRPO, Shao et al. 2024, "DeepSeekMath") the result is divided by the group's
+    unbiased (Bessel-corrected, as `torch.std`) standard deviation + `eps`; without it this is the
+    unnormalised baseline of Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training").
+    `valid` (bool, like `rewards`) leaves responses out: the group's statistics come from its valid
+    members only, and an invalid response gets advantage 0. A group with fewer than two valid
+    responses, or whose valid rewards are all equal, gets advantage exactly 0.
+    """
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}")
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
+    groups = rewards.reshape(-1, group_size)
+    members = valid.reshape(-1, group_size)
+    count = members.sum(dim=1, keepdim=True)
+    values = torch.where(members, groups, torch.zeros_like(groups))
+    mean = values.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    advantages = groups - mean
+    if norm_var:
+        squares = torch.where(members, advantages**2, torch.zeros_like(groups)).sum(dim=1, keepdim=True)
+        advantages = advantages / ((squares / (count - 1).clamp(min=1)).sqrt() + eps)
+    # Equal rewards give exactly 0 (their mean can be off by an ulp, which the std division would
+    # blow up to ~1e-2); so do groups of one (their own baseline; an unbiased std of one is NaN).
+    highest = torch.where(members, groups, torch.full_like(groups, -torch.inf)).amax(dim=1, keepdim=True)
+    lowest = torch.where(members, groups, torch.full_like(groups, torch.inf)).amin(dim=1, keepdim=True)
+    no_signal = (count < 2) | (highest == lowest)
+    advantages = advantages.masked_fill(no_signal | ~members, 0.0)
+    return advantages.reshape(rewards.shape)
+
+
+def uniform_groups(rewards: Sequence[float], group_size: int) -> list[int]:
+    """Indices of groups of `group_size` consecutive rewards that are all equal (within 1e-9).
+
+    Their group advantage is zero, so DAPO's dynamic sampling (Yu et al. 2025) drops them.
+    """
+    if group_size < 1 or len(rewards) % group_size != 0:
+        raise ValueError(f"{len(rewards)} rewards cannot be split into groups of {group_size}")
+    uniform = []
+    for g in range(len(rewards) // group_size):
+        group = rewards[g * group_size : (g + 1) * group_size]
+        if max(group) - min(group) <= 1e-9:
+            uniform.append(g)
+    return uniform

@@ -1,0 +1,96 @@
+"""Per-token losses and their weights on plain tensors: PPO's clipped policy and value losses,
+KL estimators, the next-token loss of SFT, and the loss weights of a batch.
+
+A per-sequence tensor is 1-D and aligned with the sequence's token ids, and `action_mask` is 1 on
+tokens the policy generated, 0 on prompt and tool tokens.
+"""
+
+import torch
+from torch import Tensor
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_LEVELS = ("token", "sequence")
+
+
+def kl_penalty(logps: Tensor, ref_logps: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(pi || ref) from tokens sampled from pi, differentiable w.r.t. `logps`.
+
+    Estimators from J. Schulman, "Approximating KL divergence" (2020), with r = ref / pi:
+    k1 = -log r (unbiased, high variance, can be negative), k2 = (log r)^2 / 2 (biased, low variance),
+    k3 = r - 1 - log r (unbiased, low variance, always >= 0).
+    """
+    log_ratio = logps - ref_logps
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+
+
+def policy_loss(
+    logps: Tensor, old_logps: Tensor, advantages: Tensor, clip: float, clip_high: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate loss per token (Schulman et al. 2017) and where clipping is active.
+
+    The ratio is clipped to [1 - clip, 1 + clip_high]; `clip_high` defaults to `clip`, a larger one is
+    DAPO's clip-higher (Yu et al. 2025). Returns (per_token_loss, clipped), with clipped 1.0 where
+    the clipped term is strictly smaller, i.e. where clipping zeroes the gradient.
+    """
+    if clip_high is None:
+        clip_high = clip
+    ratio = torch.exp(logps - old_logps)
+    surrogate = ratio * advantages
+    clipped_surrogate = torch.clamp(ratio, 1 - clip, 1 + clip_high) * advantages
+    loss = -torch.minimum(surrogate, clipped_surrogate)
+    clipped = (clipped_surrogate < surrogate).float()
+    return loss, clipped
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float) -> tuple[Tensor, Tensor]:
+    """Clipped value loss per token (as in PPO implementations) and where the clipped term wins.
+
+    The new values may move at most `clip` from the old ones before the loss stops improving:
+    loss = 0.5 * max((V - R)^2, (V_clipped - R)^2). Returns (per_token_loss, clipped), with clipped
+    1.0 where the clipped term is strictly larger.
+    """
+    clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+    error = (values - returns) ** 2
+    clipped_error = (clipped_values - returns) ** 2
+    loss = 0.5 * torch.maximum(error, clipped_error)
+    clipped = (clipped_error > error).float()
+    return loss, clipped
+
+
+def loss_weights(action_masks: list[Tensor], level: str) -> list[Tensor]:
+    """Per-token float32 weights such that the batch loss is sum over sequences of (weights * loss).sum().
+
+    level="token": every action token weighs 1 / (action tokens in the batch), the token-level mean
+    of DAPO (Yu et al. 2025) and Dr. GRPO (Liu et al. 2025). level="sequence": a sequence with k > 0
+    action tokens gives each 1 / (k * sequences with action tokens), the mean of per-sequence means
+    of the original GRPO. Masked tokens weigh 0; the weights sum to 1, or are all 0 if the batch has
+    no action tokens.
+    """
+    if level not in LOSS_LEVELS:
+        raise ValueError(f"unknown loss level {level!r}; expected one of {LOSS_LEVELS}")
+    masks = [mask.bool().float() for mask in action_masks]
+    counts = [int(mask.sum().item()) for mask in masks]
+    if level == "token":
+        total = sum(counts)
+        return [mask / total if total > 0 else mask for mask in masks]
+    n_sequences = sum(count > 0 for count in counts)
+    return [mask / (count * n_sequences) if count > 0 else mask for mask, count in zip(masks, counts)]
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `values` where `mask` is 1; 0 when the mask is empty."""
+    mask = mask.bool()
+    # where, not multiply: a NaN or inf at a masked position must not leak into the mean.
+    total = torch.where(mask, values, torch.zeros_like(values)).sum()
+    return total / mask.sum().clamp(min=1)
+
+
+def sft_loss(outputs: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """Negative log-likelihood summed over the loss-masked tokens."""
+    return -(outputs["logps"] * micro_batch["loss_mask"]).sum(), {}

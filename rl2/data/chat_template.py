@@ -1,0 +1,66 @@
+"""Conversations through the tokenizer's chat template: rendered text, and token ids with the loss
+mask of the assistant turns.
+
+A loss mask comes from the template: the conversation is rendered once, tokenized once, and each token
+whose first character lies in an assistant message's content or end-of-turn token is in the loss.
+"""
+
+from rl2.data.rows import DataError
+
+
+def tokenize_conversation(messages: list[dict], tokenizer, max_length: int | None) -> dict:
+    """Tokenize a conversation with the tokenizer's chat template. Returns `input_ids`, `loss_mask`
+    (1 on every assistant message's content and end-of-turn token, 0 elsewhere) and `truncated`
+    (whether it was cut to `max_length` tokens, keeping the start). Needs a fast tokenizer."""
+    return _tokenize_conversation(messages, tokenizer, max_length, loss_from=0)
+
+
+def _tokenize_conversation(messages: list[dict], tokenizer, max_length: int | None, loss_from: int) -> dict:
+    """As tokenize_conversation, with only assistant messages at index >= `loss_from` in the loss."""
+    text = render_chat(messages, tokenizer, add_generation_prompt=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or i < loss_from:
+            continue
+        start = len(_render_prefix(messages[:i], tokenizer, text, add_generation_prompt=True))
+        end = len(_render_prefix(messages[: i + 1], tokenizer, text, add_generation_prompt=False))
+        # The turn's rendering may end with separators after the end-of-turn token ("<|im_end|>\n");
+        # the model should learn to stop, not to emit the separator.
+        eos = text.rfind(tokenizer.eos_token, start, end) if tokenizer.eos_token else -1
+        if eos != -1:
+            end = eos + len(tokenizer.eos_token)
+        spans.append((start, end))
+
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(encoding["input_ids"])
+    loss_mask = [int(any(start <= char < end for start, end in spans)) for char, _ in encoding["offset_mapping"]]
+    truncated = max_length is not None and len(input_ids) > max_length
+    if truncated:
+        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "truncated": truncated}
+
+
+def tokenize_prompt(messages: list[dict], tokenizer) -> list[int]:
+    """Token ids of `messages` rendered with the chat template and the generation prompt."""
+    text = render_chat(messages, tokenizer, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render_chat(messages: list[dict], tokenizer, add_generation_prompt: bool) -> str:
+    """`messages` as text through the tokenizer's chat template."""
+    # tokenize=False: in transformers 5 tokenize=True returns a BatchEncoding, and tokenizing the
+    # rendered text ourselves keeps input_ids identical to a plain tokenization of the text.
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _render_prefix(messages: list[dict], tokenizer, full_text: str, add_generation_prompt: bool) -> str:
+    """Render the first messages of a conversation, checking that this is a prefix of `full_text`."""
+    prefix = render_chat(messages, tokenizer, add_generation_prompt=add_generation_prompt)
+    if not full_text.startswith(prefix):
+        raise DataError(
+            f"the chat template is not prefix-consistent: rendering the first {len(messages)} messages "
+            f"(add_generation_prompt={add_generation_prompt}) does not give a prefix of the whole conversation, "
+            "so assistant turns cannot be located for the loss mask; use a chat template that renders earlier "
+            "turns the same way whatever follows (e.g. one that does not strip earlier reasoning)"
+        )
+    return prefix

@@ -1,0 +1,108 @@
+"""Torch datasets of conversation rows for RL (prompts), SFT (conversations) and preference pairs."""
+
+import logging
+from typing import Any
+
+import datasets
+import torch
+
+from rl2.data.chat_template import _tokenize_conversation, render_chat, tokenize_conversation
+from rl2.data.rows import DataError, load_rows, parse_messages, validate_rows
+
+logger = logging.getLogger(__name__)
+
+
+class _ConversationDataset(torch.utils.data.Dataset):
+    """Rows loaded from a path (or given), validated eagerly for `kind`, tokenized lazily."""
+
+    kind: str
+
+    def __init__(
+        self, path_or_rows: str | datasets.Dataset, tokenizer, max_length: int | None, source: str | None = None
+    ):
+        if isinstance(path_or_rows, str):
+            self.rows = load_rows(path_or_rows)
+            self.source = source or path_or_rows
+        else:
+            self.rows = path_or_rows
+            self.source = source or "<rows>"
+        validate_rows(self.rows, self.kind, self.source)
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        # Counted in the process that calls __getitem__ (a DataLoader worker's count stays there).
+        self.num_truncated = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _messages(self, i: int) -> list[dict]:
+        return parse_messages(self.rows[i]["messages"], f"{self.source}, row {i + 1}")
+
+
+class SFTDataset(_ConversationDataset):
+    """SFT conversations; item: {"input_ids", "loss_mask"} as LongTensors of at most max_length tokens."""
+
+    kind = "sft"
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        tokens = tokenize_conversation(self._messages(i), self.tokenizer, self.max_length)
+        self.num_truncated += tokens["truncated"]
+        return {"input_ids": torch.tensor(tokens["input_ids"]), "loss_mask": torch.tensor(tokens["loss_mask"])}
+
+
+class PairDataset(_ConversationDataset):
+    """Preference pairs; item: {"chosen": {"input_ids", "loss_mask"}, "rejected": {...}} as LongTensors.
+    Only the chosen / rejected response (with its end-of-turn token) is in the loss mask."""
+
+    kind = "pair"
+
+    def __getitem__(self, i: int) -> dict[str, dict[str, torch.Tensor]]:
+        row = self.rows[i]
+        messages = self._messages(i)
+        item, truncated = {}, False
+        for field in ("chosen", "rejected"):
+            conversation = messages + [{"role": "assistant", "content": row[field]}]
+            tokens = _tokenize_conversation(conversation, self.tokenizer, self.max_length, loss_from=len(messages))
+            truncated |= tokens["truncated"]
+            item[field] = {
+                "input_ids": torch.tensor(tokens["input_ids"]),
+                "loss_mask": torch.tensor(tokens["loss_mask"]),
+            }
+        self.num_truncated += truncated
+        return item
+
+
+class RLDataset(_ConversationDataset):
+    """RL prompts; item: {"prompt_ids": list[int], "messages": list[dict], "answer": ...}. Prompts
+    longer than max_length tokens are dropped at construction and counted in `num_skipped`."""
+
+    kind = "rl"
+
+    def __init__(
+        self, path_or_rows: str | datasets.Dataset, tokenizer, max_length: int | None, source: str | None = None
+    ):
+        super().__init__(path_or_rows, tokenizer, max_length, source)
+        texts = [render_chat(self._messages(i), tokenizer, add_generation_prompt=True) for i in range(len(self.rows))]
+        prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        self.indices = [i for i, ids in enumerate(prompt_ids) if max_length is None or len(ids) <= max_length]
+        self.prompt_ids = [list(prompt_ids[i]) for i in self.indices]
+        self.num_skipped = len(self.rows) - len(self.indices)
+        if self.num_skipped:
+            first = next(i for i, ids in enumerate(prompt_ids) if len(ids) > max_length)
+            logger.warning(
+                "%s: dropped %d of %d prompts longer than max_length=%d tokens (first: row %d)",
+                self.source, self.num_skipped, len(self.rows), max_length, first + 1,
+            )
+        if not self.indices:
+            raise DataError(f"{self.source}: every prompt is longer than max_length={max_length} tokens")
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row_index = self.indices[i]
+        return {
+            "prompt_ids": self.prompt_ids[i],
+            "messages": self._messages(row_index),
+            "answer": self.rows[row_index]["answer"],
+        }

@@ -1,0 +1,61 @@
+"""The policy: a causal LM's per-token log-probs (and entropy) at the sampling temperature."""
+
+import torch
+import torch.nn.functional as F
+
+from rl2.config import ModelConfig
+from rl2.kernels.logps_head import TokenLogpsHead
+from rl2.workers.base import ModelWorker, align_to_tokens
+
+
+def token_logps(
+    logits: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(token t | tokens before t in its sequence) under softmax(logits / temperature),
+    aligned with `input_ids`; 0 at sequence starts. `Policy.forward` computes exactly this
+    (`next_token_logps` then `align_to_tokens`), in token chunks or over ranks when configured."""
+    next_ids = F.pad(input_ids[0, 1:], (0, 1))
+    return align_to_tokens(next_token_logps(scaled_logits(logits[0], temperature), next_ids).unsqueeze(0), position_ids)
+
+
+def scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`logits` in fp32, divided by the sampling temperature."""
+    logits = logits.float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def next_token_logps(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits[t])[next_ids[t]] for every position t of [T, V] logits: [T]."""
+    return -F.cross_entropy(logits, next_ids, reduction="none")
+
+
+class Policy(ModelWorker):
+    """A causal LM whose `forward` gives each token's log-prob ("logps") and, on request, the
+    entropy of its distribution ("entropy", without gradient), both at `temperature`: the sampling
+    temperature of the policy that generated the tokens.
+
+    With `logps_chunk_size` > 0 the LM head computes them in token chunks and never holds the
+    `[T, vocab]` logits (`rl2.kernels.logps_head`)."""
+
+    def __init__(self, config: ModelConfig, total_steps: int, temperature: float = 1.0, trainable: bool = True):
+        super().__init__(config, total_steps, trainable, logps_chunk_size=config.logps_chunk_size)
+        self.temperature = temperature
+        head = getattr(self.model, "lm_head", None)
+        self.logps_head = head if isinstance(head, TokenLogpsHead) else None
+
+    def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
+        inputs, next_ids = self._model_inputs(micro_batch)
+        if self.logps_head is not None:
+            with self.logps_head.predicting(next_ids[0], self.temperature, with_entropy):
+                per_token = self._per_token_outputs(**inputs)
+            outputs = {"logps": per_token[..., 0]}
+            if with_entropy:
+                outputs["entropy"] = per_token[..., 1].detach()
+        else:
+            logits = scaled_logits(self._per_token_outputs(**inputs)[0], self.temperature)
+            outputs = {"logps": next_token_logps(logits, next_ids[0]).unsqueeze(0)}
+            if with_entropy:
+                with torch.no_grad():
+                    logps = torch.log_softmax(logits, dim=-1)
+                    outputs["entropy"] = -(logps.exp() * logps).sum(-1).unsqueeze(0)
+        return {name: self._align(value, micro_batch) for name, value in outputs.items()}
