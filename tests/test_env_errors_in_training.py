@@ -7,9 +7,11 @@ import torch
 
 from conftest import run_torchrun
 from rl2.algorithms.advantages import group_advantages
+from rl2.algorithms.group_filters import groups_with_signal
 from rl2.metrics import read_metrics
 from rl2.rollout.trajectory import Trajectory
-from rl2.trainer.ppo import correct_by_prompt, rollout_metrics
+from rl2.rollout.rollout_metrics import correct_by_prompt, rollout_metrics
+from rl2.tools.roc_penalty import roc_penalty
 from test_ppo import _ppo_args, rl_data  # noqa: F401  (the fixture)
 
 FLAKY_ENV = """
@@ -81,19 +83,17 @@ def _trainer_stub(**config):
         "adv": SimpleNamespace(roc_mode="topk", roc_min_each=1),
         "trainer": SimpleNamespace(seed=0),
     }
-    env = SimpleNamespace(has_roc_penalty=False)
-    return SimpleNamespace(config=SimpleNamespace(**sections), env=env, step=1)
+    rollout = SimpleNamespace(roc_penalties=lambda trajectories: [roc_penalty(t.messages) for t in trajectories])
+    return SimpleNamespace(config=SimpleNamespace(**sections), rollout=rollout, step=1)
 
 
 def test_dynamic_filtering_counts_only_scored_rewards():
-    from rl2.trainer.ppo import PPOTrainer
-
     groups = [
         [_trajectory(1.0), _trajectory(0.0), _trajectory(None, ["down"]), _trajectory(None, ["down"])],  # signal
         [_trajectory(1.0), _trajectory(1.0), _trajectory(None, ["down"]), _trajectory(None, ["down"])],  # none
         [_trajectory(1.0), _trajectory(None, ["down"]), _trajectory(None, ["down"]), _trajectory(None, ["down"])],
     ]
-    kept, dropped = PPOTrainer.filter_groups(_trainer_stub(), [t for group in groups for t in group])
+    kept, dropped = groups_with_signal([t for group in groups for t in group], 4)
     assert kept == groups[0] and dropped == 2 / 3
 
 

@@ -77,7 +77,7 @@ def test_cu_seqlens_from_position_ids():
     assert cu_seqlens_from_position_ids(positions).tolist() == [0, 3, 4, 6, 10]
 
 
-ACTOR_WORKER = """
+POLICY_WORKER = """
 import sys, torch
 from transformers import AutoModelForCausalLM
 from rl2.workers.policy import Policy, token_logps
@@ -104,10 +104,10 @@ print("max_difference", worst)
 
 
 @pytest.mark.parametrize("chunk,temperature", [(0, 1.0), (0, 0.7), (16, 0.7)], ids=["full", "full-t0.7", "chunked-t0.7"])
-def test_actor_forward_agrees_with_token_logps(tiny_model_dir, chunk, temperature):
-    """What training uses (`Policy.forward` through `compute_logps`: packed rows, full logits or the
+def test_policy_forward_agrees_with_token_logps(tiny_model_dir, chunk, temperature):
+    """What training uses (`Policy.forward` through `Policy.compute`: packed rows, full logits or the
     chunked head, the sampling temperature) equals `token_logps`, the function the tests above
     check, on the plain model one sequence at a time."""
-    result = run_python(["-c", ACTOR_WORKER, tiny_model_dir, str(chunk), str(temperature)])
+    result = run_python(["-c", POLICY_WORKER, tiny_model_dir, str(chunk), str(temperature)])
     difference = float(result.stdout.split("max_difference")[-1])
     assert difference < 1e-5, difference  # float32 rounding of another kernel and row length

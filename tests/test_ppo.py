@@ -140,7 +140,7 @@ def test_notebook_run_in_one_process(tiny_model_dir, rl_data, tmp_path):
         "trainer = PPOTrainer(load_config(sys.argv[1:]))\n"
         "trainer.train()\n"
         "assert trainer.critic is not None and trainer.reference is not None\n"
-        "assert trainer.engine.max_batch_size == 5\n"  # rollout.max_batch_size: 16 requests in waves of 5 slots
+        "assert trainer.rollout.engine.max_batch_size == 5\n"  # rollout.max_batch_size: 16 requests in waves of 5 slots
     )
     env_file = tmp_path / "parity_env.py"  # rewards that vary within a group, so not every group is dropped
     env_file.write_text("def reward_fn(messages, answer):\n    return float(len(messages[-1]['content']) % 2)\n")

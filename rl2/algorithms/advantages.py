@@ -88,3 +88,44 @@ def uniform_groups(rewards: Sequence[float], group_size: int) -> list[int]:
         if max(group) - min(group) <= 1e-9:
             uniform.append(g)
     return uniform
+
+
+def trajectory_advantages(
+    rewards: Tensor,
+    valid: Tensor,
+    masks: list[Tensor],
+    estimator: str,
+    group_size: int,
+    norm_var: bool = False,
+    gamma: float = 1.0,
+    lamda: float = 1.0,
+    kl: list[Tensor] | None = None,
+    kl_coef: float = 0.0,
+    values: list[Tensor] | None = None,
+) -> tuple[list[Tensor], list[Tensor] | None]:
+    """Per-token advantages of a batch of trajectories (and GAE's returns, else None).
+
+    `rewards` [n] are the trajectories' scores (0 where not `valid`), `masks` their loss masks, `kl`
+    (when given) the per-token KL to the reference that is subtracted from the reward, times `kl_coef`.
+    estimator="reinforce": one advantage per trajectory from its group's baseline (`group_advantages`
+    over groups of `group_size`), the KL summed over the trajectory's tokens. estimator="gae": the
+    reward lands on the last action token, the KL on every token, and GAE runs against the critic's
+    `values`.
+    """
+    if estimator == "reinforce":
+        scores = rewards.clone()
+        if kl is not None:
+            scores -= kl_coef * torch.stack([(k * m).sum() for k, m in zip(kl, masks)])
+        advantages = group_advantages(scores, group_size, norm_var, valid)
+        return [a * m for a, m in zip(advantages, masks)], None
+    if values is None:
+        raise ValueError("estimator='gae' needs the critic's values")
+    per_token, returns = [], []
+    for i, mask in enumerate(masks):
+        token_rewards = -kl_coef * kl[i] * mask if kl is not None else torch.zeros_like(mask)
+        last_action = int(mask.nonzero().max()) if mask.any() else len(mask) - 1
+        token_rewards[last_action] += rewards[i]
+        advantage, ret = gae(token_rewards, values[i], mask, gamma, lamda)
+        per_token.append(advantage)
+        returns.append(ret)
+    return per_token, returns

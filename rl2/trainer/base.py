@@ -78,6 +78,23 @@ def require_pair_budget(config: Config, section: str) -> None:
         )
 
 
+def start_run(config: Config, main_section: str = "actor"):
+    """What every entry point does before its work: the process group, rank-0 logging, the seed, checks
+    of the model paths and of `sp_size` against the world size. Returns the tokenizer of the run's
+    main model (`<main_section>.tokenizer_name`, else its `model_name`)."""
+    init_distributed()
+    setup_logging()
+    for section in ("actor", "critic"):
+        sp_size = getattr(config, section).sp_size
+        if sp_size < 1 or world_size() % sp_size != 0:
+            raise ConfigError(f"{section}.sp_size={sp_size} must divide the number of ranks ({world_size()})")
+    torch.manual_seed(config.trainer.seed)
+    for section in ("actor", "critic"):
+        check_local_model_path(getattr(config, section).model_name, f"{section}.model_name")
+    main = getattr(config, main_section)
+    return AutoTokenizer.from_pretrained(main.tokenizer_name or main.model_name)
+
+
 class Trainer:
     """Base of the trainers: holds the config, the tokenizer and the metrics logger; saves and resumes.
 
@@ -91,18 +108,8 @@ class Trainer:
     main_section = "actor"
 
     def __init__(self, config: Config):
-        init_distributed()
-        setup_logging()
-        for section in ("actor", "critic"):
-            sp_size = getattr(config, section).sp_size
-            if sp_size < 1 or world_size() % sp_size != 0:
-                raise ConfigError(f"{section}.sp_size={sp_size} must divide the number of ranks ({world_size()})")
-        torch.manual_seed(config.trainer.seed)
         self.config = config
-        for section in ("actor", "critic"):
-            check_local_model_path(getattr(config, section).model_name, f"{section}.model_name")
-        main = self.main_config
-        self.tokenizer = AutoTokenizer.from_pretrained(main.tokenizer_name or main.model_name)
+        self.tokenizer = start_run(config, self.main_section)
         self.step = 0
         self.metrics: MetricsLogger | None = None
 

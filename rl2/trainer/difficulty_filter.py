@@ -22,43 +22,47 @@ import sys
 from tqdm import tqdm
 
 from rl2.config import Config, ConfigError, load_config
+from rl2.data.conversations import RLDataset
 from rl2.data.rows import write_jsonl
 from rl2.distributed.process_group import exit_process, is_rank0
-from rl2.trainer.base import require, user_errors_reported
-from rl2.trainer.ppo import PPOTrainer, correct_by_prompt
+from rl2.rollout.rollout_metrics import correct_by_prompt
+from rl2.rollout.service import RolloutService
+from rl2.trainer.base import require, start_run, user_errors_reported
+from rl2.trainer.ppo import check_rl_config
 
 logger = logging.getLogger("rl2.trainer.difficulty_filter")
 
 
-class DifficultyFilter(PPOTrainer):
-    """The PPO trainer's engine and env, without an actor, over `data.path`."""
+class DifficultyFilter:
+    """A `RolloutService` serving `actor.model_name` over the problems of `data.path`."""
 
     def __init__(self, config: Config):
-        require(config, "data.path", "filter.output")
+        require(config, "data.path", "filter.output", "actor.model_name", "rollout.env_path")
         check_filter_config(config)
-        super().__init__(
-            dataclasses.replace(
-                config,
-                data=dataclasses.replace(config.data, test_path=config.data.path),
-                trainer=dataclasses.replace(
-                    config.trainer, eval_only=True, load_ckpt_from=None, dump_trajectories=False
-                ),
-            )
+        # Sampling only, as an evaluation does: no checkpoint to resume, no trajectory dumps.
+        config = dataclasses.replace(
+            config,
+            trainer=dataclasses.replace(config.trainer, eval_only=True, load_ckpt_from=None, dump_trajectories=False),
         )
+        check_rl_config(config)
+        self.config = config
+        tokenizer = start_run(config)
+        self.rollout = RolloutService(config, tokenizer)
+        self.dataset = RLDataset(config.data.path, tokenizer, self.rollout.max_length)
 
     def run(self) -> dict[str, float]:
         """Sample, score and write the kept rows; returns counts and the mean pass rate."""
-        config, dataset, n = self.config, self.test_data, self.config.filter.responses_per_prompt
+        config, dataset, n = self.config, self.dataset, self.config.filter.responses_per_prompt
         chunk = config.data.prompts_per_rollout or config.data.batch_size
         pass_rates: list[float] = []  # NaN: none of the problem's answers could be scored
         progress = tqdm(total=len(dataset), desc="difficulty filter", disable=not is_rank0())
         for start in range(0, len(dataset), chunk):
             prompts = [dataset[i] for i in range(start, min(start + chunk, len(dataset)))]
-            trajectories = self.generate(prompts, self.train_params, n, seed=config.trainer.seed + start)
+            trajectories = self.rollout.generate(prompts, self.rollout.train_params, n, config.trainer.seed + start)
             pass_rates += correct_by_prompt(trajectories, n).nanmean(dim=1).tolist()
             progress.update(len(prompts))
         progress.close()
-        self.close()
+        self.rollout.close()
         low, high = config.filter.pass_rate_min, config.filter.pass_rate_below
         kept = [i for i, rate in enumerate(pass_rates) if low <= rate < high]  # NaN compares False
         known = [rate for rate in pass_rates if not math.isnan(rate)]
@@ -83,7 +87,7 @@ class DifficultyFilter(PPOTrainer):
     def write(self, kept: list[int], pass_rates: list[float]) -> None:
         """The kept rows (as read, every column) and every row's pass rate, each written whole
         under a temporary name first, so an interrupted run leaves no partial file."""
-        output, dataset = self.config.filter.output, self.test_data
+        output, dataset = self.config.filter.output, self.dataset
         kept_set = set(kept)
         write_jsonl(output, [dataset.rows[dataset.indices[i]] for i in kept])
         write_jsonl(output + ".pass_rates.jsonl", [

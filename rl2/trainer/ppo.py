@@ -1,8 +1,8 @@
 """PPO / GRPO / Dr. GRPO: `torchrun --nproc_per_node=N -m rl2.trainer.ppo key=value ...`.
 
-One step: rollout (each rank its share of prompts) → reward (env file) → old / reference
-log-probs and values on packed micro-batches → advantages → `actor.update_per_rollout`
-minibatch updates → weight sync to the engine.
+One step: rollout and rewards (`RolloutService`, each rank its share of prompts) → which groups train
+(dynamic filtering, GRPO-RoC) → scoring: old / reference log-probs and values on packed micro-batches
+→ advantages → `actor.update_per_rollout` minibatch updates → weight sync to the engine.
 """
 
 import dataclasses
@@ -14,30 +14,22 @@ import sys
 import torch
 from tqdm import tqdm
 
-from rl2.workers.policy import Policy
-from rl2.workers.critic import Critic
-from rl2.algorithms.advantages import gae, group_advantages, uniform_groups
+from rl2.algorithms.advantages import trajectory_advantages
+from rl2.algorithms.group_filters import groups_with_signal, resample_groups
 from rl2.algorithms.losses import kl_penalty, loss_weights, masked_mean, policy_loss, value_loss
-from rl2.algorithms.resample_on_correct import resample_on_correct
+from rl2.algorithms.sequences import RLSequence
 from rl2.config import Config, ConfigError, load_config
 from rl2.data.conversations import RLDataset
-from rl2.distributed.process_group import (
-    all_gather_objects,
-    broadcast_from_rank0,
-    exit_process,
-    is_rank0,
-    rank,
-    rank_slice,
-)
-from rl2.engines import SamplingParams, build_engine_from_config, check_sglang
-from rl2.rollout.env import Env
-from rl2.metrics import PhaseTimer, curve_summary, read_metrics
-from rl2.tools.roc_penalty import roc_error_rates, roc_penalty
-from rl2.rollout.trajectory import Trajectory
-from rl2.rollout.multi_turn import assign_rewards, rollout
 from rl2.data.sampler import BatchSampler
+from rl2.distributed.process_group import exit_process, is_rank0
+from rl2.metrics import PhaseTimer, curve_summary, read_metrics
+from rl2.rollout.rollout_metrics import rollout_metrics
+from rl2.rollout.service import RolloutService
+from rl2.rollout.trajectory import Trajectory
+from rl2.tools.roc_penalty import roc_error_rates
 from rl2.trainer.base import Trainer, require, user_errors_reported
-from rl2.rollout.weight_sync import iter_full_weights
+from rl2.workers.critic import Critic
+from rl2.workers.policy import Policy
 
 # Not __name__: under `python -m rl2.trainer.ppo` that is "__main__", outside the rl2 logger.
 logger = logging.getLogger("rl2.trainer.ppo")
@@ -49,33 +41,22 @@ class PPOTrainer(Trainer):
     def __init__(self, config: Config):
         self.eval_only = config.trainer.eval_only
         require(config, "data.test_path" if self.eval_only else "data.path", "actor.model_name", "rollout.env_path")
-        _check_config(config)
+        check_rl_config(config)
         super().__init__(config)
-        if config.rollout.engine == "sglang":
-            check_sglang(config.rollout.tp_size)  # before any model is loaded
-        # The env file first: a broken one fails before any model is loaded.
-        self.env = Env(
-            config.rollout.env_path,
-            timeout=config.rollout.env_timeout,
-            concurrency=config.rollout.env_concurrency,
-            need_interact=config.rollout.max_turns > 1,
-        )
-        self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
-        self.max_length = config.data.max_length or config.actor.max_length_per_device * config.actor.sp_size
+        # The env file and the engine before any trained model: a broken env file fails first, and a
+        # GPU engine sizes its KV cache from the memory still free.
+        self.rollout = RolloutService(config, self.tokenizer)
         prompts_per_rollout = config.data.prompts_per_rollout or config.data.batch_size
+        max_length = self.rollout.max_length
         if self.eval_only:  # the engine alone serves actor.model_name
             self.train_data, self.sampler, self.total_steps = None, None, 0
-            self.test_data = RLDataset(config.data.test_path, self.tokenizer, self.max_length)
+            self.test_data = RLDataset(config.data.test_path, self.tokenizer, max_length)
         else:
-            self.train_data, self.test_data = self.load_datasets(RLDataset, self.max_length)
+            self.train_data, self.test_data = self.load_datasets(RLDataset, max_length)
             self.sampler = BatchSampler(
                 len(self.train_data), prompts_per_rollout, config.data.shuffle, config.trainer.seed
             )
             self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
-        self.train_params = SamplingParams.from_dict(config.rollout.train_sampling_params)
-        self.test_params = SamplingParams.from_dict(config.rollout.test_sampling_params)
-        # The engine before the actor's optimizer: a GPU engine sizes its KV cache from free memory.
-        self.engine = build_engine_from_config(config.rollout, config.actor, self.tokenizer, config.trainer.seed)
         self.actor = self.reference = self.critic = None
         if self.eval_only:
             logger.info(
@@ -83,7 +64,7 @@ class PPOTrainer(Trainer):
                 f"{config.rollout.test_responses_per_prompt} responses each, env={config.rollout.env_path}"
             )
             return
-        temperature = self.train_params.temperature or 1.0
+        temperature = self.rollout.train_params.temperature or 1.0
         optimizer_steps = self.total_steps * config.actor.update_per_rollout
         self.actor = Policy(config.actor, optimizer_steps, temperature)
         if config.kl.coef > 0:
@@ -96,7 +77,7 @@ class PPOTrainer(Trainer):
             self.critic = Critic(critic_config, self.total_steps * config.critic.update_per_rollout)
         self.resume()
         if self.step > 0:
-            self.sync_weights()
+            self.rollout.sync_weights(self.actor.model)
         logger.info(
             f"PPO: {len(self.train_data)} prompts, {self.total_steps} steps of {prompts_per_rollout} prompts x "
             f"{config.data.responses_per_prompt} responses, up to {config.rollout.max_turns} turns, "
@@ -125,54 +106,12 @@ class PPOTrainer(Trainer):
 
     # ---- the phases of a step --------------------------------------------------------------
 
-    def generate(
-        self,
-        prompts: list[dict],
-        params: SamplingParams,
-        responses_per_prompt: int,
-        seed: int,
-        timer: PhaseTimer | None = None,
-        release_after: bool = False,
-    ) -> list[Trajectory]:
-        """Roll out this rank's share of `prompts` (whole groups), score it, and gather every
-        rank's trajectories on every rank, in prompt order. `release_after` puts the engine to
-        sleep once generation is done (training follows; the next `sync_weights` wakes it)."""
-        timer = timer or PhaseTimer()
-        start, end = rank_slice(len(prompts))
-        self.engine.wake()
-        self.engine.reseed(seed * 1_000_003 + rank())
-        with timer("rollout"):
-            trajectories = rollout(
-                self.engine,
-                self.env,
-                self.tokenizer,
-                prompts[start:end],
-                responses_per_prompt,
-                params,
-                self.config.rollout.max_turns,
-                self.max_length,
-                first_group=start,
-            )
-        if release_after:
-            self.engine.sleep()
-        with timer("reward"):
-            assign_rewards(self.env, trajectories)
-        return all_gather_objects(trajectories)
-
-    def sync_weights(self) -> None:
-        """Push the actor's weights into the engine, bucket by bucket, then wake it: with SGLang,
-        weight memory is resumed, the weights pushed, and only then the KV cache resumed."""
-        self.engine.update_weights(
-            iter_full_weights(self.actor.model, self.config.actor.dtype, self.config.rollout.sync_bucket_mb)
-        )
-        self.engine.wake()
-
-    def prepare(self, trajectories: list[Trajectory]) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
-        """Per-sequence tensors for the updates: old / reference log-probs, values, advantages."""
-        config = self.config
+    def score(self, trajectories: list[Trajectory]) -> tuple[list[RLSequence], dict[str, float]]:
+        """The trajectories as sequences with the old policy's, the reference's and the critic's
+        per-token outputs, computed on packed micro-batches; and the log-prob mismatch and KL metrics."""
         # An excluded trajectory (an env error, an aborted generation) stays in the batch, so groups
         # keep their shape, but carries no loss and does not count in its group's baseline.
-        sequences = [
+        sequences: list[RLSequence] = [
             {
                 "input_ids": torch.tensor(t.token_ids),
                 "loss_mask": torch.tensor(t.action_mask, dtype=torch.float32) * (not t.excluded),
@@ -181,48 +120,56 @@ class PPOTrainer(Trainer):
             for t in trajectories
         ]
         metrics = {}
-        masks = [seq["loss_mask"] for seq in sequences]
-        all_masks = torch.cat(masks)
-        if config.actor.recompute_logprobs:
+        all_masks = torch.cat([seq["loss_mask"] for seq in sequences])
+        if self.config.actor.recompute_logprobs:
             old_logps = self.actor.compute(sequences, "logps")
             mismatch = (torch.cat(old_logps) - torch.cat([s["engine_logps"] for s in sequences])).abs()
             metrics["logp_mismatch/mean"] = masked_mean(mismatch, all_masks).item()
             metrics["logp_mismatch/max"] = (mismatch * all_masks).max().item()
         else:  # the mismatch is then measured in the first minibatch's forward pass (actor_loss)
             old_logps = [seq["engine_logps"] for seq in sequences]
-        ref_logps = self.reference.compute(sequences, "logps") if self.reference is not None else None
-        if ref_logps is not None:
-            kl = [kl_penalty(o, r, config.kl.reward_estimator) for o, r in zip(old_logps, ref_logps)]
+        for seq, logps in zip(sequences, old_logps):
+            seq["old_logps"] = logps
+        if self.reference is not None:
+            for seq, logps in zip(sequences, self.reference.compute(sequences, "logps")):
+                seq["ref_logps"] = logps
+            kl = [kl_penalty(s["old_logps"], s["ref_logps"], self.config.kl.reward_estimator) for s in sequences]
             metrics["kl"] = masked_mean(torch.cat(kl), all_masks).item()
-        values = self.critic.compute(sequences, "values") if self.critic is not None else None
+        if self.critic is not None:
+            for seq, values in zip(sequences, self.critic.compute(sequences, "values")):
+                seq["old_values"] = values
+        return sequences, metrics
 
-        rewards = torch.tensor([0.0 if t.excluded else t.reward for t in trajectories], dtype=torch.float32)
-        valid = torch.tensor([not t.excluded for t in trajectories])
-        kl_in_reward = ref_logps is not None and config.kl.type == "reward"
-        if config.adv.estimator == "reinforce":
-            scores = rewards.clone()
-            if kl_in_reward:
-                scores -= config.kl.coef * torch.stack([(k * m).sum() for k, m in zip(kl, masks)])
-            advantages = group_advantages(scores, config.data.responses_per_prompt, config.adv.norm_var, valid)
-            per_token_advantages = [a * m for a, m in zip(advantages, masks)]
-        else:
-            per_token_advantages, returns = [], []
-            for i, mask in enumerate(masks):
-                token_rewards = -config.kl.coef * kl[i] * mask if kl_in_reward else torch.zeros_like(mask)
-                last_action = int(mask.nonzero().max()) if mask.any() else len(mask) - 1
-                token_rewards[last_action] += rewards[i]
-                advantage, ret = gae(token_rewards, values[i], mask, config.adv.gamma, config.adv.lamda)
-                per_token_advantages.append(advantage)
-                returns.append(ret)
+    def add_advantages(self, sequences: list[RLSequence], trajectories: list[Trajectory]) -> dict[str, float]:
+        """Each sequence's `advantages` (and `returns` with GAE) from the rewards and the scores."""
+        config = self.config
+        masks = [seq["loss_mask"] for seq in sequences]
+        kl = None
+        if self.reference is not None and config.kl.type == "reward":
+            kl = [kl_penalty(s["old_logps"], s["ref_logps"], config.kl.reward_estimator) for s in sequences]
+        advantages, returns = trajectory_advantages(
+            rewards=torch.tensor([0.0 if t.excluded else t.reward for t in trajectories], dtype=torch.float32),
+            valid=torch.tensor([not t.excluded for t in trajectories]),
+            masks=masks,
+            estimator=config.adv.estimator,
+            group_size=config.data.responses_per_prompt,
+            norm_var=config.adv.norm_var,
+            gamma=config.adv.gamma,
+            lamda=config.adv.lamda,
+            kl=kl,
+            kl_coef=config.kl.coef,
+            values=[seq["old_values"] for seq in sequences] if self.critic is not None else None,
+        )
         for i, seq in enumerate(sequences):
-            seq["old_logps"] = old_logps[i]
-            seq["advantages"] = per_token_advantages[i]
-            if ref_logps is not None:
-                seq["ref_logps"] = ref_logps[i]
-            if values is not None:
-                seq["old_values"] = values[i]
+            seq["advantages"] = advantages[i]
+            if returns is not None:
                 seq["returns"] = returns[i]
-        metrics["advantage/mean"] = masked_mean(torch.cat(per_token_advantages), all_masks).item()
+        return {"advantage/mean": masked_mean(torch.cat(advantages), torch.cat(masks)).item()}
+
+    def prepare(self, trajectories: list[Trajectory]) -> tuple[list[RLSequence], dict[str, float]]:
+        """Scoring, then advantages: the sequences the updates train on, and their metrics."""
+        sequences, metrics = self.score(trajectories)
+        metrics.update(self.add_advantages(sequences, trajectories))
         return sequences, metrics
 
     def update(self, sequences: list[dict[str, torch.Tensor]], step: int) -> dict[str, float]:
@@ -282,24 +229,20 @@ class PPOTrainer(Trainer):
         config, timer = self.config, PhaseTimer()
         prompts = [self.train_data[i] for i in self.sampler.next_batch()]
         generated = config.rollout.oversample if config.adv.resample_on_correct else config.data.responses_per_prompt
-        trajectories = self.generate(
-            prompts,
-            self.train_params,
-            generated,
-            config.trainer.seed + self.step,
-            timer,
-            release_after=True,
-        )
-        metrics = {**rollout_metrics(trajectories), **self.fault_metrics()}
-        self.dump(trajectories, f"step_{self.step}")
+        seed = config.trainer.seed + self.step
+        trajectories = self.rollout.generate(prompts, self.rollout.train_params, generated, seed, timer, release_after=True)
+        metrics = {**rollout_metrics(trajectories), **self.rollout.fault_metrics()}
+        self.rollout.dump(trajectories, f"step_{self.step}")
         if config.adv.resample_on_correct:
             trajectories, roc_metrics = self.resample_on_correct(trajectories, generated)
             metrics.update(roc_metrics)
         if config.rollout.dynamic_filtering:
-            trajectories, metrics["dynamic_filter/dropped_ratio"] = self.filter_groups(trajectories)
+            trajectories, metrics["dynamic_filter/dropped_ratio"] = groups_with_signal(
+                trajectories, config.data.responses_per_prompt
+            )
         if all(t.excluded for t in trajectories):
             logger.info(f"step {self.step}: no trajectories left to train on (equal rewards or env errors); no update")
-            self.sync_weights()  # the engine may have dropped its weights while asleep
+            self.rollout.sync_weights(self.actor.model)  # the engine may have dropped its weights while asleep
             return {**metrics, **{f"time/{k}": v for k, v in timer.times.items()}}
         with timer("logps"):
             sequences, prepared = self.prepare(trajectories)
@@ -307,7 +250,7 @@ class PPOTrainer(Trainer):
             updated = self.update(sequences, self.step)
         with timer("sync"):
             # Also while the actor is frozen: the engine may have dropped its weights while asleep.
-            self.sync_weights()
+            self.rollout.sync_weights(self.actor.model)
         total = sum(timer.times.values())
         return {
             **metrics,
@@ -319,43 +262,20 @@ class PPOTrainer(Trainer):
         }
 
     def resample_on_correct(self, trajectories: list[Trajectory], group_size: int) -> tuple[list[Trajectory], dict]:
-        """GRPO-RoC: each group of `group_size` cut to `data.responses_per_prompt` (see
-        `rl2.algorithms.resample_on_correct`); groups of equal rewards are dropped.
-
-        Penalties are the env file's `roc_penalty(messages)` where it defines one (the default
-        penalty where a call fails), else `rl2.tools.roc_penalty.roc_penalty`; rank 0's are used on every
-        rank, so all ranks keep the same trajectories.
-        """
+        """GRPO-RoC: each group of `group_size` cut to `data.responses_per_prompt`
+        (`rl2.algorithms.group_filters.resample_groups`), by the rollout's penalties."""
         config = self.config
-        conversations = [t.messages for t in trajectories]
-        penalties = [roc_penalty(messages) for messages in conversations]
-        if self.env.has_roc_penalty:
-            for i, result in enumerate(self.env.roc_penalties(conversations)):
-                if result.error is None:
-                    penalties[i] = result.value
-        penalties = broadcast_from_rank0(penalties)
         generator = torch.Generator().manual_seed(config.trainer.seed * 1_000_003 + self.step)
-        keep = config.data.responses_per_prompt
-        kept, dropped = [], 0
-        for start in range(0, len(trajectories), group_size):
-            group = trajectories[start : start + group_size]
-            usable = [j for j, t in enumerate(group) if not t.excluded]  # env errors are not candidates
-            chosen = resample_on_correct(
-                [group[j].reward for j in usable],
-                [penalties[start + j] for j in usable],
-                keep,
-                config.adv.roc_mode,
-                config.adv.roc_min_each,
-                generator,
-            )
-            if not chosen:
-                dropped += 1
-                continue
-            chosen = [usable[j] for j in chosen]
-            # Too few usable ones: excluded trajectories fill the group (they carry no loss).
-            chosen += [j for j in range(len(group)) if group[j].excluded][: keep - len(chosen)]
-            kept += [group[j] for j in sorted(chosen)]
-        tool_before, format_before = roc_error_rates(conversations)
+        kept, dropped = resample_groups(
+            trajectories,
+            self.rollout.roc_penalties(trajectories),
+            group_size,
+            config.data.responses_per_prompt,
+            config.adv.roc_mode,
+            config.adv.roc_min_each,
+            generator,
+        )
+        tool_before, format_before = roc_error_rates([t.messages for t in trajectories])
         tool_after, format_after = roc_error_rates([t.messages for t in kept])
         return kept, {
             "roc/tool_error_rate_before": tool_before,
@@ -366,44 +286,16 @@ class PPOTrainer(Trainer):
             "roc/dropped_groups": float(dropped),
         }
 
-    def filter_groups(self, trajectories: list[Trajectory]) -> tuple[list[Trajectory], float]:
-        """Drop groups without advantage signal: fewer than two trajectories that can train, or all
-        their rewards equal; returns the dropped ratio."""
-        size = self.config.data.responses_per_prompt
-        groups = [trajectories[start : start + size] for start in range(0, len(trajectories), size)]
-        def has_signal(group: list[Trajectory]) -> bool:
-            rewards = [t.reward for t in group if not t.excluded]
-            return len(rewards) > 1 and not uniform_groups(rewards, len(rewards))
-
-        kept_groups = [group for group in groups if has_signal(group)]
-        dropped = len(groups) - len(kept_groups)
-        return [t for group in kept_groups for t in group], dropped / max(len(groups), 1)
-
     def evaluate(self, name: str | None = None) -> dict[str, float]:
-        """Mean reward, avg@k (the mean share of correct responses, reward > 0) and pass@k (the
-        share of prompts with a correct one), k = rollout.test_responses_per_prompt, on the test set."""
-        k = self.config.rollout.test_responses_per_prompt
+        """The rollout's `test/` metrics of the current policy on the test set."""
         prompts = [self.test_data[i] for i in range(len(self.test_data))]
-        trajectories = self.generate(prompts, self.test_params, k, seed=self.config.trainer.seed - 1 - self.step)
-        self.dump(trajectories, name or f"test_step_{self.step}")
-        # Answers that could not be scored (env errors) count neither as right nor as wrong.
-        correct = correct_by_prompt(trajectories, k)
-        scored = ~correct.isnan()
-        rewards = [t.reward for t in trajectories if t.reward is not None]
-        return {
-            "test/reward_mean": sum(rewards) / max(len(rewards), 1),
-            f"test/avg@{k}": correct[scored].mean().item() if scored.any() else 0.0,
-            f"test/pass@{k}": (correct.nan_to_num(0.0) > 0).any(dim=1)[scored.any(dim=1)].float().mean().item()
-            if scored.any() else 0.0,
-            "test/response_length": sum(t.response_length for t in trajectories) / len(trajectories),
-            "test/env_errors": float(sum(len(t.errors) for t in trajectories)),
-        }
+        return self.rollout.evaluate(prompts, self.config.trainer.seed - 1 - self.step, name or f"test_step_{self.step}")
 
     def evaluate_only(self) -> dict[str, float]:
         """`trainer.eval_only`: evaluate actor.model_name, write `<save_dir>/eval.json`, print it."""
         config = self.config
         results = self.evaluate("eval")
-        self.close()
+        self.rollout.close()
         if is_rank0():
             report = {
                 "model": config.actor.model_name,
@@ -418,33 +310,6 @@ class PPOTrainer(Trainer):
             logger.info("evaluation: " + ", ".join(f"{key} {value:.4f}" for key, value in results.items()))
             print(json.dumps(report), flush=True)
         return results
-
-    def fault_metrics(self) -> dict[str, float]:
-        """`faults/<name>`: the faults the env's pools and clients recovered from since the last
-        call (workers replaced, calls retried), summed over ranks; every name seen so far is logged,
-        0 when nothing happened."""
-        totals = self.env.fault_counts()
-        new = {name: max(total - self.faults_logged.get(name, 0), 0) for name, total in totals.items()}
-        self.faults_logged = totals
-        summed: dict[str, float] = {}
-        for rank_counts in all_gather_objects([new]):
-            for name, count in rank_counts.items():
-                summed[f"faults/{name}"] = summed.get(f"faults/{name}", 0.0) + count
-        return summed
-
-    def close(self) -> None:
-        """End the env file's worker pools and the engine (SGLang: its scheduler processes)."""
-        self.env.close()
-        self.engine.shutdown()
-
-    def dump(self, trajectories: list[Trajectory], name: str) -> None:
-        if not (self.config.trainer.dump_trajectories and is_rank0()):
-            return
-        folder = os.path.join(self.config.actor.save_dir, "trajectories")
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
-            for trajectory in trajectories:
-                f.write(json.dumps(trajectory.to_json(), default=str) + "\n")
 
     def train(self) -> None:
         if self.eval_only:
@@ -465,7 +330,7 @@ class PPOTrainer(Trainer):
                 self.save(self.step)
         progress.close()
         self.metrics.finish()
-        self.close()
+        self.rollout.close()
         if is_rank0():
             rows = read_metrics(os.path.join(self.config.actor.save_dir, "metrics.jsonl"))
             logger.info("\n" + run_summary(rows))
@@ -488,33 +353,8 @@ def run_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def correct_by_prompt(trajectories: list[Trajectory], k: int) -> torch.Tensor:
-    """[prompts, k] floats: 1.0 where a prompt's trajectory (of `k` consecutive ones) scored above 0,
-    0.0 where it scored 0 or less, NaN where it could not be scored (excluded: an env error)."""
-    return torch.tensor(
-        [float("nan") if t.excluded else float(t.reward > 0) for t in trajectories], dtype=torch.float64
-    ).view(-1, k)
-
-
-def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Reward, length, turn and error statistics of a rollout; rewards of scored trajectories only."""
-    scored = [t.reward for t in trajectories if t.reward is not None]
-    rewards = torch.tensor(scored or [0.0], dtype=torch.float64)
-    lengths = torch.tensor([t.response_length for t in trajectories], dtype=torch.float64)
-    return {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-        "response_length/mean": lengths.mean().item(),
-        "response_length/max": lengths.max().item(),
-        "turns/mean": sum(t.turns for t in trajectories) / len(trajectories),
-        "truncated_ratio": sum(t.truncated for t in trajectories) / len(trajectories),
-        "env_errors": float(sum(len(t.errors) for t in trajectories)),
-        "excluded": float(sum(t.excluded for t in trajectories)),
-        "trajectories": float(len(trajectories)),
-    }
-
-
-def _check_config(config: Config) -> None:
+def check_rl_config(config: Config) -> None:
+    """Values an RL run (training, evaluation or the difficulty filter) cannot run with."""
     if config.rollout.max_turns < 1:
         raise ConfigError(f"rollout.max_turns must be >= 1, got {config.rollout.max_turns}")
     if config.data.responses_per_prompt < 1:

@@ -85,9 +85,9 @@ def main() -> None:
     sequences, prepared = trainer.prepare(fixed_rollout(group_size=4, n_groups=4))
     updated = trainer.update(sequences, step=1)
 
-    trainer.sync_weights()
+    trainer.rollout.sync_weights(trainer.actor.model)
     prompts = [[5, 17, 300 + i, 42] for i in range(3)]
-    generations = trainer.engine.generate(prompts, trainer.train_params)
+    generations = trainer.rollout.engine.generate(prompts, trainer.rollout.train_params)
     sampled = [
         {
             "input_ids": torch.tensor(p + g.token_ids),

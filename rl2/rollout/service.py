@@ -1,0 +1,141 @@
+"""The rollout side of an RL run: the inference engine and the env file, and what is done with them.
+
+Training (`rl2.trainer.ppo`), evaluation-only runs (`trainer.eval_only`) and the difficulty filter
+(`rl2.trainer.difficulty_filter`) each hold one `RolloutService`.
+"""
+
+import json
+import logging
+import os
+
+from torch import nn
+
+from rl2.config import Config
+from rl2.distributed.process_group import all_gather_objects, broadcast_from_rank0, is_rank0, rank, rank_slice
+from rl2.engines import SamplingParams, build_engine_from_config, check_sglang
+from rl2.metrics import PhaseTimer
+from rl2.rollout.env import Env
+from rl2.rollout.multi_turn import assign_rewards, rollout
+from rl2.rollout.rollout_metrics import eval_metrics
+from rl2.rollout.trajectory import Trajectory
+from rl2.rollout.weight_sync import iter_full_weights
+from rl2.tools.roc_penalty import roc_penalty
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutService:
+    """The env file (loaded first: a broken one fails before any model loads) and the engine of a
+    run, which serves `actor.model_name` until weights are synced into it.
+
+    Every rank holds one; `generate` rolls out each rank's share of the prompts and gives every rank
+    all the scored trajectories, in prompt order. Build it before the policy's optimizer: a GPU
+    engine sizes its KV cache from the memory still free.
+    """
+
+    def __init__(self, config: Config, tokenizer):
+        if config.rollout.engine == "sglang":
+            check_sglang(config.rollout.tp_size)  # before any model is loaded
+        self.config = config
+        self.tokenizer = tokenizer
+        self.env = Env(
+            config.rollout.env_path,
+            timeout=config.rollout.env_timeout,
+            concurrency=config.rollout.env_concurrency,
+            need_interact=config.rollout.max_turns > 1,
+        )
+        self.max_length = config.data.max_length or config.actor.max_length_per_device * config.actor.sp_size
+        self.train_params = SamplingParams.from_dict(config.rollout.train_sampling_params)
+        self.test_params = SamplingParams.from_dict(config.rollout.test_sampling_params)
+        self.engine = build_engine_from_config(config.rollout, config.actor, tokenizer, config.trainer.seed)
+        self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
+
+    def generate(
+        self,
+        prompts: list[dict],
+        params: SamplingParams,
+        responses_per_prompt: int,
+        seed: int,
+        timer: PhaseTimer | None = None,
+        release_after: bool = False,
+    ) -> list[Trajectory]:
+        """Roll out this rank's share of `prompts` (whole groups), score it, and gather every
+        rank's trajectories on every rank, in prompt order. `release_after` puts the engine to
+        sleep once generation is done (training follows; the next `sync_weights` wakes it)."""
+        timer = timer or PhaseTimer()
+        start, end = rank_slice(len(prompts))
+        self.engine.wake()
+        self.engine.reseed(seed * 1_000_003 + rank())
+        with timer("rollout"):
+            trajectories = rollout(
+                self.engine,
+                self.env,
+                self.tokenizer,
+                prompts[start:end],
+                responses_per_prompt,
+                params,
+                self.config.rollout.max_turns,
+                self.max_length,
+                first_group=start,
+            )
+        if release_after:
+            self.engine.sleep()
+        with timer("reward"):
+            assign_rewards(self.env, trajectories)
+        return all_gather_objects(trajectories)
+
+    def evaluate(self, prompts: list[dict], seed: int, name: str) -> dict[str, float]:
+        """`test/` metrics (mean reward, avg@k, pass@k with k = rollout.test_responses_per_prompt) of
+        the engine's model on `prompts`; the trajectories are dumped as `name`."""
+        k = self.config.rollout.test_responses_per_prompt
+        trajectories = self.generate(prompts, self.test_params, k, seed)
+        self.dump(trajectories, name)
+        return eval_metrics(trajectories, k)
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Push `model`'s weights into the engine, bucket by bucket, then wake it: with SGLang,
+        weight memory is resumed, the weights pushed, and only then the KV cache resumed."""
+        self.engine.update_weights(
+            iter_full_weights(model, self.config.actor.dtype, self.config.rollout.sync_bucket_mb)
+        )
+        self.engine.wake()
+
+    def roc_penalties(self, trajectories: list[Trajectory]) -> list[float]:
+        """GRPO-RoC's penalty of each trajectory: the env file's `roc_penalty(messages)` where it
+        defines one (the default penalty where a call fails), else `rl2.tools.roc_penalty`; rank 0's
+        on every rank, so all ranks keep the same trajectories."""
+        conversations = [t.messages for t in trajectories]
+        penalties = [roc_penalty(messages) for messages in conversations]
+        if self.env.has_roc_penalty:
+            for i, result in enumerate(self.env.roc_penalties(conversations)):
+                if result.error is None:
+                    penalties[i] = result.value
+        return broadcast_from_rank0(penalties)
+
+    def fault_metrics(self) -> dict[str, float]:
+        """`faults/<name>`: the faults the env's pools and clients recovered from since the last
+        call (workers replaced, calls retried), summed over ranks; every name seen so far is logged,
+        0 when nothing happened."""
+        totals = self.env.fault_counts()
+        new = {name: max(total - self.faults_logged.get(name, 0), 0) for name, total in totals.items()}
+        self.faults_logged = totals
+        summed: dict[str, float] = {}
+        for rank_counts in all_gather_objects([new]):
+            for name, count in rank_counts.items():
+                summed[f"faults/{name}"] = summed.get(f"faults/{name}", 0.0) + count
+        return summed
+
+    def dump(self, trajectories: list[Trajectory], name: str) -> None:
+        """`<save_dir>/trajectories/<name>.jsonl` on rank 0, with `trainer.dump_trajectories`."""
+        if not (self.config.trainer.dump_trajectories and is_rank0()):
+            return
+        folder = os.path.join(self.config.actor.save_dir, "trajectories")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
+            for trajectory in trajectories:
+                f.write(json.dumps(trajectory.to_json(), default=str) + "\n")
+
+    def close(self) -> None:
+        """End the env file's worker pools and the engine (SGLang: its scheduler processes)."""
+        self.env.close()
+        self.engine.shutdown()
