@@ -22,6 +22,7 @@ import time
 import torch
 from transformers import AutoTokenizer
 
+from rl2.algorithms.losses import with_loss_weights
 from rl2.workers.policy import Policy
 from rl2.config import load_config
 from rl2.distributed.process_group import (
@@ -131,9 +132,9 @@ def main() -> None:
         results["released_gib"] = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
 
     def likelihood(outputs, batch):  # raise the log-probs of the sampled tokens: a visible change
-        return -(outputs["logps"] * batch["loss_mask"]).sum(), {}
+        return -(outputs["logps"] * batch["loss_weight"]).sum(), {}
 
-    actor.train_step(sequences, likelihood)
+    actor.train_step(with_loss_weights(sequences), likelihood)
 
     weight_bytes = sum(p.numel() * torch.finfo(getattr(torch, args.dtype)).bits // 8 for p in actor.model.parameters())
     start = time.perf_counter()

@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rl2.workers.policy import Policy
-from rl2.algorithms.losses import sft_loss
+from rl2.algorithms.losses import sft_loss, with_loss_weights
 from rl2.config import ModelConfig
 from rl2.distributed.process_group import init_distributed
 
@@ -126,7 +126,8 @@ def run_rl2(folder, batch, args, checkpointing: bool, device: torch.device) -> d
         attn_implementation=args.attention, logps_chunk_size=args.logps_chunk_size, compile=args.compile,
     )
     actor = Policy(config, total_steps=1000)
-    train = timed_steps(lambda: actor.train_step(batch, sft_loss), args.steps, device)
+    weighted = with_loss_weights(batch)
+    train = timed_steps(lambda: actor.train_step(weighted, sft_loss), args.steps, device)
     logps = timed_steps(lambda: actor.compute(batch), args.steps, device)
     del actor
     return {"seconds": train, "logps_seconds": logps}

@@ -21,7 +21,7 @@ client its requests, riding out a service restart of a few seconds), counting it
 model would learn from. What a program did (its output, an error, a timeout, running out of memory)
 is always a tool message.
 
-Settings, from the environment: CODE_SERVER_URL, PYTHON_TOOL_TIMEOUT (seconds per program, 4),
+Settings, from `rollout.env_args` in lower case (code_server_url, ...) or else the environment: CODE_SERVER_URL, PYTHON_TOOL_TIMEOUT (seconds per program, 4),
 PYTHON_TOOL_MAX_CHARS (tool output kept, 1024), PYTHON_TOOL_MAX_CALLS (calls run per turn, 8),
 PYTHON_TOOL_WORKERS (local sandbox workers, 4), PYTHON_TOOL_MEMORY_MB (1024), CODE_SERVER_RETRIES
 (retries of a failed request to the code service, 6: about 24 s of backoff). The sandbox's and the
@@ -32,7 +32,6 @@ Put `SYSTEM_PROMPT` first in the prompts (as the system message) so the model kn
 
 import asyncio
 import json
-import os
 import re
 
 from rl2.tools import code_client
@@ -40,6 +39,9 @@ from rl2.tools.lazy import Lazy
 from rl2.tools.math_grader import MathGrader
 from rl2.tools.code_server import TIMEOUT_LINE
 from rl2.tools.sandbox import Sandbox
+from rl2.rollout.env import EnvArgs
+
+env_args = globals().get("env_args", EnvArgs())  # rollout.env_args, set by rl2 when it loads this file
 
 TOOL_SCHEMA = {
     "type": "function",
@@ -74,23 +76,18 @@ NOT_RUN = ("internal_error", "queue_timeout")  # code-judge's (and the client's)
 
 
 def _setting(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return type(default)(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not a {type(default).__name__}") from None
+    """`rollout.env_args.<name>`, else the environment variable NAME, else `default`."""
+    return env_args.get(name, default)
 
 
-_sandbox = Lazy(lambda: Sandbox(workers=_setting("PYTHON_TOOL_WORKERS", 4),
-                                timeout=_setting("PYTHON_TOOL_TIMEOUT", 4.0),
-                                memory_mb=_setting("PYTHON_TOOL_MEMORY_MB", 1024)))
+_sandbox = Lazy(lambda: Sandbox(workers=_setting("python_tool_workers", 4),
+                                timeout=_setting("python_tool_timeout", 4.0),
+                                memory_mb=_setting("python_tool_memory_mb", 1024)))
 _grader = Lazy(lambda: MathGrader(workers=2, timeout=5.0))
 # Made on first use when CODE_SERVER_URL is set; one per loaded env file, so its fault counts persist.
-_code_client = Lazy(lambda: code_client.CodeClient(os.environ["CODE_SERVER_URL"],
-                                                   timeout=_setting("PYTHON_TOOL_TIMEOUT", 4.0) + 30,
-                                                   retries=_setting("CODE_SERVER_RETRIES", code_client.RETRIES)))
+_code_client = Lazy(lambda: code_client.CodeClient(_setting("code_server_url", ""),
+                                                   timeout=_setting("python_tool_timeout", 4.0) + 30,
+                                                   retries=_setting("code_server_retries", code_client.RETRIES)))
 
 
 class ToolUnavailable(RuntimeError):
@@ -173,7 +170,7 @@ def _not_run(executor: str, problems: list[str], total: int) -> ToolUnavailable:
 async def run_programs(programs: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
     """(stdout, stderr, status) for each (code, stdin), on the code service or the local sandbox;
     raises `ToolUnavailable` when the executor could not run one of them."""
-    if os.environ.get("CODE_SERVER_URL"):
+    if _setting("code_server_url", ""):
         client = _code_client.get()
         results = await client.run_many(programs)
         problems = [r.get("stderr") or r["reason"] for r in results if r.get("reason") in NOT_RUN]
@@ -197,9 +194,9 @@ async def interact(messages: list[dict]) -> list[dict]:
     calls = parse_tool_calls(last.get("content") or "")
     if not calls:
         return []
-    max_calls = _setting("PYTHON_TOOL_MAX_CALLS", 8)
-    limit = _setting("PYTHON_TOOL_MAX_CHARS", 1024)
-    timeout = _setting("PYTHON_TOOL_TIMEOUT", 4.0)
+    max_calls = _setting("python_tool_max_calls", 8)
+    limit = _setting("python_tool_max_chars", 1024)
+    timeout = _setting("python_tool_timeout", 4.0)
     skipped = calls[max_calls:]
     calls = calls[:max_calls]
     programs = [call for call in calls if isinstance(call, tuple)]

@@ -19,7 +19,7 @@ equals one of the gold answers (a string, a list of strings, or Search-R1's `{"t
 after normalisation (lower case, no punctuation, no articles a/an/the, single spaces); else 0.0.
 
 Start a service first, e.g. `python -m rl2.tools.retrieval_server --corpus corpus.jsonl --port 8000`.
-Settings, environment variables read at each call:
+Settings, read at each call from `rollout.env_args` in lower case (search_url, ...), else the environment:
     SEARCH_URL       the service's retrieve endpoint (default http://127.0.0.1:8000/retrieve)
     SEARCH_TOPK      documents per search (default 3)
     SEARCH_TIMEOUT   seconds per request attempt (default 10)
@@ -27,13 +27,15 @@ Settings, environment variables read at each call:
                      after 0.5 s doubling up to 8 s: 23.5 s of waiting in all)
 """
 
-import os
 import re
 import string
 
 from rl2.tools import search_client
 from rl2.tools.faults import FaultCounter
 from rl2.tools.search_client import passages_to_string, retrieve
+from rl2.rollout.env import EnvArgs
+
+env_args = globals().get("env_args", EnvArgs())  # rollout.env_args, set by rl2 when it loads this file
 
 faults = FaultCounter()  # search_retries, for the trainer's faults/* metrics (rl2.rollout.env reads it)
 
@@ -73,10 +75,10 @@ async def interact(messages: list[dict]) -> list[dict]:
     query = search.group(1).strip() if search else ""
     if not query:
         return [{"role": "tool", "content": INVALID_ACTION}]
-    url = os.environ.get("SEARCH_URL", DEFAULT_URL)
-    hits = await retrieve([query], url, topk=_setting("SEARCH_TOPK", 3, int),
-                          timeout=_setting("SEARCH_TIMEOUT", 10.0, float),
-                          retries=_setting("SEARCH_RETRIES", search_client.RETRIES, int), faults=faults)
+    url = env_args.get("search_url", DEFAULT_URL)
+    hits = await retrieve([query], url, topk=_setting("search_topk", 3, int),
+                          timeout=_setting("search_timeout", 10.0, float),
+                          retries=_setting("search_retries", search_client.RETRIES, int), faults=faults)
     return [{"role": "tool", "content": f"<information>{passages_to_string(hits[0]).strip()}</information>"}]
 
 
@@ -100,13 +102,8 @@ def normalize_answer(text: str) -> str:
 
 
 def _setting(name: str, default, kind):
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    try:
-        parsed = kind(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not a valid {kind.__name__}") from None
-    if parsed < 0 or (name == "SEARCH_TOPK" and parsed < 1):
-        raise ValueError(f"environment variable {name}={value!r} is out of range")
-    return parsed
+    """`rollout.env_args.<name>`, else the environment variable NAME, else `default`; checked in range."""
+    value = env_args.get(name, kind(default))
+    if value < 0 or (name == "search_topk" and value < 1):
+        raise ValueError(f"search env setting {name}={value!r} is out of range")
+    return value

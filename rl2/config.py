@@ -40,7 +40,9 @@ class DataConfig:
     shuffle: bool = _f(True, "shuffle the training data every epoch")
 
 
-_DTYPES = ["float32", "bfloat16", "float16"]
+# The allowed values of the settings with choices: the one list, which the code that uses them imports.
+DTYPE_NAMES = ["float32", "bfloat16", "float16"]
+LOSS_LEVELS = ["token", "sequence"]
 ATTENTION_CHOICES = ["auto", "flash_attention_2", "torch_varlen", "flex_attention", "sdpa_loop"]
 
 
@@ -58,7 +60,7 @@ class ModelConfig:
     compile: bool = _f(False, "compile each decoder layer with torch.compile (with FSDP2 and checkpointing; first steps pay the compilation)")
     logps_chunk_size: int = _f(2048, "policy log-probs and entropy from the LM head this many tokens at a time, never holding [tokens, vocab] fp32 logits; 0 = full logits")
     update_per_rollout: int = _f(1, "optimizer steps per rollout: the rollout is split into this many minibatches")
-    loss_level: str = _f("token", "loss averaging: mean over all tokens of the minibatch, or mean of per-sequence means", ["token", "sequence"])
+    loss_level: str = _f("token", "loss averaging: mean over all tokens of the minibatch, or mean of per-sequence means", LOSS_LEVELS)
     clip: float = _f(0.2, "clip range of the policy ratio (value clip for the critic)")
     clip_high: Optional[float] = _f(None, "DAPO upper clip; None = same as clip")
     lr: float = _f(1e-6, "learning rate of the optimizer")
@@ -71,7 +73,7 @@ class ModelConfig:
     save_dir: str = _f("ckpts", "checkpoint directory")
     save_freq: Optional[int] = _f(None, "steps between checkpoints; None = only at the end")
     save_optimizer: bool = _f(True, "include optimizer state in checkpoints")
-    dtype: str = _f("bfloat16", "compute (param) dtype; master weights stay fp32", _DTYPES)
+    dtype: str = _f("bfloat16", "compute (param) dtype; master weights stay fp32", DTYPE_NAMES)
 
 
 @dataclass
@@ -105,21 +107,23 @@ class RolloutConfig:
     env_path: Optional[str] = _f(None, "python file defining the environment (reward / tool steps)")
     env_timeout: float = _f(60.0, "seconds one reward_fn / interact call may take; then reward 0 / trajectory ends")
     env_concurrency: int = _f(64, "env calls running at once (threads for sync functions)")
+    env_args: dict[str, Any] = _f({}, "settings of the env file, read there as env_args.get(name, default), e.g. {python_tool_workers: 8}; a name not set here falls back to the environment variable NAME")
     dynamic_filtering: bool = _f(False, "drop groups whose rewards are all equal (zero advantage; DAPO)")
     test_responses_per_prompt: int = _f(1, "responses per test prompt; pass@k uses k = this")
     sync_bucket_mb: int = _f(512, "weights are sent to the engine in buckets of about this many MB")
     oversample: Optional[int] = _f(None, "GRPO-RoC: responses generated per prompt before down-sampling to data.responses_per_prompt")
 
 
-_KL_ESTIMATORS = ["k1", "k2", "k3"]
+KL_ESTIMATORS = ["k1", "k2", "k3"]
+ROC_MODES = ["sample", "topk"]
 
 
 @dataclass
 class KLConfig:
     coef: float = _f(0.0, "KL penalty coefficient (0 = no reference model)")
     type: str = _f("reward", "apply KL as a reward penalty or as a loss term", ["reward", "loss"])
-    reward_estimator: str = _f("k1", "KL estimator when type=reward", _KL_ESTIMATORS)
-    loss_estimator: str = _f("k2", "KL estimator when type=loss", _KL_ESTIMATORS)
+    reward_estimator: str = _f("k1", "KL estimator when type=reward", KL_ESTIMATORS)
+    loss_estimator: str = _f("k2", "KL estimator when type=loss", KL_ESTIMATORS)
 
 
 @dataclass
@@ -129,7 +133,7 @@ class AdvConfig:
     lamda: float = _f(1.0, "GAE lambda")
     norm_var: bool = _f(False, "divide advantages by their standard deviation")
     resample_on_correct: bool = _f(False, "GRPO-RoC: generate rollout.oversample responses per prompt, keep data.responses_per_prompt")
-    roc_mode: str = _f("sample", "GRPO-RoC: draw positives with probability ~ 1/penalty (the paper) or take the lowest penalties (the released code)", ["sample", "topk"])
+    roc_mode: str = _f("sample", "GRPO-RoC: draw positives with probability ~ 1/penalty (the paper) or take the lowest penalties (the released code)", ROC_MODES)
     roc_min_each: int = _f(2, "GRPO-RoC: keep at least this many positives and negatives where a group has them")
 
 

@@ -225,6 +225,22 @@ def test_import_error_in_env_file():
     assert not any(name.startswith("rl2_env_bad_import") for name in sys.modules)
 
 
+def test_env_args_reach_the_env_file_before_the_environment(tmp_path, monkeypatch):
+    env_file = tmp_path / "configured.py"
+    env_file.write_text("WORKERS = env_args.get('tool_workers', 4)\n"
+                        "def reward_fn(messages, answer):\n"
+                        "    return float(env_args.get('bonus', 0.5)) + WORKERS\n")
+    monkeypatch.setenv("BONUS", "0.25")
+    with Env(str(env_file), args={"tool_workers": 8}) as env:  # a config value wins over the variable
+        assert env.rewards([chat("a")], [None])[0].value == 8.25  # the variable, as the default's type
+    monkeypatch.setenv("TOOL_WORKERS", "2")
+    with Env(str(env_file)) as env:
+        assert env.rewards([chat("a")], [None])[0].value == 2.25
+    monkeypatch.setenv("TOOL_WORKERS", "many")
+    with pytest.raises(EnvError, match=r"TOOL_WORKERS='many' is not a int \(or set rollout.env_args.tool_workers\)"):
+        Env(str(env_file))
+
+
 def test_a_missing_tools_extra_package_gets_an_install_hint(tmp_path):
     env_file = tmp_path / "needs_bm25s.py"
     env_file.write_text("raise ModuleNotFoundError(\"No module named 'bm25s'\", name='bm25s')\n"

@@ -106,7 +106,7 @@ def assert_same_step(ours: dict, reference: dict) -> None:
 def test_final_barrier_accepts_a_peer_that_already_left(monkeypatch):
     """A peer that passed the last barrier and exited shows up as a reset connection: the run is
     still done. Any other barrier failure is raised."""
-    from rl2.distributed.process_group import process_group as distributed
+    from rl2.distributed import process_group as distributed
 
     def barrier_failing_with(message):
         def barrier():

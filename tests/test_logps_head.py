@@ -105,7 +105,7 @@ def test_models_that_transform_logits_keep_full_logits(tiny_model_dir):
 RSS_WORKER = """
 import resource, sys, tempfile, torch
 from rl2.workers.policy import Policy
-from rl2.algorithms.losses import sft_loss
+from rl2.algorithms.losses import sft_loss, with_loss_weights
 from rl2.config import ModelConfig
 from rl2.distributed.process_group import init_distributed
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -118,7 +118,7 @@ config = ModelConfig(model_name=folder, dtype="float32", max_length_per_device=1
                      logps_chunk_size=int(sys.argv[1]), gradient_checkpointing=True)
 actor = Policy(config, total_steps=1)
 batch = [{"input_ids": torch.randint(0, 151936, (1024,)), "loss_mask": torch.ones(1024, dtype=torch.long)}]
-actor.train_step(batch, sft_loss)  # the peak over the process: the step's logits, and everything else once
+actor.train_step(with_loss_weights(batch), sft_loss)  # the peak over the process: the step's logits, and everything else once
 print("peak_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 

@@ -14,8 +14,10 @@ from rl2.algorithms.preference import (
     count_pairs,
     dpo_loss,
     pair_sequences,
+    pair_weights,
     preference_accuracy,
     reward_model_loss,
+    with_pair_weights,
 )
 
 
@@ -92,7 +94,7 @@ def random_pairs(n_pairs: int, seed: int, with_ref: bool) -> tuple[list[dict], l
 def test_packed_reward_model_loss_matches_per_pair_reference():
     sequences, outputs = random_pairs(7, seed=2, with_ref=False)
     assert count_pairs(sequences) == 6  # pair 1 has no response tokens left: it does not count
-    row = pack_micro_batch(sequences)
+    row = pack_micro_batch(with_pair_weights(sequences, pair_weight=1.0))
     loss, metrics = reward_model_loss({"scores": torch.cat([o["scores"] for o in outputs]).unsqueeze(0)}, row)
 
     expected = {"loss": 0.0, "accuracy": 0.0, "margin": 0.0, "reward/chosen": 0.0, "reward/rejected": 0.0}
@@ -116,7 +118,7 @@ def test_packed_reward_model_loss_matches_per_pair_reference():
 def test_packed_dpo_loss_matches_per_pair_reference(label_smoothing):
     beta = 0.3
     sequences, outputs = random_pairs(6, seed=3, with_ref=True)
-    row = pack_micro_batch(sequences)
+    row = pack_micro_batch(with_pair_weights(sequences, pair_weight=1.0))
     logps = torch.cat([o["logps"] for o in outputs]).unsqueeze(0)
     loss, metrics = DPOLoss(beta, label_smoothing)({"logps": logps}, row)
 
@@ -144,7 +146,7 @@ def test_packed_dpo_loss_matches_per_pair_reference(label_smoothing):
 
 def test_placeholder_pair_contributes_nothing():
     placeholder = {"input_ids": torch.zeros(1, dtype=torch.long), "loss_mask": torch.zeros(1, dtype=torch.long),
-                   "ref_logps": torch.zeros(1)}
+                   "ref_logps": torch.zeros(1), "loss_weight": torch.zeros(1)}
     row = pack_micro_batch([placeholder, placeholder])
     scores = torch.randn(1, 2, requires_grad=True)
     loss, metrics = reward_model_loss({"scores": scores}, row)
@@ -184,3 +186,12 @@ def test_grouped_plan_rejects_a_pair_over_the_budget():
         plan_grouped_micro_batches([10, 10, 30, 40], 2, 1, 64)
     with pytest.raises(ValueError, match="do not form groups of 2"):
         plan_grouped_micro_batches([10, 10, 30], 2, 1, 64)
+
+
+def test_pair_weights_sum_to_one_over_the_pairs_that_count():
+    sequences, _ = random_pairs(5, seed=4, with_ref=False)  # pair 1 has no response tokens
+    weighted = with_pair_weights(sequences)
+    row = pack_micro_batch(weighted)
+    assert pair_weights(row).tolist() == pytest.approx([0.25, 0.0, 0.25, 0.25, 0.25])
+    assert all(w["loss_weight"].sum() == 0 for w in weighted[1::2])  # a pair's weight sits on its chosen response
+    assert all((w["loss_weight"] * (1 - w["loss_mask"])).sum() == 0 for w in weighted)  # on a loss token

@@ -15,7 +15,8 @@ from rl2.rollout.env import Env
 from rl2.search.beam import BeamSearch
 from rl2.search.best_of_n import BestOfN
 from rl2.search.mcts import MCTS
-from rl2.search.run import check_search_config, no_programs
+from rl2.config_checks import check_search_config
+from rl2.search.run import no_programs
 from rl2.search.solver import Problem, Solver, sandbox_runner
 from rl2.search.steps import StepFormat, output_block, parse_step, step_output, step_program
 from rl2.search.training_data import ppm_pairs, sft_rows

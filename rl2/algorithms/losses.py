@@ -8,8 +8,7 @@ tokens the policy generated, 0 on prompt and tool tokens.
 import torch
 from torch import Tensor
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_LEVELS = ("token", "sequence")
+from rl2.config import KL_ESTIMATORS, LOSS_LEVELS
 
 
 def kl_penalty(logps: Tensor, ref_logps: Tensor, estimator: str) -> Tensor:
@@ -91,6 +90,12 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return total / mask.sum().clamp(min=1)
 
 
-def sft_loss(outputs: dict[str, torch.Tensor], micro_batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-    """Negative log-likelihood summed over the loss-masked tokens."""
-    return -(outputs["logps"] * micro_batch["loss_mask"]).sum(), {}
+def with_loss_weights(sequences: list[dict[str, Tensor]], level: str = "token") -> list[dict[str, Tensor]]:
+    """`sequences` with their `loss_weight` (`loss_weights` of their loss masks at `level`)."""
+    weights = loss_weights([seq["loss_mask"] for seq in sequences], level)
+    return [{**seq, "loss_weight": weight} for seq, weight in zip(sequences, weights)]
+
+
+def sft_loss(outputs: dict[str, Tensor], micro_batch: dict[str, Tensor]) -> tuple[Tensor, dict]:
+    """Negative log-likelihood of the tokens, weighted by `loss_weight`."""
+    return -(outputs["logps"] * micro_batch["loss_weight"]).sum(), {}

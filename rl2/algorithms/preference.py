@@ -4,8 +4,9 @@ losses of reward modelling (Bradley–Terry) and DPO.
 A batch of pairs is one list of sequences, `[chosen_0, rejected_0, chosen_1, rejected_1, ...]`;
 packed with `group_size=PAIR` (`Policy.pack`), each pair stays adjacent and in order in one packed
 row, so a loss function sees whole pairs: the even sequences of a row are chosen, the odd ones
-rejected. Loss functions return sums over the pairs of a row; the trainer divides by the number of
-pairs of the whole batch (`count_pairs`), so the loss is a per-pair mean whatever the packing.
+rejected. Loss functions return sums over the pairs of a row weighted by `pair_weights`, which the
+trainer sets to 1 / the pairs of the whole batch (`with_pair_weights`), so the loss is a per-pair mean
+whatever the packing.
 """
 
 from dataclasses import dataclass
@@ -77,8 +78,7 @@ def preference_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.T
 
 
 def pair_metric_sums(chosen: torch.Tensor, rejected: torch.Tensor, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Weighted sums over pairs of accuracy, margin and both rewards (the trainer divides by the
-    number of pairs)."""
+    """Sums over pairs of accuracy, margin and both rewards, weighted by the pairs' `weight`."""
     chosen, rejected = chosen.detach(), rejected.detach()
     return {
         "accuracy": (preference_accuracy(chosen, rejected) * weight).sum(),
@@ -88,11 +88,26 @@ def pair_metric_sums(chosen: torch.Tensor, rejected: torch.Tensor, weight: torch
     }
 
 
+def with_pair_weights(sequences: list[dict[str, torch.Tensor]], pair_weight: float | None = None) -> list[dict]:
+    """`sequences` (chosen, rejected, ...) with their `loss_weight`: each pair that counts (see
+    `count_pairs`) weighs `pair_weight`, by default 1 / the pairs that count, so the weights sum to 1
+    over the batch. A pair's weight sits on its chosen response's first loss token (exact when
+    summed back by `pair_weights`); every other token weighs 0."""
+    if pair_weight is None:
+        pair_weight = 1.0 / max(count_pairs(sequences), 1)
+    weighted = []
+    for chosen, rejected in zip(sequences[0::PAIR], sequences[1::PAIR]):
+        weight = torch.zeros(len(chosen["loss_mask"]))
+        if chosen["loss_mask"].any() and rejected["loss_mask"].any():
+            weight[int(chosen["loss_mask"].nonzero()[0])] = pair_weight
+        weighted += [{**chosen, "loss_weight": weight}, {**rejected, "loss_weight": torch.zeros(len(rejected["loss_mask"]))}]
+    return weighted
+
+
 def pair_weights(micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """1 per pair of a packed row that counts (see `count_pairs`), 0 for the others and for the
-    placeholder pair of a rank with no data."""
-    has_tokens = sequence_sums(micro_batch["loss_mask"].float(), micro_batch["cu_seqlens"]) > 0
-    return (has_tokens[0::PAIR] & has_tokens[1::PAIR]).float()
+    """The weight of each pair of a packed row (see `with_pair_weights`): 0 for pairs that do not
+    count and for the placeholder pair of a rank with no data."""
+    return sequence_sums(micro_batch["loss_weight"].float(), micro_batch["cu_seqlens"])[0::PAIR]
 
 
 def reward_model_loss(

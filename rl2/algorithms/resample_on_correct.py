@@ -2,7 +2,8 @@
 
 import torch
 
-ROC_MODES = ("sample", "topk")
+from rl2.config import ROC_MODES
+
 # In mode "sample" a positive weighs 1 / (penalty + ROC_EPS): a zero penalty gets a large finite weight
 # (1e6, so it is drawn before any penalised one almost surely) and equal penalties give uniform draws.
 ROC_EPS = 1e-6

@@ -16,6 +16,10 @@ no reward (value None; for `interact`, the trajectory ends), a warning with the 
 and the caller gets the error in `EnvResult.error` to count it and to leave the trajectory out of
 training. "Could not score" is never turned into a plausible reward such as 0.0.
 
+The file's settings come from `rollout.env_args` through the global `env_args` it sees while it loads
+and after (`env_args.get("python_tool_workers", 4)`, falling back to the environment variable
+`PYTHON_TOOL_WORKERS`), so a run's config holds them all.
+
 Worker pools and clients an env file keeps at module level (in a `rl2.tools.lazy.Lazy`, or a bare
 `rl2.tools.faults.FaultCounter`) report the faults they recovered from through `fault_counts()`.
 
@@ -42,6 +46,7 @@ import threading
 import traceback
 import uuid
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -76,7 +81,14 @@ class Env:
     `close()` to shut the worker threads down.
     """
 
-    def __init__(self, path: str, timeout: float = 60.0, concurrency: int = 64, need_interact: bool = False):
+    def __init__(
+        self,
+        path: str,
+        timeout: float = 60.0,
+        concurrency: int = 64,
+        need_interact: bool = False,
+        args: dict[str, Any] | None = None,
+    ):
         if timeout <= 0:
             raise ValueError(f"env timeout must be positive, got {timeout}")
         if concurrency < 1:
@@ -85,7 +97,7 @@ class Env:
         self.timeout = float(timeout)
         self.concurrency = concurrency
 
-        module = _load_module(self.path)
+        module = _load_module(self.path, EnvArgs(args or {}, self.path))
         self._reward_fn = _get_function(module, self.path, "reward_fn", ("messages", "answer"), required=True)
         self._interact = _get_function(module, self.path, "interact", ("messages",), required=need_interact)
         self.has_interact = self._interact is not None
@@ -251,8 +263,50 @@ class Env:
 # loading
 
 
-def _load_module(path: str) -> Any:
-    """Execute the env file as a fresh module, with its directory importable while it loads."""
+class EnvArgs(Mapping):
+    """`rollout.env_args` as an env file sees them: the global `env_args` of the file.
+
+    `env_args.get(name, default)` is the setting `name` from the config, else the environment variable
+    `NAME` (upper case; how settings were passed before `rollout.env_args`), else `default`; a value
+    from the environment is converted to the type of `default`, with an error naming the variable.
+    A file that must also import on its own starts with
+    `env_args = globals().get("env_args", EnvArgs())`.
+    """
+
+    def __init__(self, args: dict[str, Any] | None = None, path: str = "env file"):
+        self._args = dict(args or {})
+        self._path = path
+
+    def __getitem__(self, name: str) -> Any:
+        return self._args[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._args)
+
+    def __len__(self) -> int:
+        return len(self._args)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        if name in self._args:
+            return self._args[name]
+        value = os.environ.get(name.upper())
+        if value is None or value.strip() == "":
+            return default
+        if default is None or isinstance(default, str):
+            return value
+        kind = type(default)
+        try:
+            return kind(value) if kind is not bool else value.strip().lower() in ("1", "true", "yes")
+        except ValueError:
+            raise ValueError(
+                f"{self._path}: environment variable {name.upper()}={value!r} is not a {kind.__name__} "
+                f"(or set rollout.env_args.{name})"
+            ) from None
+
+
+def _load_module(path: str, args: EnvArgs | None = None) -> Any:
+    """Execute the env file as a fresh module, with its directory importable while it loads and its
+    settings as the global `env_args`."""
     if not os.path.isfile(path):
         raise EnvError(f"env file not found: {path}")
     name = f"rl2_env_{os.path.splitext(os.path.basename(path))[0]}_{uuid.uuid4().hex[:8]}"
@@ -260,6 +314,7 @@ def _load_module(path: str) -> Any:
     loader = importlib.machinery.SourceFileLoader(name, path)
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
+    module.env_args = args if args is not None else EnvArgs({}, path)
     sys.modules[name] = module  # some code (e.g. @dataclass) looks its module up while it loads
     directory = os.path.dirname(os.path.abspath(path))
     sys.path.insert(0, directory)

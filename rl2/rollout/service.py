@@ -43,6 +43,7 @@ class RolloutService:
             timeout=config.rollout.env_timeout,
             concurrency=config.rollout.env_concurrency,
             need_interact=config.rollout.max_turns > 1,
+            args=config.rollout.env_args,
         )
         self.max_length = config.data.max_length or config.actor.max_length_per_device * config.actor.sp_size
         self.train_params = SamplingParams.from_dict(config.rollout.train_sampling_params)

@@ -21,20 +21,16 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
-from rl2.config import SEARCH_MODES, Config, ConfigError, load_config
+from rl2.config import Config
 from rl2.data.conversations import RLDataset
 from rl2.data.rows import write_jsonl
 from rl2.distributed.process_group import (
     all_gather_objects,
     device,
-    exit_process,
-    init_distributed,
     is_rank0,
     rank,
     rank_slice,
@@ -52,27 +48,10 @@ from rl2.search.steps import StepFormat
 from rl2.search.training_data import ppm_pairs, sft_rows
 from rl2.search.tree import Node, tree_to_json
 from rl2.tools.sandbox import RunResult, Sandbox
-from rl2.trainer.base import check_local_model_path, require, setup_logging, user_errors_reported
+from rl2.config_checks import check_config
+from rl2.trainer.base import run_main, start_run
 
 logger = logging.getLogger("rl2.search")
-
-
-def check_search_config(config: Config) -> None:
-    search = config.search
-    unknown = [mode for mode in search.modes if mode not in SEARCH_MODES]
-    if unknown or not search.modes:
-        raise ConfigError(f"search.modes={search.modes}: choose from {', '.join(SEARCH_MODES)}")
-    for key in ("rollouts", "width", "max_depth", "beam_size", "n", "max_step_tokens", "sandbox_workers",
-                "sft_per_problem", "pairs_per_side"):
-        if getattr(search, key) < 1:
-            raise ConfigError(f"search.{key} must be >= 1, got {getattr(search, key)}")
-    if search.c < 0:
-        raise ConfigError(f"search.c must be >= 0, got {search.c}")
-    if search.terminal_value == "ppm" and search.ppm_path is None:
-        raise ConfigError("search.terminal_value=ppm needs search.ppm_path")
-    if not search.step_end or not search.answer_end or search.step_end == search.answer_end:
-        raise ConfigError("search.step_end and search.answer_end must be two different non-empty texts")
-    check_local_model_path(search.ppm_path, "search.ppm_path")
 
 
 def make_agent(mode: str, root: Node, config: Config) -> SearchAgent:
@@ -93,17 +72,13 @@ class SearchRun:
     """The engine, env, sandbox and PPM of one `python -m rl2.search` run, and the runs of each mode."""
 
     def __init__(self, config: Config):
-        require(config, "data.path", "actor.model_name", "rollout.env_path")
-        check_search_config(config)
-        init_distributed()
-        setup_logging()
-        check_local_model_path(config.actor.model_name, "actor.model_name")
+        check_config(config, "search")
+        self.tokenizer = start_run(config)
         if config.rollout.engine == "sglang":
             check_sglang(config.rollout.tp_size)
         self.config = config
         self.env = Env(config.rollout.env_path, timeout=config.rollout.env_timeout,
-                       concurrency=config.rollout.env_concurrency)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer_name or config.actor.model_name)
+                       concurrency=config.rollout.env_concurrency, args=config.rollout.env_args)
         self.max_length = config.data.max_length
         self.data = RLDataset(config.data.path, self.tokenizer, self.max_length)
         search = config.search
@@ -223,6 +198,4 @@ def write_mode_outputs(folder: str, records: list[dict]) -> None:
 
 
 def main() -> None:
-    with user_errors_reported():
-        SearchRun(load_config(sys.argv[1:])).run()
-    exit_process(0)
+    run_main(lambda config: SearchRun(config).run())

@@ -1,6 +1,8 @@
 """What every trainer shares: process group, logging, metrics, checkpoint save and resume."""
 
 import contextlib
+from collections.abc import Callable
+from typing import Any
 import logging
 import os
 import sys
@@ -16,10 +18,10 @@ from rl2.checkpoint import (
     save_checkpoint,
     save_hf_model,
 )
-from rl2.config import Config, ConfigError, ModelConfig, config_to_dict
+from rl2.config import Config, ConfigError, ModelConfig, config_to_dict, load_config
 from rl2.data.rows import DataError, load_rows, split_rows, validate_rows
 from rl2.rollout.env import EnvError
-from rl2.distributed.process_group import init_distributed, is_rank0, world_size
+from rl2.distributed.process_group import exit_process, init_distributed, is_rank0, world_size
 from rl2.metrics import MetricsLogger
 
 logger = logging.getLogger(__name__)
@@ -47,41 +49,18 @@ def user_errors_reported():
         sys.exit(2)
 
 
-def require(config: Config, *keys: str) -> None:
-    """Fail before anything starts when a key the trainer cannot run without is unset."""
-    for key in keys:
-        section, name = key.split(".")
-        if getattr(getattr(config, section), name) is None:
-            raise ConfigError(f"{key} is required (pass {key}=...)")
-
-
-def check_local_model_path(name: str | None, key: str) -> None:
-    """A model name that is clearly a path (absolute, ./ or ../, or more than one `/`, which no Hub
-    id has) must be an existing folder: otherwise transformers reports it as a malformed repo id."""
-    if name is None:
-        return
-    looks_local = os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
-    if looks_local and not os.path.isdir(os.path.expanduser(name)):
-        raise ConfigError(f"{key}={name}: no such model folder")
-
-
-def require_pair_budget(config: Config, section: str) -> None:
-    """Pair trainers: a pair (chosen and rejected, up to `data.max_length` tokens each) must fit in
-    one micro-batch, since both are packed side by side."""
-    model = getattr(config, section)
-    budget = model.max_length_per_device * model.sp_size
-    if config.data.max_length is not None and 2 * config.data.max_length > budget:
-        raise ConfigError(
-            f"data.max_length={config.data.max_length} allows pairs of {2 * config.data.max_length} tokens (chosen and "
-            f"rejected share a micro-batch), more than {section}.max_length_per_device x {section}.sp_size = {budget}; "
-            f"raise {section}.max_length_per_device or lower data.max_length"
-        )
+def run_main(run: Callable[[Config], Any]) -> None:
+    """The command-line entry point of every `python -m rl2...` module: `run` the config parsed from
+    `sys.argv`; a bad config, data or env file ends the process with its one-line message (exit 2)."""
+    with user_errors_reported():
+        run(load_config(sys.argv[1:]))
+    exit_process(0)
 
 
 def start_run(config: Config, main_section: str = "actor"):
-    """What every entry point does before its work: the process group, rank-0 logging, the seed, checks
-    of the model paths and of `sp_size` against the world size. Returns the tokenizer of the run's
-    main model (`<main_section>.tokenizer_name`, else its `model_name`)."""
+    """What every entry point does once its config is checked (`rl2.config_checks`), before its work:
+    the process group, rank-0 logging, the seed, `sp_size` against the world size. Returns the
+    tokenizer of the run's main model (`<main_section>.tokenizer_name`, else its `model_name`)."""
     init_distributed()
     setup_logging()
     for section in ("actor", "critic"):
@@ -89,8 +68,6 @@ def start_run(config: Config, main_section: str = "actor"):
         if sp_size < 1 or world_size() % sp_size != 0:
             raise ConfigError(f"{section}.sp_size={sp_size} must divide the number of ranks ({world_size()})")
     torch.manual_seed(config.trainer.seed)
-    for section in ("actor", "critic"):
-        check_local_model_path(getattr(config, section).model_name, f"{section}.model_name")
     main = getattr(config, main_section)
     return AutoTokenizer.from_pretrained(main.tokenizer_name or main.model_name)
 

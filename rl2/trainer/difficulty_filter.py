@@ -17,18 +17,17 @@ import dataclasses
 import json
 import logging
 import math
-import sys
 
 from tqdm import tqdm
 
-from rl2.config import Config, ConfigError, load_config
+from rl2.config import Config
+from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
 from rl2.data.rows import write_jsonl
-from rl2.distributed.process_group import exit_process, is_rank0
+from rl2.distributed.process_group import is_rank0
 from rl2.rollout.rollout_metrics import correct_by_prompt
 from rl2.rollout.service import RolloutService
-from rl2.trainer.base import require, start_run, user_errors_reported
-from rl2.trainer.ppo import check_rl_config
+from rl2.trainer.base import run_main, start_run
 
 logger = logging.getLogger("rl2.trainer.difficulty_filter")
 
@@ -37,14 +36,12 @@ class DifficultyFilter:
     """A `RolloutService` serving `actor.model_name` over the problems of `data.path`."""
 
     def __init__(self, config: Config):
-        require(config, "data.path", "filter.output", "actor.model_name", "rollout.env_path")
-        check_filter_config(config)
         # Sampling only, as an evaluation does: no checkpoint to resume, no trajectory dumps.
         config = dataclasses.replace(
             config,
             trainer=dataclasses.replace(config.trainer, eval_only=True, load_ckpt_from=None, dump_trajectories=False),
         )
-        check_rl_config(config)
+        check_config(config, "filter")
         self.config = config
         tokenizer = start_run(config)
         self.rollout = RolloutService(config, tokenizer)
@@ -96,21 +93,8 @@ class DifficultyFilter:
         ])
 
 
-def check_filter_config(config: Config) -> None:
-    settings = config.filter
-    if settings.responses_per_prompt < 1:
-        raise ConfigError(f"filter.responses_per_prompt must be >= 1, got {settings.responses_per_prompt}")
-    if not 0.0 <= settings.pass_rate_min < settings.pass_rate_below <= 1.0:
-        raise ConfigError(
-            f"need 0 <= filter.pass_rate_min < filter.pass_rate_below <= 1 (rows kept: min <= pass rate < below), "
-            f"got {settings.pass_rate_min} and {settings.pass_rate_below}"
-        )
-
-
 def main() -> None:
-    with user_errors_reported():
-        DifficultyFilter(load_config(sys.argv[1:])).run()
-    exit_process(0)
+    run_main(lambda config: DifficultyFilter(config).run())
 
 
 if __name__ == "__main__":

@@ -6,37 +6,41 @@ import time
 import torch
 from tqdm import tqdm
 
-from rl2.workers.policy import Policy
+from rl2.workers.base import LossFn, ModelWorker
 from rl2.config import Config
 from rl2.distributed.process_group import is_rank0
 from rl2.data.sampler import BatchSampler
-from rl2.trainer.base import Trainer, require
+from rl2.config_checks import check_config
+from rl2.trainer.base import Trainer
 
 class OfflineTrainer(Trainer):
     """One optimizer step per batch of `data.batch_size` rows, in a seeded, resumable order.
 
-    A step: the next rows from the sampler → `sequences(rows)` → `train_batch` (one optimizer step)
-    → test metrics from `evaluate` at test steps (logged as `test/<name>`) → metrics.jsonl →
-    checkpoint at save steps. Subclasses set `name` and `dataset_cls` (and `main_section` when the
-    trained model is not the actor), build their models in `build_models` (setting `self.trained`,
-    the model the optimizer steps), and define `train_batch` and `evaluate`.
+    A step: the next rows from the sampler → `sequences(rows)` (with their loss weights) → `train_batch`
+    (`with_inputs`, then one optimizer step of `loss_fn`) → test metrics from `evaluate` at test steps
+    (the same loss and metrics over the whole test set, logged as `test/<name>`) → metrics.jsonl →
+    checkpoint at save steps. Subclasses set `name`, `dataset_cls` and `group_size` (and
+    `main_section` when the trained model is not the actor), build their models in `build_models`
+    (returning the model the optimizer steps), set `loss_fn` there, and define `sequences`.
     """
 
     name: str
     dataset_cls: type
+    group_size = 1  # sequences kept together in one packed row (a preference pair: 2)
     # Log the test metrics once before the first step (step 0), the start of the test curve.
     evaluate_before_training = False
 
     def __init__(self, config: Config):
-        self.check_config(config)
-        require(config, "data.path", f"{self.main_section}.model_name")
+        check_config(config, self.name.lower())
         super().__init__(config)
         self.train_data, self.test_data = self.load_datasets(self.dataset_cls, config.data.max_length)
         self.sampler = BatchSampler(
             len(self.train_data), config.data.batch_size, config.data.shuffle, config.trainer.seed
         )
         self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
-        self.trained: Policy = self.build_models()
+        self.loss_fn: LossFn | None = None
+        self.trained: ModelWorker = self.build_models()
+        self._test_sequences: list[dict[str, torch.Tensor]] | None = None
         self.resume()
         # The subclass's logger, e.g. "rl2.trainer.sft" (not __name__, "__main__" under `python -m`).
         logging.getLogger(f"rl2.trainer.{self.name.lower()}").info(
@@ -46,24 +50,33 @@ class OfflineTrainer(Trainer):
 
     # ---- what subclasses define --------------------------------------------------------------
 
-    def check_config(self, config: Config) -> None:
-        """Raise ConfigError for values this trainer cannot run with (before anything loads)."""
-
-    def build_models(self) -> Policy:
-        """Build the models; return the one being trained."""
+    def build_models(self) -> ModelWorker:
+        """Build the models and set `loss_fn`; return the model being trained."""
         raise NotImplementedError
 
     def sequences(self, rows: list) -> list[dict[str, torch.Tensor]]:
-        """The sequences (dicts of 1-D tensors) that a batch of dataset items trains on."""
-        return rows
+        """The sequences (dicts of 1-D tensors, with their `loss_weight`) that a batch of dataset
+        items trains on."""
+        raise NotImplementedError
+
+    def with_inputs(self, sequences: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """`sequences` with whatever else `loss_fn` reads (e.g. a reference model's log-probs)."""
+        return sequences
+
+    # ---- a step, an evaluation -----------------------------------------------------------------
 
     def train_batch(self, sequences: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """One optimizer step on `sequences`; returns its metrics."""
-        raise NotImplementedError
+        return self.trained.train_step(self.with_inputs(sequences), self.loss_fn, self.group_size)
 
     def evaluate(self) -> dict[str, float]:
-        """Metrics over the test set (logged with a `test/` prefix)."""
-        raise NotImplementedError
+        """`loss_fn`'s loss and metrics over the whole test set (its sequences made once)."""
+        if self._test_sequences is None:
+            items = [self.test_data[i] for i in range(len(self.test_data))]
+            self._test_sequences = self.with_inputs(self.sequences(items))
+        metrics = self.trained.evaluate(self._test_sequences, self.loss_fn, self.group_size)
+        metrics.pop("loss_tokens")
+        return metrics
 
     # ---- checkpointing -------------------------------------------------------------------------
 

@@ -9,25 +9,25 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 
 import torch
 from tqdm import tqdm
 
 from rl2.algorithms.advantages import trajectory_advantages
 from rl2.algorithms.group_filters import groups_with_signal, resample_groups
-from rl2.algorithms.losses import kl_penalty, loss_weights, masked_mean, policy_loss, value_loss
+from rl2.algorithms.losses import kl_penalty, masked_mean, policy_loss, value_loss, with_loss_weights
 from rl2.algorithms.sequences import RLSequence
-from rl2.config import Config, ConfigError, load_config
+from rl2.config import Config
+from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
 from rl2.data.sampler import BatchSampler
-from rl2.distributed.process_group import exit_process, is_rank0
+from rl2.distributed.process_group import is_rank0
 from rl2.metrics import PhaseTimer, curve_summary, read_metrics
 from rl2.rollout.rollout_metrics import rollout_metrics
 from rl2.rollout.service import RolloutService
 from rl2.rollout.trajectory import Trajectory
 from rl2.tools.roc_penalty import roc_error_rates
-from rl2.trainer.base import Trainer, require, user_errors_reported
+from rl2.trainer.base import Trainer, run_main
 from rl2.workers.critic import Critic
 from rl2.workers.policy import Policy
 
@@ -39,9 +39,8 @@ class PPOTrainer(Trainer):
     """Policy-gradient RL on `{"messages", "answer"}` prompts scored by an env file's `reward_fn`."""
 
     def __init__(self, config: Config):
+        check_config(config, "ppo")
         self.eval_only = config.trainer.eval_only
-        require(config, "data.test_path" if self.eval_only else "data.path", "actor.model_name", "rollout.env_path")
-        check_rl_config(config)
         super().__init__(config)
         # The env file and the engine before any trained model: a broken env file fails first, and a
         # GPU engine sizes its KV cache from the memory still free.
@@ -181,9 +180,8 @@ class PPOTrainer(Trainer):
             if model is None or step <= model.config.freeze_steps:
                 continue
             for minibatch in self._minibatches(sequences, model.config.update_per_rollout, step):
-                weights = loss_weights([seq["loss_mask"] for seq in minibatch], model.config.loss_level)
-                minibatch = [{**seq, "loss_weight": w} for seq, w in zip(minibatch, weights)]
-                for key, value in model.train_step(minibatch, loss_fn, loss_total=1.0).items():
+                minibatch = with_loss_weights(minibatch, model.config.loss_level)
+                for key, value in model.train_step(minibatch, loss_fn).items():
                     metrics.setdefault(f"{name}/{key}", []).append(value)
         averaged = {key: sum(values) / len(values) for key, values in metrics.items()}
         if "actor/logp_mismatch" in metrics:  # only the first minibatch ran the old policy
@@ -353,50 +351,8 @@ def run_summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def check_rl_config(config: Config) -> None:
-    """Values an RL run (training, evaluation or the difficulty filter) cannot run with."""
-    if config.rollout.max_turns < 1:
-        raise ConfigError(f"rollout.max_turns must be >= 1, got {config.rollout.max_turns}")
-    if config.data.responses_per_prompt < 1:
-        raise ConfigError(f"data.responses_per_prompt must be >= 1, got {config.data.responses_per_prompt}")
-    if config.actor.update_per_rollout < 1 or config.critic.update_per_rollout < 1:
-        raise ConfigError("actor.update_per_rollout and critic.update_per_rollout must be >= 1")
-    longest = config.actor.max_length_per_device * config.actor.sp_size
-    if config.data.max_length is not None and config.data.max_length > longest:
-        raise ConfigError(
-            f"data.max_length={config.data.max_length} (the longest trajectory) exceeds what one micro-batch holds, "
-            f"actor.max_length_per_device x actor.sp_size = {longest}; raise actor.max_length_per_device"
-        )
-    if config.adv.resample_on_correct:
-        if config.rollout.oversample is None or config.rollout.oversample <= config.data.responses_per_prompt:
-            raise ConfigError(
-                f"adv.resample_on_correct=true needs rollout.oversample > data.responses_per_prompt "
-                f"({config.data.responses_per_prompt}), e.g. 32 generated and 16 kept; got {config.rollout.oversample}"
-            )
-        if not 0 <= 2 * config.adv.roc_min_each <= config.data.responses_per_prompt:
-            raise ConfigError(
-                f"adv.roc_min_each={config.adv.roc_min_each} must be between 0 and data.responses_per_prompt / 2"
-            )
-    elif config.rollout.oversample is not None:
-        raise ConfigError("rollout.oversample is GRPO-RoC's: set adv.resample_on_correct=true, or leave it unset")
-    if config.trainer.eval_only and config.trainer.load_ckpt_from is not None:
-        raise ConfigError(
-            "trainer.eval_only evaluates actor.model_name: pass actor.model_name=<checkpoint folder> "
-            "(e.g. ckpts/step100), not trainer.load_ckpt_from"
-        )
-    if config.rollout.test_responses_per_prompt < 1:
-        raise ConfigError(f"rollout.test_responses_per_prompt must be >= 1, got {config.rollout.test_responses_per_prompt}")
-    if config.adv.estimator == "reinforce" and config.data.responses_per_prompt == 1 and not config.trainer.eval_only:
-        raise ConfigError(
-            "adv.estimator=reinforce uses the group mean as baseline: set data.responses_per_prompt >= 2 "
-            "(or use adv.estimator=gae)"
-        )
-
-
 def main() -> None:
-    with user_errors_reported():
-        PPOTrainer(load_config(sys.argv[1:])).train()
-    exit_process(0)
+    run_main(lambda config: PPOTrainer(config).train())
 
 
 if __name__ == "__main__":

@@ -24,8 +24,12 @@ from rl2.workers.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
 
-# loss_fn(outputs, micro_batch) -> (loss summed over the micro-batch's tokens, metrics summed likewise);
-# outputs holds the model's per-token tensors [1, T]: "logps" (and "entropy"), "values" or "scores".
+# loss_fn(outputs, micro_batch) -> (loss, metrics): the one normalisation rule of every loss. Each is a sum
+# over the micro-batch of per-token (or per-pair) terms times the sequences' "loss_weight", which the
+# trainer sets to sum to 1 over the whole batch (`rl2.algorithms.losses.with_loss_weights`,
+# `rl2.algorithms.preference.with_pair_weights`); summed over micro-batches and ranks, they are the
+# batch's weighted means. `outputs` holds the model's per-token tensors [1, T]: "logps" (and
+# "entropy"), "values" or "scores".
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -204,69 +208,51 @@ class ModelWorker:
 
     @torch.no_grad()
     def evaluate(
-        self,
-        sequences: list[dict[str, torch.Tensor]],
-        loss_fn: LossFn,
-        loss_total: float | None = None,
-        group_size: int = 1,
+        self, sequences: list[dict[str, torch.Tensor]], loss_fn: LossFn, group_size: int = 1
     ) -> dict[str, float]:
-        """`loss_fn`'s loss and metrics over `sequences`, divided by `loss_total` (default: per loss
-        token), without updating; `group_size` as in `pack`."""
+        """`loss_fn`'s loss and metrics over `sequences`, without updating; `group_size` as in `pack`."""
         self.model.eval()
         _, rows = self.pack(sequences, self._inference_max_tokens(), group_size)
         with self.on_device():
-            return self._accumulate(rows, loss_fn, backward=False, loss_total=loss_total)
+            return self._accumulate(rows, loss_fn, backward=False)
 
     def train_step(
-        self,
-        sequences: list[dict[str, torch.Tensor]],
-        loss_fn: LossFn,
-        loss_total: float | None = None,
-        group_size: int = 1,
+        self, sequences: list[dict[str, torch.Tensor]], loss_fn: LossFn, group_size: int = 1
     ) -> dict[str, float]:
         """One optimizer step over all `sequences` (see `accumulate_gradients`)."""
-        metrics = self.accumulate_gradients(sequences, loss_fn, loss_total, group_size)
+        metrics = self.accumulate_gradients(sequences, loss_fn, group_size)
         metrics["lr"] = self.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler moves on after it)
         metrics["grad_norm"] = self.optimizer_step()
         return metrics
 
     def accumulate_gradients(
-        self,
-        sequences: list[dict[str, torch.Tensor]],
-        loss_fn: LossFn,
-        loss_total: float | None = None,
-        group_size: int = 1,
+        self, sequences: list[dict[str, torch.Tensor]], loss_fn: LossFn, group_size: int = 1
     ) -> dict[str, float]:
         """Backward over this rank's micro-batches of `sequences`.
 
-        The loss is the sum of `loss_fn`'s per-micro-batch sums divided by `loss_total`: by
-        default the number of loss tokens in the whole global batch (a per-token mean); pass 1.0
-        when `loss_fn` already weighs tokens by weights summing to 1, or the number of pairs for
-        a per-pair loss. Either way gradients do not depend on the world size, the packing or the
-        number of micro-batches. `group_size` keeps groups of sequences together (see `pack`).
+        The loss is the sum of `loss_fn`'s results over every micro-batch of every rank: with the
+        sequences' `loss_weight` summing to 1 over the batch, the batch's weighted mean. Gradients
+        therefore do not depend on the world size, the packing or the number of micro-batches.
+        `group_size` keeps groups of sequences together (see `pack`).
         """
         self.model.train()
         _, rows = self.pack(sequences, self.config.max_length_per_device, group_size)
-        return self._accumulate(rows, loss_fn, backward=True, loss_total=loss_total)
+        return self._accumulate(rows, loss_fn, backward=True)
 
-    def _accumulate(
-        self, rows: list[dict], loss_fn: LossFn, backward: bool, loss_total: float | None = None
-    ) -> dict[str, float]:
+    def _accumulate(self, rows: list[dict], loss_fn: LossFn, backward: bool) -> dict[str, float]:
         # The ranks of a sequence-parallel group hold the same rows: only the first one reports.
         reporting = 1.0 if self.sp_rank == 0 else 0.0
         tokens = all_reduce_sum(reporting * float(sum(row["loss_mask"].sum().item() for row in rows)))
-        if loss_total is None:
-            loss_total = max(tokens, 1.0)
         totals: dict[str, float] = {}
         for row in rows:
-            loss_sum, metric_sums = loss_fn(self.forward(row, with_entropy=backward), row)
+            loss, metrics = loss_fn(self.forward(row, with_entropy=backward), row)
             if backward:
                 # FSDP averages gradients over all ranks; undo that: we want the sum over the
                 # data-parallel groups (each SP rank's backward reaches only its own tokens).
-                (loss_sum * self.world_size / loss_total).backward()
-            for name, value in {"loss": loss_sum, **metric_sums}.items():
+                (loss * self.world_size).backward()
+            for name, value in {"loss": loss, **metrics}.items():
                 totals[name] = totals.get(name, 0.0) + float(value.detach())
-        metrics = {name: all_reduce_sum(reporting * value) / loss_total for name, value in sorted(totals.items())}
+        metrics = {name: all_reduce_sum(reporting * value) for name, value in sorted(totals.items())}
         metrics["loss_tokens"] = tokens
         return metrics
 

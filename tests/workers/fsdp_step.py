@@ -16,7 +16,7 @@ import sys
 import torch
 
 from rl2.workers.policy import Policy
-from rl2.algorithms.losses import sft_loss
+from rl2.algorithms.losses import sft_loss, with_loss_weights
 from rl2.checkpoint import save_hf_model
 from rl2.config import ModelConfig
 from rl2.distributed.process_group import exit_process, init_distributed, is_rank0
@@ -51,7 +51,7 @@ def main() -> None:
     # cloned: on one CPU rank the full state dict shares memory with the parameters
     before = {name: tensor.clone() for name, tensor in gather_full_state_dict(actor.model).items()}
     steps = capture_steps(actor.model, actor.optimizer)
-    metrics = actor.accumulate_gradients(batch, sft_loss)
+    metrics = actor.accumulate_gradients(with_loss_weights(batch), sft_loss)
     logps = actor.compute(batch)
     metrics["grad_norm"] = actor.optimizer_step()
     params = gather_full_state_dict(actor.model)

@@ -1,0 +1,163 @@
+"""Every check of a parsed config, by command, in one place: each entry point calls `check_config`
+before anything starts (no process group, no model), so a bad value fails at once with a message
+that names the key. Types, unknown keys and choices are checked while parsing (`rl2.config`)."""
+
+import os
+
+from rl2.config import SEARCH_MODES, Config, ConfigError
+
+COMMANDS = ("ppo", "sft", "rm", "dpo", "filter", "search")
+
+
+def check_config(config: Config, command: str) -> None:
+    """Raise ConfigError for the first value `command` cannot run with: a required key unset, a value
+    out of range, settings that contradict each other, a model folder that does not exist."""
+    if command == "ppo":
+        require(config, "data.test_path" if config.trainer.eval_only else "data.path", "actor.model_name",
+                "rollout.env_path")
+        check_rl_config(config)
+    elif command == "sft":
+        require(config, "data.path", "actor.model_name")
+    elif command == "rm":
+        check_rm_config(config)
+        require(config, "data.path", "critic.model_name")
+    elif command == "dpo":
+        check_dpo_config(config)
+        require(config, "data.path", "actor.model_name")
+    elif command == "filter":
+        require(config, "data.path", "filter.output", "actor.model_name", "rollout.env_path")
+        check_filter_config(config)
+        check_rl_config(config)
+    elif command == "search":
+        require(config, "data.path", "actor.model_name", "rollout.env_path")
+        check_search_config(config)
+    else:
+        raise ValueError(f"unknown command {command!r}; expected one of {COMMANDS}")
+    for section in ("actor", "critic"):
+        check_local_model_path(getattr(config, section).model_name, f"{section}.model_name")
+
+
+def require(config: Config, *keys: str) -> None:
+    """Fail before anything starts when a key the trainer cannot run without is unset."""
+    for key in keys:
+        section, name = key.split(".")
+        if getattr(getattr(config, section), name) is None:
+            raise ConfigError(f"{key} is required (pass {key}=...)")
+
+
+def check_local_model_path(name: str | None, key: str) -> None:
+    """A model name that is clearly a path (absolute, ./ or ../, or more than one `/`, which no Hub
+    id has) must be an existing folder: otherwise transformers reports it as a malformed repo id."""
+    if name is None:
+        return
+    looks_local = os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+    if looks_local and not os.path.isdir(os.path.expanduser(name)):
+        raise ConfigError(f"{key}={name}: no such model folder")
+
+
+def require_pair_budget(config: Config, section: str) -> None:
+    """Pair trainers: a pair (chosen and rejected, up to `data.max_length` tokens each) must fit in
+    one micro-batch, since both are packed side by side."""
+    model = getattr(config, section)
+    budget = model.max_length_per_device * model.sp_size
+    if config.data.max_length is not None and 2 * config.data.max_length > budget:
+        raise ConfigError(
+            f"data.max_length={config.data.max_length} allows pairs of {2 * config.data.max_length} tokens (chosen and "
+            f"rejected share a micro-batch), more than {section}.max_length_per_device x {section}.sp_size = {budget}; "
+            f"raise {section}.max_length_per_device or lower data.max_length"
+        )
+
+
+def check_rl_config(config: Config) -> None:
+    """Values an RL run (training, evaluation or the difficulty filter) cannot run with."""
+    if config.rollout.max_turns < 1:
+        raise ConfigError(f"rollout.max_turns must be >= 1, got {config.rollout.max_turns}")
+    if config.data.responses_per_prompt < 1:
+        raise ConfigError(f"data.responses_per_prompt must be >= 1, got {config.data.responses_per_prompt}")
+    if config.actor.update_per_rollout < 1 or config.critic.update_per_rollout < 1:
+        raise ConfigError("actor.update_per_rollout and critic.update_per_rollout must be >= 1")
+    longest = config.actor.max_length_per_device * config.actor.sp_size
+    if config.data.max_length is not None and config.data.max_length > longest:
+        raise ConfigError(
+            f"data.max_length={config.data.max_length} (the longest trajectory) exceeds what one micro-batch holds, "
+            f"actor.max_length_per_device x actor.sp_size = {longest}; raise actor.max_length_per_device"
+        )
+    if config.adv.resample_on_correct:
+        if config.rollout.oversample is None or config.rollout.oversample <= config.data.responses_per_prompt:
+            raise ConfigError(
+                f"adv.resample_on_correct=true needs rollout.oversample > data.responses_per_prompt "
+                f"({config.data.responses_per_prompt}), e.g. 32 generated and 16 kept; got {config.rollout.oversample}"
+            )
+        if not 0 <= 2 * config.adv.roc_min_each <= config.data.responses_per_prompt:
+            raise ConfigError(
+                f"adv.roc_min_each={config.adv.roc_min_each} must be between 0 and data.responses_per_prompt / 2"
+            )
+    elif config.rollout.oversample is not None:
+        raise ConfigError("rollout.oversample is GRPO-RoC's: set adv.resample_on_correct=true, or leave it unset")
+    if config.trainer.eval_only and config.trainer.load_ckpt_from is not None:
+        raise ConfigError(
+            "trainer.eval_only evaluates actor.model_name: pass actor.model_name=<checkpoint folder> "
+            "(e.g. ckpts/step100), not trainer.load_ckpt_from"
+        )
+    if config.rollout.test_responses_per_prompt < 1:
+        raise ConfigError(f"rollout.test_responses_per_prompt must be >= 1, got {config.rollout.test_responses_per_prompt}")
+    if config.adv.estimator == "reinforce" and config.data.responses_per_prompt == 1 and not config.trainer.eval_only:
+        raise ConfigError(
+            "adv.estimator=reinforce uses the group mean as baseline: set data.responses_per_prompt >= 2 "
+            "(or use adv.estimator=gae)"
+        )
+
+
+def check_rm_config(config: Config) -> None:
+    """Reward modelling trains in the critic section."""
+    if config.critic.model_name is None:
+        hint = (
+            f"; actor.model_name={config.actor.model_name} is not used here: did you mean critic.model_name?"
+            if config.actor.model_name is not None
+            else ""
+        )
+        raise ConfigError(
+            "critic.model_name is required: rl2.trainer.rm trains the reward model in the critic section "
+            f"(critic.model_name, critic.lr, critic.save_dir, ...), as RL2 does{hint}"
+        )
+    require_pair_budget(config, "critic")
+
+
+def check_dpo_config(config: Config) -> None:
+    if not config.actor.beta > 0:
+        raise ConfigError(f"actor.beta must be > 0, got {config.actor.beta}")
+    if not 0 <= config.actor.label_smoothing < 0.5:
+        raise ConfigError(
+            f"actor.label_smoothing must be in [0, 0.5), got {config.actor.label_smoothing} "
+            "(at 0.5 the loss no longer prefers either response)"
+        )
+    require_pair_budget(config, "actor")
+
+
+def check_filter_config(config: Config) -> None:
+    settings = config.filter
+    if settings.responses_per_prompt < 1:
+        raise ConfigError(f"filter.responses_per_prompt must be >= 1, got {settings.responses_per_prompt}")
+    if not 0.0 <= settings.pass_rate_min < settings.pass_rate_below <= 1.0:
+        raise ConfigError(
+            f"need 0 <= filter.pass_rate_min < filter.pass_rate_below <= 1 (rows kept: min <= pass rate < below), "
+            f"got {settings.pass_rate_min} and {settings.pass_rate_below}"
+        )
+
+
+def check_search_config(config: Config) -> None:
+    search = config.search
+    unknown = [mode for mode in search.modes if mode not in SEARCH_MODES]
+    if unknown or not search.modes:
+        raise ConfigError(f"search.modes={search.modes}: choose from {', '.join(SEARCH_MODES)}")
+    for key in ("rollouts", "width", "max_depth", "beam_size", "n", "max_step_tokens", "sandbox_workers",
+                "sft_per_problem", "pairs_per_side"):
+        if getattr(search, key) < 1:
+            raise ConfigError(f"search.{key} must be >= 1, got {getattr(search, key)}")
+    if search.c < 0:
+        raise ConfigError(f"search.c must be >= 0, got {search.c}")
+    if search.terminal_value == "ppm" and search.ppm_path is None:
+        raise ConfigError("search.terminal_value=ppm needs search.ppm_path")
+    if not search.step_end or not search.answer_end or search.step_end == search.answer_end:
+        raise ConfigError("search.step_end and search.answer_end must be two different non-empty texts")
+    check_local_model_path(search.ppm_path, "search.ppm_path")
