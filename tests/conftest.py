@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rank_launcher
+from rl2.data.chat_template import render_chat
 from rl2.testing.tiny import save_tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +60,13 @@ def forked_or_real(forked, real) -> subprocess.CompletedProcess:
                       f"{result.stderr[-3000:]}")
         result = real()
     return result
+
+
+def tokenize_prompt(messages: list[dict], tokenizer) -> list[int]:
+    """Token ids of `messages` through the chat template with the generation prompt, as `RLDataset`
+    gives them (test_data checks the two agree)."""
+    text = render_chat(messages, tokenizer, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def run_torchrun(

@@ -8,9 +8,10 @@ import pyarrow as pa
 import pytest
 import torch
 
+from conftest import tokenize_prompt
 from rl2.data.rows import DataError, load_rows, parse_messages, split_rows, validate_rows
 from rl2.data.conversations import PairDataset, RLDataset, SFTDataset
-from rl2.data.chat_template import tokenize_conversation, tokenize_prompt
+from rl2.data.chat_template import tokenize_conversation
 from rl2.testing.tiny import build_tiny_tokenizer
 
 RL_ROWS = [
@@ -292,8 +293,9 @@ def test_tokenize_conversation_truncation(tokenizer):
     assert tokenize_conversation(CONVERSATION, tokenizer, max_length=n - 1)["truncated"]
 
 
-def test_tokenize_prompt(tokenizer):
-    ids = tokenize_prompt(CONVERSATION[:2], tokenizer)
+def test_rl_prompt_ids_are_the_templated_prompt(tokenizer):
+    ids = RLDataset(datasets.Dataset.from_list([{"messages": CONVERSATION[:2], "answer": 42}]), tokenizer, None)[0]["prompt_ids"]
+    assert ids == tokenize_prompt(CONVERSATION[:2], tokenizer)  # the tests' helper (conftest) agrees
     assert tokenizer.decode(ids) == (
         "<|im_start|>system\nYou are a math tool user.<|im_end|>\n"
         "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n"

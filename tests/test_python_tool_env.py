@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from transformers import AutoTokenizer
 
-from rl2.data.chat_template import tokenize_prompt
+from conftest import tokenize_prompt
 from rl2.engines import SamplingParams
 from rl2.rollout.env import Env, _load_module
 from rl2.rollout.multi_turn import assign_rewards, rollout

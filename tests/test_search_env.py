@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from retrieval_helpers import SAMPLE_CORPUS, running
 from server_process import REPO, free_port, serving
-from rl2.data.chat_template import tokenize_prompt
+from conftest import tokenize_prompt
 from rl2.engines import Engine, Generation, SamplingParams
 from rl2.rollout.env import Env
 from rl2.rollout.multi_turn import assign_rewards, rollout

@@ -40,12 +40,6 @@ def _tokenize_conversation(messages: list[dict], tokenizer, max_length: int | No
     return {"input_ids": input_ids, "loss_mask": loss_mask, "truncated": truncated}
 
 
-def tokenize_prompt(messages: list[dict], tokenizer) -> list[int]:
-    """Token ids of `messages` rendered with the chat template and the generation prompt."""
-    text = render_chat(messages, tokenizer, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 def render_chat(messages: list[dict], tokenizer, add_generation_prompt: bool) -> str:
     """`messages` as text through the tokenizer's chat template."""
     # tokenize=False: in transformers 5 tokenize=True returns a BatchEncoding, and tokenizing the

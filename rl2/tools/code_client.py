@@ -35,7 +35,7 @@ import json
 import logging
 import uuid
 import weakref
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import aiohttp
 
@@ -187,7 +187,7 @@ class CodeClient:
                 message = f"code service at {self.url} {error}"
                 logger.error("%s", message)
                 for i in pending:
-                    results[i] = failure(subs[i], error.reason, message)
+                    results[i] = not_run_result(subs[i]["sub_id"], error.reason, message)
                 return results
             else:
                 for i, answer in zip(pending, answers):
@@ -206,7 +206,7 @@ class CodeClient:
         logger.error("%s", message)
         for i in pending:
             if results[i] is None:
-                results[i] = failure(subs[i], "internal_error", message)
+                results[i] = not_run_result(subs[i]["sub_id"], "internal_error", message)
         return results
 
     async def _post(self, session: aiohttp.ClientSession, subs: list[dict]) -> list[dict]:
@@ -244,10 +244,12 @@ def _check_answer(body: str, subs: list[dict]) -> list[dict]:
     return results
 
 
-def failure(sub: dict, reason: str, message: str) -> dict:
-    """A code-judge result for a submission the service did not run."""
-    return {"sub_id": sub["sub_id"], "success": False, "run_success": False, "cost": 0.0,
-            "stdout": "", "stderr": message, "reason": reason}
+def not_run_result(sub_id: Any, reason: str, message: str, cost: float = 0.0) -> dict:
+    """A code-judge result for a submission that did not run (`reason` "queue_timeout" or
+    "internal_error"), from the service or from this client: stdout is null, as in code-judge, and
+    stderr says why (null in code-judge)."""
+    return {"sub_id": sub_id, "success": False, "run_success": False, "cost": cost,
+            "stdout": None, "stderr": message, "reason": reason}
 
 
-__all__ = ["CodeClient", "failure"]
+__all__ = ["CodeClient", "not_run_result"]

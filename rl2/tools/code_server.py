@@ -42,6 +42,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rl2.tools.code_client import not_run_result
 from rl2.tools.http_errors import BadRequest, json_errors
 from rl2.tools.sandbox import Sandbox, SandboxError
 
@@ -127,7 +128,7 @@ def judge_result(sub: Submission, run: Any, output_limit: int = OUTPUT_LIMIT) ->
     before it is cut to `output_limit` characters; a timed-out program's stdout ends with
     code-judge's "Suicide from timeout." line."""
     if run.reason in ("sandbox_error", "not_installed"):
-        return failed_result(sub, "internal_error", float(run.wall_time), run.stderr)
+        return not_run_result(sub.sub_id, "internal_error", run.stderr, float(run.wall_time))
     run_success = run.reason == "ok" or (run.reason == "output_limit" and run.exit_code == 0)
     matches = sub.expected_output is None or run.stdout.strip() == sub.expected_output.strip()
     stdout = run.stdout + TIMEOUT_LINE if run.reason == "timeout" else run.stdout
@@ -140,13 +141,6 @@ def judge_result(sub: Submission, run: Any, output_limit: int = OUTPUT_LIMIT) ->
         "stderr": run.stderr[:output_limit],
         "reason": REASONS.get(run.reason, ""),
     }
-
-
-def failed_result(sub: Submission, reason: str, cost: float, message: str) -> dict:
-    """A result for a submission that did not run: `reason` "queue_timeout" or "internal_error";
-    stdout is null, as in code-judge, and stderr says why (null in code-judge)."""
-    return {"sub_id": sub.sub_id, "success": False, "run_success": False, "cost": cost,
-            "stdout": None, "stderr": message, "reason": reason}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,7 +165,7 @@ class CodeService:
         """Run one submission; without `long_batch` give up if no worker frees within the queue timeout."""
         if sub.type not in self.languages:  # as code-judge answers a type it cannot run
             why = "g++ is not installed here" if sub.type == "cpp" else "this service runs no such programs"
-            return failed_result(sub, "internal_error", 0.0, f"type {sub.type!r} cannot run: {why}")
+            return not_run_result(sub.sub_id, "internal_error", f"type {sub.type!r} cannot run: {why}")
         start = time.monotonic()
         self.waiting += 1
         try:
@@ -180,16 +174,17 @@ class CodeService:
             else:
                 await asyncio.wait_for(self._slots.acquire(), self.queue_timeout)
         except asyncio.TimeoutError:
-            return failed_result(sub, "queue_timeout", time.monotonic() - start,
-                                 f"no worker free within {self.queue_timeout}s; resubmit, or use /run/long-batch")
+            return not_run_result(sub.sub_id, "queue_timeout",
+                                  f"no worker free within {self.queue_timeout}s; resubmit, or use /run/long-batch",
+                                  time.monotonic() - start)
         finally:
             self.waiting -= 1
         try:
             run = await asyncio.get_running_loop().run_in_executor(self._pool, self._run, sub)
         except Exception as error:
             logger.exception("sandbox failed on submission %s", sub.sub_id)
-            return failed_result(sub, "internal_error", time.monotonic() - start,
-                                 f"sandbox failed: {type(error).__name__}: {error}")
+            return not_run_result(sub.sub_id, "internal_error", f"sandbox failed: {type(error).__name__}: {error}",
+                                  time.monotonic() - start)
         finally:
             self._slots.release()
         return judge_result(sub, run, self.output_limit)

@@ -47,6 +47,13 @@ def _box_content(text: str, i: int) -> str | None:
         return match.group(1) if match else None
     if i >= len(text) or text[i] != "{":
         return None
+    end = closing_brace(text, i)
+    return None if end is None else text[i + 1:end]
+
+
+def closing_brace(text: str, i: int) -> int | None:
+    """The index of the `}` that closes the `{` at `text[i]` (braces escaped with a backslash do not
+    count); None when it is never closed."""
     depth = 0
     for j in range(i, len(text)):
         if text[j] == "{" and (j == 0 or text[j - 1] != "\\"):
@@ -54,7 +61,7 @@ def _box_content(text: str, i: int) -> str | None:
         elif text[j] == "}" and text[j - 1] != "\\":
             depth -= 1
             if depth == 0:
-                return text[i + 1:j]
+                return j
     return None
 
 

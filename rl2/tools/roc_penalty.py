@@ -7,6 +7,8 @@ by it. Written for the messages of envs/python_tool.py; an env file may define i
 
 import re
 
+from rl2.tools.math_grader import closing_brace
+
 # How a tool message of envs/python_tool.py reports an error (for `roc_penalty`); any match counts.
 # Anchored forms, so that a program which merely prints the word "error" does not count.
 ROC_ERROR_MARKERS = (
@@ -51,17 +53,11 @@ def _count_answers(text: str) -> tuple[int, bool]:
         if not text.startswith("{", i):
             unclosed = True
             continue
-        depth = 0
-        for j in range(i, len(text)):
-            if text[j] == "{" and text[j - 1] != "\\":
-                depth += 1
-            elif text[j] == "}" and text[j - 1] != "\\":
-                depth -= 1
-                if depth == 0:
-                    count, i = count + 1, j + 1
-                    break
-        else:
+        end = closing_brace(text, i)
+        if end is None:
             unclosed = True
+        else:
+            count, i = count + 1, end + 1
     return count, unclosed
 
 
