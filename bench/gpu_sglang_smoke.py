@@ -23,7 +23,6 @@ import torch
 from transformers import AutoTokenizer
 
 from rl2.algorithms.losses import with_loss_weights
-from rl2.workers.policy import Policy
 from rl2.config import load_config
 from rl2.distributed.process_group import (
     all_gather_objects,
@@ -36,8 +35,9 @@ from rl2.distributed.process_group import (
     rank,
 )
 from rl2.engines import SamplingParams, build_engine
-from rl2.testing.tiny import save_tiny
 from rl2.rollout.weight_sync import iter_full_weights
+from rl2.testing.tiny import save_tiny
+from rl2.workers.policy import Policy
 
 QUESTIONS = [
     "What is 17 * 23? Think step by step.",

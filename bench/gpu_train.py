@@ -29,10 +29,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from rl2.workers.policy import Policy
 from rl2.algorithms.losses import sft_loss, with_loss_weights
 from rl2.config import ModelConfig
 from rl2.distributed.process_group import init_distributed
+from rl2.workers.policy import Policy
 
 H100_BF16_PEAK = 989e12
 

@@ -43,9 +43,9 @@ def max_rss_bytes() -> int:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from rl2.kernels.attention import varlen_attention
     from rl2.distributed.process_group import exit_process, init_distributed
     from rl2.distributed.ring_attention import ring_attention, zigzag_cu_seqlens, zigzag_split
+    from rl2.kernels.attention import varlen_attention
 
     init_distributed()
     group, rank, sp = dist.group.WORLD, dist.get_rank(), dist.get_world_size()

@@ -19,6 +19,8 @@ from transformers import AutoTokenizer
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
+from search_task import TabularPPM, run_walk  # noqa: E402
+
 from rl2.rollout.env import Env  # noqa: E402
 from rl2.search.beam import BeamSearch  # noqa: E402
 from rl2.search.best_of_n import BestOfN  # noqa: E402
@@ -26,7 +28,6 @@ from rl2.search.mcts import MCTS  # noqa: E402
 from rl2.search.training_data import ppm_pairs  # noqa: E402
 from rl2.search.tree import Node  # noqa: E402
 from rl2.testing.tiny import save_tiny  # noqa: E402
-from search_task import TabularPPM, run_walk  # noqa: E402
 
 
 def main() -> None:

@@ -17,10 +17,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from rl2.workers.policy import token_logps
-from rl2.kernels.attention import packed_attention_implementation
 from rl2.distributed.packing import pack_micro_batch, plan_micro_batches
+from rl2.kernels.attention import packed_attention_implementation
 from rl2.testing.tiny import save_tiny
+from rl2.workers.policy import token_logps
 
 
 def long_tailed_lengths(n: int, seed: int, max_length: int) -> list[int]:

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from rl2.distributed.process_group import barrier, is_rank0
 from rl2.distributed.fsdp import DTYPES, gather_full_state_dict
+from rl2.distributed.process_group import barrier, is_rank0
 
 logger = logging.getLogger(__name__)
 

@@ -160,6 +160,7 @@ class FilterConfig:
 
 
 SEARCH_MODES = ["greedy", "best_of_n", "beam", "mcts"]
+TERMINAL_VALUES = ["env", "ppm"]
 
 
 @dataclass
@@ -176,7 +177,7 @@ class SearchConfig:
     step_end: str = _f("<end_of_step>", "text that ends a step")
     answer_end: str = _f("<end_of_answer>", "text that ends the final step")
     ppm_path: Optional[str] = _f(None, "process preference model (a reward model folder, e.g. from rl2.trainer.rm): scores every step")
-    terminal_value: str = _f("env", "value of a finished solution: env (+1/-1 from rollout.env_path's reward_fn against the answer) or ppm (its PPM score; the answer is only used for the report)", ["env", "ppm"])
+    terminal_value: str = _f("env", "value of a finished solution: env (+1/-1 from rollout.env_path's reward_fn against the answer) or ppm (its PPM score; the answer is only used for the report)", TERMINAL_VALUES)
     execute_code: bool = _f(True, "run each step's python blocks in the sandbox (a failing one makes the step invalid)")
     code_timeout: float = _f(10.0, "seconds a step's program may run")
     code_memory_mb: int = _f(1024, "memory limit of a step's program")

@@ -9,8 +9,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rl2.kernels.attention import packed_attention_implementation
 from rl2.distributed.process_group import is_rank0
+from rl2.kernels.attention import packed_attention_implementation
 from rl2.kernels.logps_head import install_logps_head
 
 logger = logging.getLogger(__name__)

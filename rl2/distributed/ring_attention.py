@@ -43,7 +43,6 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from rl2.kernels.attention import no_dense_mask
 
-
 # ---------------------------------------------------------------------------------------------
 # ZigZag layout
 # ---------------------------------------------------------------------------------------------

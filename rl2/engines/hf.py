@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
+from rl2.distributed.fsdp import DTYPES
 from rl2.engines.base import Engine, Generation, OnGeneration, SamplingParams, Turn
 from rl2.engines.decode_step import DecodeStep
 from rl2.engines.kv_slots import NO_MASKS, KVSlots, PrefillPlan, register_slot_attention
 from rl2.engines.sampling import request_uniforms, sample
 from rl2.engines.slot_table import BLOCK, SlotTable, block_hashes
-from rl2.distributed.fsdp import DTYPES
 
 logger = logging.getLogger(__name__)
 

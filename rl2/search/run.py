@@ -26,6 +26,7 @@ import time
 from tqdm import tqdm
 
 from rl2.config import Config
+from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
 from rl2.data.rows import write_jsonl
 from rl2.distributed.process_group import (
@@ -48,7 +49,6 @@ from rl2.search.steps import StepFormat
 from rl2.search.training_data import ppm_pairs, sft_rows
 from rl2.search.tree import Node, tree_to_json
 from rl2.tools.sandbox import RunResult, Sandbox
-from rl2.config_checks import check_config
 from rl2.trainer.base import run_main, start_run
 
 logger = logging.getLogger("rl2.search")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rl2.config import TERMINAL_VALUES
 from rl2.data.chat_template import render_chat
 from rl2.engines import Engine, SamplingParams
 from rl2.rollout.env import Env
@@ -21,7 +22,6 @@ from rl2.search.steps import StepFormat, output_block, parse_step, step_output, 
 from rl2.search.tree import Node, set_priors
 from rl2.tools.sandbox import RunResult, Sandbox
 
-TERMINAL_VALUES = ("env", "ppm")
 CORRECT, WRONG = 1.0, -1.0
 
 

@@ -13,8 +13,17 @@ import time
 
 import numpy as np
 
-from rl2.tools.retrieval_index import (INDEX_FORMAT, OFFSETS_FILE, Corpus, CorpusError, Hit, corpus_stamp,
-                                       read_fresh_meta, save_atomically, write_meta)
+from rl2.tools.retrieval_index import (
+    INDEX_FORMAT,
+    OFFSETS_FILE,
+    Corpus,
+    CorpusError,
+    Hit,
+    corpus_stamp,
+    read_fresh_meta,
+    save_atomically,
+    write_meta,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """What every trainer shares: process group, logging, metrics, checkpoint save and resume."""
 
 import contextlib
-from collections.abc import Callable
-from typing import Any
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -20,9 +20,9 @@ from rl2.checkpoint import (
 )
 from rl2.config import Config, ConfigError, ModelConfig, config_to_dict, load_config
 from rl2.data.rows import DataError, load_rows, split_rows, validate_rows
-from rl2.rollout.env import EnvError
 from rl2.distributed.process_group import exit_process, init_distributed, is_rank0, world_size
 from rl2.metrics import MetricsLogger
+from rl2.rollout.env import EnvError
 
 logger = logging.getLogger(__name__)
 

@@ -6,12 +6,13 @@ import time
 import torch
 from tqdm import tqdm
 
-from rl2.workers.base import LossFn, ModelWorker
 from rl2.config import Config
-from rl2.distributed.process_group import is_rank0
-from rl2.data.sampler import BatchSampler
 from rl2.config_checks import check_config
+from rl2.data.sampler import BatchSampler
+from rl2.distributed.process_group import is_rank0
 from rl2.trainer.base import Trainer
+from rl2.workers.base import LossFn, ModelWorker
+
 
 class OfflineTrainer(Trainer):
     """One optimizer step per batch of `data.batch_size` rows, in a seeded, resumable order.
