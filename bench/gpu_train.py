@@ -6,7 +6,7 @@ sequences sorted by length and padded into micro-batches of at most `--max-token
 log-probs from full logits. rl2: FSDP2 (one rank), bf16 compute over fp32 master weights, balanced
 packed rows of at most `--max-tokens` tokens, packed-row attention (`actor.attn_implementation=auto`),
 log-probs from the LM head in chunks. Both train on the same long-tailed batch (RL response lengths),
-with activation checkpointing on and off; only real tokens count. Also timed: `Policy.compute_logps`
+with activation checkpointing on and off; only real tokens count. Also timed: `Policy.compute`
 (no-grad forward over the same tokens) as a share of the train step.
 
 MFU = (6 × matmul parameters × tokens + causal attention FLOPs) / time / peak, with attention at

@@ -24,6 +24,6 @@ def test_gpu_train_bench_runs_on_cpu(tmp_path):
     assert [(row[1], row[2]) for row in measured] == [("off", "plain"), ("off", "rl2"), ("on", "plain"), ("on", "rl2")]
     for row in measured:
         assert float(row[3]) > 0 and float(row[6]) > 0  # tokens/s, step seconds
-    assert all(row[7].endswith("x") for row in measured if row[2] == "rl2")  # compute_logps / step
+    assert all(row[7].endswith("x") for row in measured if row[2] == "rl2")  # Policy.compute / step
     assert len(ratios) == 2 and all(row[-1].endswith("x") for row in ratios)
     assert "out of memory" not in result.stdout

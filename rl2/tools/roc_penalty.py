@@ -1,6 +1,6 @@
 """GRPO-RoC's default penalty of a trajectory (rStar2-Agent): tool errors plus answer-format errors.
 
-Lower is better; `rl2.algorithms.resample_on_correct` keeps the positive trajectories of a group
+Lower is better; `rl2.algorithms.resample_on_correct.resample_on_correct` keeps the positive trajectories of a group
 by it. Written for the messages of envs/python_tool.py; an env file may define its own
 `roc_penalty(messages)` instead.
 """
