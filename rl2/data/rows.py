@@ -283,6 +283,14 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
     os.replace(path + ".tmp", path)
 
 
+def write_json(path: str, value: dict) -> None:
+    """`value` as an indented JSON file, written whole under a temporary name first, as `write_jsonl`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
 def split_rows(rows: datasets.Dataset, test_ratio: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
     """A deterministic (train, test) split of `rows`, each keeping the original row order. The test
     split has round(len * test_ratio) rows, at least one when test_ratio > 0."""

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from rl2.config import Config
 from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
-from rl2.data.rows import write_jsonl
+from rl2.data.rows import write_json, write_jsonl
 from rl2.distributed.process_group import (
     all_gather_objects,
     device,
@@ -180,13 +180,6 @@ def summarize(records: list[dict], generate_calls: int, seconds: float) -> dict:
         "generate_calls": float(generate_calls),
         "seconds": seconds,
     }
-
-
-def write_json(path: str, value: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
 
 
 def write_mode_outputs(folder: str, records: list[dict]) -> None:

@@ -20,6 +20,7 @@ from rl2.algorithms.sequences import RLSequence
 from rl2.config import Config
 from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
+from rl2.data.rows import write_json
 from rl2.data.sampler import BatchSampler
 from rl2.distributed.process_group import is_rank0
 from rl2.metrics import PhaseTimer, curve_summary, read_metrics
@@ -107,7 +108,7 @@ class PPOTrainer(Trainer):
 
     def score(self, trajectories: list[Trajectory]) -> tuple[list[RLSequence], dict[str, float]]:
         """The trajectories as sequences with the old policy's, the reference's and the critic's
-        per-token outputs, computed on packed micro-batches; and the log-prob mismatch and KL metrics."""
+        per-token outputs, computed on packed micro-batches; and the log-prob mismatch metrics."""
         # An excluded trajectory (an env error, an aborted generation) stays in the batch, so groups
         # keep their shape, but carries no loss and does not count in its group's baseline.
         sequences: list[RLSequence] = [
@@ -132,20 +133,20 @@ class PPOTrainer(Trainer):
         if self.reference is not None:
             for seq, logps in zip(sequences, self.reference.compute(sequences, "logps")):
                 seq["ref_logps"] = logps
-            kl = [kl_penalty(s["old_logps"], s["ref_logps"], self.config.kl.reward_estimator) for s in sequences]
-            metrics["kl"] = masked_mean(torch.cat(kl), all_masks).item()
         if self.critic is not None:
             for seq, values in zip(sequences, self.critic.compute(sequences, "values")):
                 seq["old_values"] = values
         return sequences, metrics
 
     def add_advantages(self, sequences: list[RLSequence], trajectories: list[Trajectory]) -> dict[str, float]:
-        """Each sequence's `advantages` (and `returns` with GAE) from the rewards and the scores."""
+        """Each sequence's `advantages` (and `returns` with GAE) from the rewards and the scores; and
+        the mean advantage and KL to the reference."""
         config = self.config
         masks = [seq["loss_mask"] for seq in sequences]
-        kl = None
-        if self.reference is not None and config.kl.type == "reward":
+        metrics, kl = {}, None
+        if self.reference is not None:
             kl = [kl_penalty(s["old_logps"], s["ref_logps"], config.kl.reward_estimator) for s in sequences]
+            metrics["kl"] = masked_mean(torch.cat(kl), torch.cat(masks)).item()
         advantages, returns = trajectory_advantages(
             rewards=torch.tensor([0.0 if t.excluded else t.reward for t in trajectories], dtype=torch.float32),
             valid=torch.tensor([not t.excluded for t in trajectories]),
@@ -155,7 +156,7 @@ class PPOTrainer(Trainer):
             norm_var=config.adv.norm_var,
             gamma=config.adv.gamma,
             lamda=config.adv.lamda,
-            kl=kl,
+            kl=kl if config.kl.type == "reward" else None,
             kl_coef=config.kl.coef,
             values=[seq["old_values"] for seq in sequences] if self.critic is not None else None,
         )
@@ -163,7 +164,8 @@ class PPOTrainer(Trainer):
             seq["advantages"] = advantages[i]
             if returns is not None:
                 seq["returns"] = returns[i]
-        return {"advantage/mean": masked_mean(torch.cat(advantages), torch.cat(masks)).item()}
+        metrics["advantage/mean"] = masked_mean(torch.cat(advantages), torch.cat(masks)).item()
+        return metrics
 
     def prepare(self, trajectories: list[Trajectory]) -> tuple[list[RLSequence], dict[str, float]]:
         """Scoring, then advantages: the sequences the updates train on, and their metrics."""
@@ -302,9 +304,7 @@ class PPOTrainer(Trainer):
                 "k": config.rollout.test_responses_per_prompt,
                 **results,
             }
-            os.makedirs(config.actor.save_dir, exist_ok=True)
-            with open(os.path.join(config.actor.save_dir, "eval.json"), "w") as f:
-                json.dump(report, f, indent=1)
+            write_json(os.path.join(config.actor.save_dir, "eval.json"), report)
             logger.info("evaluation: " + ", ".join(f"{key} {value:.4f}" for key, value in results.items()))
             print(json.dumps(report), flush=True)
         return results
