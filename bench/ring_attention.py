@@ -3,15 +3,17 @@
 Each (layout, length) runs forward + backward of one attention layer (random q/k/v for one packed
 row) in fresh processes: `python` for sp=1, `torchrun --nproc_per_node=2` for sp=2. Layouts:
   varlen      rl2's varlen attention (per-sequence sdpa; on CPU a flash-style kernel, O(T) memory)
-  ring sp=1   rl2.distributed.ring_attention on a one-rank group (same pure-torch kernel as sp=2, no communication)
+  ring sp=1   rl2.distributed.ring_attention on a one-rank group (same kernel as sp=2, no communication)
   ring sp=2   rl2.distributed.ring_attention on 2 ranks, zigzag split
+each ring with each of `--kernels`: torch (every piece from materialised float32 scores) and fused
+(every piece through torch's flash kernel, given the global output and log-sum-exp in backward).
 Memory, per rank (the worst rank):
   saved     bytes of the tensors autograd keeps between forward and backward, summed by
             `torch.autograd.graph.saved_tensors_hooks` (deterministic; inputs that are saved count)
   peak      peak RSS rise over one forward + backward (`resource.getrusage` max RSS minus the RSS
             just before; includes the transient per-sequence score blocks, [H, T_local, T_local]
             for a row of one sequence)
-peak/ring1: peak relative to ring sp=1 at the same length.
+peak/ring1: peak relative to the torch ring at sp=1 at the same length.
 Time: median wall seconds of forward + backward over the repeats, per 1k tokens of the whole row.
 Both layouts use all cores: sp=1 one process with N threads, sp=2 two processes with N/2 each.
 
@@ -74,7 +76,7 @@ def worker(args: argparse.Namespace) -> None:
             if args.layout == "varlen":
                 out, _ = varlen_attention(None, *qkv, None, cu_seq_lens_q=cu)
             else:
-                out = ring_attention(*qkv, zigzag_cu_seqlens(cu, sp), group)
+                out = ring_attention(*qkv, zigzag_cu_seqlens(cu, sp), group, kernel=args.kernel)
         out.backward(torch.ones_like(out))
         return saved
 
@@ -95,16 +97,16 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if rank == 0:
         print("RESULT " + json.dumps({
-            "layout": args.layout, "sp": sp, "tokens": args.length, "threads_per_rank": torch.get_num_threads(),
+            "layout": args.layout, "kernel": args.kernel, "sp": sp, "tokens": args.length, "threads_per_rank": torch.get_num_threads(),
             "saved_mib": worst[0].item() / 2**20, "peak_mib": worst[1].item() / 2**20,
             "seconds": statistics.median(times),
         }), flush=True)
     exit_process(0)
 
 
-def launch(args: argparse.Namespace, layout: str, sp: int, length: int) -> dict:
+def launch(args: argparse.Namespace, layout: str, sp: int, length: int, kernel: str = "torch") -> dict:
     flags = [
-        os.path.abspath(__file__), "--worker", "--layout", layout, "--length", str(length),
+        os.path.abspath(__file__), "--worker", "--layout", layout, "--length", str(length), "--kernel", kernel,
         "--sequences", str(args.sequences), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
         "--head-dim", str(args.head_dim), "--repeats", str(args.repeats),
     ]
@@ -127,7 +129,9 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--kernels", nargs="+", default=["torch", "fused"], choices=["torch", "fused"])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kernel", default="torch", help=argparse.SUPPRESS)
     parser.add_argument("--layout", choices=["varlen", "ring"], default="ring", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -137,15 +141,16 @@ def main() -> None:
 
     print(f"one attention layer, fp32 CPU, {os.cpu_count()} cores; {args.heads} query heads, {args.kv_heads} KV heads, "
           f"head dim {args.head_dim}; {args.sequences} sequence(s) per row; forward + backward, median of {args.repeats}")
-    print(f"{'tokens':>6} {'layout':<10} {'thr':>3} {'saved MiB':>10} {'peak MiB':>9} {'s/step':>7} "
+    print(f"{'tokens':>6} {'layout':<16} {'thr':>3} {'saved MiB':>10} {'peak MiB':>9} {'s/step':>7} "
           f"{'ms/1k tok':>9} {'peak/ring1':>10}")
     results = []
     for length in args.lengths:
-        rows = [launch(args, "varlen", 1, length), launch(args, "ring", 1, length), launch(args, "ring", 2, length)]
+        rows = [launch(args, "varlen", 1, length)]
+        rows += [launch(args, "ring", sp, length, kernel) for kernel in args.kernels for sp in (1, 2)]
         for row in rows:
-            name = "varlen" if row["layout"] == "varlen" else f"ring sp={row['sp']}"
+            name = "varlen" if row["layout"] == "varlen" else f"ring {row['kernel']} sp={row['sp']}"
             ratio = row["peak_mib"] / rows[1]["peak_mib"] if rows[1]["peak_mib"] else float("nan")
-            print(f"{length:>6} {name:<10} {row['threads_per_rank']:>3} {row['saved_mib']:>10.1f} {row['peak_mib']:>9.1f} "
+            print(f"{length:>6} {name:<16} {row['threads_per_rank']:>3} {row['saved_mib']:>10.1f} {row['peak_mib']:>9.1f} "
                   f"{row['seconds']:>7.3f} {1000 * row['seconds'] / length * 1000:>9.1f} {ratio:>10.2f}", flush=True)
         results += rows
     print(json.dumps({"benchmark": "ring_attention", "heads": args.heads, "kv_heads": args.kv_heads,

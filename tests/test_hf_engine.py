@@ -484,3 +484,64 @@ def test_abort_and_tool_failure_during_multi_turn(model_dir, tokenizer, prompts)
         engine.generate_turns([Turn(p, 4) for p in prompts[:2]], params, failing_tool, max_turns=2)
     after = engine.generate(prompts[:2], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert [g.finish_reason for g in after] == ["length", "length"]
+
+
+# ---- prefill attention ------------------------------------------------------------------------
+
+
+def varlen_by_flash_semantics(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """torch.nn.attention.varlen.varlen_attn on CPU, as documented for flash kernels: layout [T, H, D],
+    window (-1, 0) is causal aligned to the end of each sequence's keys."""
+    assert window_size == (-1, 0) and cu_q.dtype == cu_k.dtype == torch.int32
+    q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()
+    assert max_q == max(b - a for a, b in zip(q_bounds, q_bounds[1:]))
+    assert max_k == max(b - a for a, b in zip(k_bounds, k_bounds[1:]))
+    outputs = []
+    for (qa, qb), (ka, kb) in zip(zip(q_bounds, q_bounds[1:]), zip(k_bounds, k_bounds[1:])):
+        offset = (kb - ka) - (qb - qa)
+        visible = torch.arange(kb - ka)[None, :] <= torch.arange(qb - qa)[:, None] + offset
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[qa:qb].transpose(0, 1), k[ka:kb].transpose(0, 1), v[ka:kb].transpose(0, 1), attn_mask=visible,
+            scale=scale, enable_gqa=enable_gqa)
+        outputs.append(out.transpose(0, 1))
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("attention", ["flex_attention", "torch_varlen"])
+def test_packed_prefill_equals_one_call_per_sequence(model_dir, tokenizer, attention, monkeypatch):
+    """Prefill in one variable-length kernel call (flex attention on CPU; torch's varlen kernel by
+    a CPU stand-in with its interface) gives what one sdpa call per sequence gives, with shared
+    prompts (copies prefill after a cached prefix), kept caches across turns and fresh prompts
+    packed in one row."""
+    monkeypatch.setattr("rl2.kernels.attention.torch_varlen_kernel", lambda: varlen_by_flash_semantics)
+    first = [p + list(range(3, 40)) for p in many_prompts(3, seed=4) for _ in range(3)] + many_prompts(3, seed=5)
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)
+    engines = {}
+    for name in ("sdpa_loop", attention):
+        engine = HFEngine(model_dir, tokenizer, CPU, seed=11)
+        engine.prefill_attention = name  # torch_varlen is not available on CPU: set past the check
+        answers = engine.generate(first, params)
+        second = [p + a.token_ids + [5, 6, 7] for p, a in zip(first, answers)]
+        engines[name] = (engine, answers + engine.generate(second, params), first + second)
+    (loop, expected, prompts), (packed, got, _) = engines["sdpa_loop"], engines[attention]
+    assert packed.stats["reused_tokens"] == loop.stats["reused_tokens"] > 0  # prefixes were cached and read
+    for prompt, want, generation in zip(prompts, expected, got):
+        assert generation.token_ids == want.token_ids
+        assert torch.allclose(torch.tensor(generation.logprobs), torch.tensor(want.logprobs), atol=1e-5)
+        reference = plain_logprobs(packed.model, prompt, generation.token_ids, 1.0)
+        assert (reference - torch.tensor(generation.logprobs)).abs().max() < 1e-5
+
+
+def test_prefill_attention_choice():
+    from rl2.engines.kv_slots import prefill_attention
+
+    cuda = torch.device("cuda")
+    everything = {"flash_attention_2": True, "torch_varlen": True, "flex_attention": True, "sdpa_loop": True}
+    assert prefill_attention(CPU) == "sdpa_loop" and prefill_attention(CPU, "flex_attention") == "flex_attention"
+    assert prefill_attention(cuda, available=everything) == "flash_attention_2"
+    assert prefill_attention(cuda, available={**everything, "flash_attention_2": False}) == "torch_varlen"
+    # Never flex by default: uncompiled it materialises the scores; compiled it recompiles per row length.
+    only_flex = {**everything, "flash_attention_2": False, "torch_varlen": False}
+    assert prefill_attention(cuda, available=only_flex) == "sdpa_loop"
+    with pytest.raises(ValueError, match="torch_varlen cannot run on cpu"):
+        prefill_attention(CPU, "torch_varlen")

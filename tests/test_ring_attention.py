@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from conftest import GRAD_RTOL, run_python, run_torchrun
-from rl2.distributed.ring_attention import ring_attention, zigzag_cu_seqlens, zigzag_position_ids, zigzag_split
+from rl2.distributed.ring_attention import (
+    FusedBlocks,
+    _ring_pieces,
+    ring_attention,
+    ring_kernel,
+    zigzag_cu_seqlens,
+    zigzag_position_ids,
+    zigzag_split,
+)
 
 
 def cu_of(lengths: list[int]) -> torch.Tensor:
@@ -97,6 +105,50 @@ def test_ring_attention_rejects_bad_inputs():
         ring_attention(q, kv, kv, cu_of([3, 3]), None)  # odd: not a zigzag layout
 
 
+@pytest.mark.parametrize("sp", [1, 2, 3, 4])
+def test_ring_pieces_cover_exactly_the_visible_pairs(sp):
+    """Each block of queries against another rank's keys, as causal-or-full pieces, is exactly the
+    causal mask by true position within each sequence."""
+    cu = cu_of([1, 2 * sp, 2 * sp + 1, 7, 30])
+    local_cu = zigzag_cu_seqlens(cu, sp)
+    local_lengths = (local_cu[1:] - local_cu[:-1]).long()
+    sequence = torch.repeat_interleave(torch.arange(len(local_lengths)), local_lengths)
+    for q_rank in range(sp):
+        for k_rank in range(sp):
+            q_pos, k_pos = zigzag_position_ids(cu, q_rank, sp)[0], zigzag_position_ids(cu, k_rank, sp)[0]
+            visible = (sequence[:, None] == sequence[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+            covered = torch.zeros_like(visible)
+            for rows, cols, causal in _ring_pieces(local_cu, q_rank, k_rank, sp):
+                block = torch.ones(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.bool)
+                covered[rows, cols] = block.tril() if causal else block
+            assert torch.equal(covered, visible), (q_rank, k_rank)
+
+
+def test_ring_kernel_choice():
+    cpu = torch.zeros(1, 4, 6, 8)
+    assert ring_kernel(cpu) == "fused" and ring_kernel(cpu, "torch") == "torch"
+    assert ring_kernel(torch.zeros(1, 4, 6, 8, device="meta")) == "torch"  # no fused kernel for that device
+    with pytest.raises(RuntimeError, match="ring-flash-attn"):
+        ring_kernel(cpu, "flash")
+    with pytest.raises(RuntimeError, match="fp16/bf16"):
+        ring_kernel(torch.zeros(1, 4, 6, 8, device="meta"), "fused")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        ring_kernel(cpu, "fast")
+
+
+def test_fused_blocks_call_the_cuda_kernels_with_their_schema():
+    """The CUDA branch of FusedBlocks against the flash ops' meta kernels: the arguments it passes
+    (the forward's sequence and random state handed back to the backward, as autograd does) fit this
+    torch's schemas, and the shapes come back in the grouped layout."""
+    # Tensors that carry only shapes take the branch that is not the CPU's.
+    q = torch.empty(2, 3, 5, 16, device="meta", dtype=torch.bfloat16)  # 2 KV heads, 3 queries each
+    k = v = torch.empty(2, 7, 16, device="meta", dtype=torch.bfloat16)
+    out, lse, state = FusedBlocks.forward(q, k, v, False, 0.25)
+    assert out.shape == q.shape and out.dtype == torch.float32 and lse.shape == (2, 3, 5) and len(state) == 6
+    d_q, d_k, d_v = FusedBlocks.backward(out, q, k, v, out, lse, False, 0.25, state)
+    assert d_q.shape == q.shape and d_k.shape == k.shape and d_v.shape == v.shape
+
+
 FP32_TOL = 1e-5  # float32 attention over <100 keys of O(1) values (and logits ~1) vs the reference: ~1e-6
 BF16_TOL = 3e-2  # bf16 rounding of outputs and gradients of magnitude ~1
 
@@ -112,10 +164,10 @@ def test_ring_attention_matches_varlen(tiny_model_dir, tmp_path, nproc):
     else:
         run_torchrun(args, nproc=nproc, timeout=120)
     errors = json.loads(out.read_text())
-    expected = {f"sp{nproc}/fp32/dv", "gather_backward", "missing_cu_seqlens_raises"}
+    expected = {f"sp{nproc}/torch/fp32/dv", f"sp{nproc}/fused/fp32/dv", f"sp{nproc}/fused/bf16/dq", "gather_backward", "missing_cu_seqlens_raises"}
     expected |= {"model/grads/relative", "model/ckpt/grads/relative", "model/local_logps/grads/relative"}
     if nproc == 4:
-        expected.add("sp2_subgroup/fp32/dq")
+        expected.add("sp2_subgroup/auto/fp32/dq")
     assert expected <= set(errors)
     for name, err in errors.items():
         tolerance = BF16_TOL if "bf16" in name else GRAD_RTOL if name.endswith("grads/relative") else FP32_TOL

@@ -196,40 +196,122 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-def _block_pieces(
-    local_cu_seqlens: torch.Tensor, q_rank: int, k_rank: int, sp_size: int
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The attention block of q_rank's queries against k_rank's keys, as (mask, rows, cols) per sequence.
+def _ring_pieces(local_cu_seqlens: torch.Tensor, q_rank: int, k_rank: int, sp_size: int) -> list[tuple[slice, slice, bool]]:
+    """The attention block of q_rank's queries against k_rank's keys, as (query rows, key columns,
+    causal) per sequence, slices of the local row.
 
     Every rank's local row has the same sequence slices, so a block is block-diagonal by sequence:
-    only sequence i's local slice attends to sequence i's slice (work Σ(2c_i)², not T_local²). Within
-    a sequence, key j is visible to query i when pos_j <= pos_i; `rows` and `cols` (indices into the
-    local row) keep only queries and keys with some visible pair. With the zigzag layout a block
-    from an earlier rank is seen only through its first chunk and one from a later rank only by the
-    second chunk, so this halves the work of every off-diagonal step.
+    only sequence i's local slice attends to sequence i's slice (work Σ(2c_i)², not T_local²). With
+    the zigzag layout each piece is either causal or full: on the diagonal (k_rank = q_rank) the
+    local positions increase along the slice, so it is causal; a block from an earlier rank is seen
+    whole, but only its first chunk, by every query; one from a later rank is seen whole by the
+    second chunk of queries only. That halves the work of every off-diagonal step.
     """
-    _, q_pos = _local_layout(local_cu_seqlens, q_rank, sp_size)
-    _, k_pos = _local_layout(local_cu_seqlens, k_rank, sp_size)
     bounds = local_cu_seqlens.tolist()
     pieces = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        mask = k_pos[None, start:end] <= q_pos[start:end, None]
-        rows = torch.nonzero(mask.any(1)).reshape(-1)
-        cols = torch.nonzero(mask.any(0)).reshape(-1)
-        if len(rows):
-            pieces.append((mask[rows][:, cols], rows + start, cols + start))
+        if end == start:
+            continue
+        middle = start + (end - start) // 2
+        if k_rank == q_rank:
+            pieces.append((slice(start, end), slice(start, end), True))
+        elif k_rank < q_rank:
+            pieces.append((slice(start, end), slice(start, middle), False))
+        else:
+            pieces.append((slice(middle, end), slice(start, end), False))
     return pieces
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Masked scores [Hkv, G, Tq, Tk] of grouped queries q [Hkv, G, Tq, D] against k [Hkv, Tk, D]."""
+class TorchBlocks:
+    """Attention of one piece from float32 scores it materialises: any device and dtype; the
+    reference. Queries are grouped by KV head: q [Hkv, G, Tq, D], k/v [Hkv, Tk, D]."""
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """(out [Hkv, G, Tq, D], lse [Hkv, G, Tq], state for backward), float32."""
+        scores = _scores(q.float(), k.float(), causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = scores.sub_(lse[..., None]).exp_()
+        return torch.matmul(probs, v.float().unsqueeze(1)), lse, None
+
+    @staticmethod
+    def backward(d_out, q, k, v, out, lse, causal: bool, scale: float, state) -> tuple[torch.Tensor, ...]:
+        """(dq [Hkv, G, Tq, D], dk, dv [Hkv, Tk, D]) of the piece, given the whole attention's
+        output and log-sum-exp of its rows (so P is the piece's share of the global softmax)."""
+        q, k, v, d_out = q.float(), k.float(), v.float(), d_out.float()
+        # FlashAttention backward: dS = P ∘ (dP − D) with D = rowsum(dO ∘ O) (Dao et al. 2022).
+        delta = (d_out * out.float()).sum(-1)
+        p = _scores(q, k, causal, scale).sub_(lse[..., None]).exp_()
+        d_v = torch.matmul(p.transpose(-1, -2), d_out).sum(1)  # dV = Pᵀ dO
+        d_s = torch.matmul(d_out, v.unsqueeze(1).transpose(-1, -2))  # dP = dO Vᵀ
+        d_s = d_s.sub_(delta[..., None]).mul_(p)  # in place over dP
+        del p
+        d_q = torch.matmul(d_s, k.unsqueeze(1)) * scale  # dQ = dS K · scale
+        d_k = torch.matmul(d_s.transpose(-1, -2), q).sum(1) * scale  # dK = dSᵀ Q · scale
+        return d_q, d_k, d_v
+
+
+class FusedBlocks:
+    """Attention of one piece through torch's fused flash kernel for the device (CPU, or CUDA in
+    fp16/bf16): no score matrix is kept, O(T) memory. Backward runs the kernel's backward with the
+    whole attention's output and log-sum-exp, which gives the piece's exact share of the gradient
+    (the trick of ring-flash-attention). Same layouts as `TorchBlocks`."""
+
+    @staticmethod
+    def supports(q: torch.Tensor) -> bool:
+        if q.device.type == "cpu":
+            return True
+        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+
+    @staticmethod
+    def _heads(q, k, v) -> tuple[torch.Tensor, ...]:
+        """[Hkv, G, T, D] and [Hkv, T, D] → [1, H, T, D] each, KV heads repeated for their queries."""
+        kv_heads, group, length, dim = q.shape
+        expand = lambda x: x.repeat_interleave(group, dim=0).unsqueeze(0).contiguous()  # noqa: E731
+        return q.reshape(1, kv_heads * group, length, dim).contiguous(), expand(k), expand(v)
+
+    @classmethod
+    def forward(cls, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        q_h, k_h, v_h = cls._heads(q, k, v)
+        if q.device.type == "cpu":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_h, k_h, v_h, 0.0, causal, scale=scale)
+            state = ()
+        else:
+            # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng state ×2, debug mask): the
+            # middle six go back to the backward op unchanged, as autograd does.
+            result = torch.ops.aten._scaled_dot_product_flash_attention(q_h, k_h, v_h, 0.0, causal, False, scale=scale)
+            out, lse, state = result[0], result[1], tuple(result[2:8])
+        length = q.shape[2]
+        return out.reshape(q.shape).float(), lse[..., :length].float().reshape(q.shape[:-1]), state
+
+    @classmethod
+    def backward(cls, d_out, q, k, v, out, lse, causal: bool, scale: float, state) -> tuple[torch.Tensor, ...]:
+        q_h, k_h, v_h = cls._heads(q, k, v)
+        as_heads = lambda x: x.reshape(q_h.shape[:-1] + x.shape[-1:]).to(q.dtype).contiguous()  # noqa: E731
+        d_out_h, out_h = as_heads(d_out), as_heads(out)
+        lse_h = lse.reshape(q_h.shape[:-1]).float().contiguous()
+        if q.device.type == "cpu":
+            d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                d_out_h, q_h, k_h, v_h, out_h, lse_h, 0.0, causal, scale=scale
+            )
+        else:
+            cum_q, cum_k, max_q, max_k, seed, offset = state
+            d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                d_out_h, q_h, k_h, v_h, out_h, lse_h, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+            )
+        kv_heads, group = q.shape[:2]
+        per_kv_head = lambda x: x[0].reshape(kv_heads, group, *x.shape[2:]).float().sum(1)  # noqa: E731
+        return d_q[0].reshape(q.shape).float(), per_kv_head(d_k), per_kv_head(d_v)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """Scores [Hkv, G, Tq, Tk] of grouped queries q [Hkv, G, Tq, D] against k [Hkv, Tk, D], causal
+    (Tq = Tk) or not."""
     scores = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)).mul_(scale)
-    return scores.masked_fill_(~mask, float("-inf"))  # in place: the score blocks dominate memory
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """lse with -inf (a row that sees no key) replaced by 0, so exp(score - lse) is 0, not NaN."""
-    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    if causal:
+        above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu_(1)
+        scores.masked_fill_(above, float("-inf"))  # in place: the score blocks dominate memory
+    return scores
 
 
 class _RingAttention(torch.autograd.Function):
@@ -237,57 +319,54 @@ class _RingAttention(torch.autograd.Function):
 
     Internally q is viewed as [Hkv, G, T, D] (G = H / Hkv query heads per KV head, transformers'
     repeat_kv order: head h uses KV head h // G), so K/V travel with Hkv heads and are never
-    expanded; dK/dV sum over the G query heads by the matmul. All math is float32.
+    expanded on the wire. Each piece of a block is computed by `blocks` (`TorchBlocks` or
+    `FusedBlocks`); outputs, log-sum-exps and gradient accumulators are float32.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, local_cu_seqlens, group, scale):
+    def forward(ctx, q, k, v, local_cu_seqlens, group, scale, blocks):
         sp_rank, sp_size = dist.get_rank(group), dist.get_world_size(group)
         heads, kv_heads, length, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
-        qg = q[0].float().reshape(kv_heads, heads // kv_heads, length, dim)
-        out = qg.new_zeros(qg.shape)
-        lse = qg.new_full(qg.shape[:-1], float("-inf"))
-        kv = torch.stack([k[0], v[0]])  # sent in the input dtype; upcast per block
+        qg = q[0].reshape(kv_heads, heads // kv_heads, length, dim)
+        out = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k[0], v[0]])
+        states = []
         for step in range(sp_size):  # at step s this rank holds the K/V of rank r − s
             if step + 1 < sp_size:  # overlap: the next block is on its way while this one computes
                 (next_kv,), works = _ring_send_recv([kv], group)
-            for mask, rows, cols in _block_pieces(local_cu_seqlens, sp_rank, (sp_rank - step) % sp_size, sp_size):
-                scores = _scores(qg[:, :, rows], kv[0, :, cols].float(), mask, scale)
-                block_lse = torch.logsumexp(scores, dim=-1)
-                probs = scores.sub_(_finite(block_lse)[..., None]).exp_()
-                block_out = torch.matmul(probs, kv[1, :, cols].float().unsqueeze(1))
-                del scores, probs
+            for rows, cols, causal in _ring_pieces(local_cu_seqlens, sp_rank, (sp_rank - step) % sp_size, sp_size):
+                block_out, block_lse, state = blocks.forward(qg[:, :, rows], kv[0, :, cols], kv[1, :, cols], causal, scale)
+                states.append(state)
                 # Merge by log-sum-exp: out = (e^lse·out + e^block_lse·block_out) / (e^lse + e^block_lse).
+                # Every row of a piece sees at least one key, so the new lse is finite.
                 old_lse = lse[:, :, rows]
-                new_lse = _finite(torch.logaddexp(old_lse, block_lse))
+                new_lse = torch.logaddexp(old_lse, block_lse)
                 out[:, :, rows] = (
                     torch.exp(old_lse - new_lse)[..., None] * out[:, :, rows]
                     + torch.exp(block_lse - new_lse)[..., None] * block_out
                 )
-                lse[:, :, rows] = torch.logaddexp(old_lse, block_lse)
+                lse[:, :, rows] = new_lse
             if step + 1 < sp_size:
                 _wait(works)
                 kv = next_kv
         output = out.reshape(heads, length, dim).transpose(0, 1).unsqueeze(0).to(q.dtype).contiguous()
         ctx.save_for_backward(q, k, v, output, lse, local_cu_seqlens)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.blocks, ctx.states = group, scale, blocks, states
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         q, k, v, output, lse, local_cu_seqlens = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        group, scale, blocks, states = ctx.group, ctx.scale, ctx.blocks, iter(ctx.states)
         sp_rank, sp_size = dist.get_rank(group), dist.get_world_size(group)
         heads, kv_heads, length, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
 
-        def grouped(x: torch.Tensor) -> torch.Tensor:  # [1, T, H, D] -> [Hkv, G, T, D] float32
-            return x[0].float().transpose(0, 1).reshape(kv_heads, heads // kv_heads, length, dim)
+        def grouped(x: torch.Tensor) -> torch.Tensor:  # [1, T, H, D] -> [Hkv, G, T, D]
+            return x[0].transpose(0, 1).reshape(kv_heads, heads // kv_heads, length, dim)
 
-        qg, d_out = q[0].float().reshape(kv_heads, heads // kv_heads, length, dim), grouped(grad_output)
-        # FlashAttention backward: dS = P ∘ (dP − D) with D = rowsum(dO ∘ O) (Dao et al. 2022).
-        delta = (d_out * grouped(output)).sum(-1)
-        lse = _finite(lse)
-        dq = torch.zeros_like(qg)
+        qg, d_out, out = q[0].reshape(kv_heads, heads // kv_heads, length, dim), grouped(grad_output), grouped(output)
+        dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k[0], v[0]])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # accumulators of the block held
         dkv_works, received_dkv = [], None
@@ -295,16 +374,14 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < sp_size:
                 (next_kv,), kv_works = _ring_send_recv([kv], group)
             block_dkv = torch.zeros_like(dkv)
-            for mask, rows, cols in _block_pieces(local_cu_seqlens, sp_rank, (sp_rank - step) % sp_size, sp_size):
-                q_b, k_b, v_b = qg[:, :, rows], kv[0, :, cols].float(), kv[1, :, cols].float()
-                p = _scores(q_b, k_b, mask, scale).sub_(lse[:, :, rows, None]).exp_()  # P from the saved lse
-                d_out_b = d_out[:, :, rows]
-                block_dkv[1, :, cols] = torch.matmul(p.transpose(-1, -2), d_out_b).sum(1)  # dV = Pᵀ dO
-                d_p = torch.matmul(d_out_b, v_b.unsqueeze(1).transpose(-1, -2))  # dP = dO Vᵀ
-                d_s = d_p.sub_(delta[:, :, rows, None]).mul_(p)  # in place over dP
-                del p
-                dq[:, :, rows] += torch.matmul(d_s, k_b.unsqueeze(1)) * scale  # dQ = dS K · scale
-                block_dkv[0, :, cols] = torch.matmul(d_s.transpose(-1, -2), q_b).sum(1) * scale  # dK = dSᵀ Q · scale
+            for rows, cols, causal in _ring_pieces(local_cu_seqlens, sp_rank, (sp_rank - step) % sp_size, sp_size):
+                d_q, d_k, d_v = blocks.backward(
+                    d_out[:, :, rows], qg[:, :, rows], kv[0, :, cols], kv[1, :, cols], out[:, :, rows],
+                    lse[:, :, rows], causal, scale, next(states),
+                )
+                dq[:, :, rows] += d_q
+                block_dkv[0, :, cols] += d_k
+                block_dkv[1, :, cols] += d_v
             # The accumulator of block (r − step) arrives from rank r − 1, which held that block last step.
             _wait(dkv_works)
             if step > 0:
@@ -320,7 +397,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(dkv_works)
             dkv = received_dkv
         d_q = dq.reshape(heads, length, dim).unsqueeze(0).to(q.dtype)
-        return d_q, dkv[0].unsqueeze(0).to(k.dtype), dkv[1].unsqueeze(0).to(v.dtype), None, None, None
+        return d_q, dkv[0].unsqueeze(0).to(k.dtype), dkv[1].unsqueeze(0).to(v.dtype), None, None, None, None
 
 
 def ring_attention(
@@ -339,8 +416,10 @@ def ring_attention(
     input dtype (transformers' attention output layout). Differentiable w.r.t. query, key, value.
     Every rank of `group` must call it with the same local_cu_seqlens.
 
-    `kernel`: "torch" (the pure-torch ring, anywhere), "flash" (ring-flash-attn's zigzag varlen
-    kernel: CUDA, fp16/bf16, `pip install ring-flash-attn`), or "auto" (flash where it can run).
+    `kernel`: "torch" (each piece from materialised float32 scores, anywhere: the reference),
+    "fused" (each piece through torch's fused flash kernel: CPU, or CUDA in fp16/bf16 with head
+    dim <= 256), "flash" (ring-flash-attn's zigzag varlen kernel: CUDA, fp16/bf16,
+    `pip install ring-flash-attn`), or "auto" (the first of flash, fused, torch that can run).
     """
     if query.dim() != 4 or key.shape != value.shape or key.dim() != 4:
         shapes = f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
@@ -353,21 +432,36 @@ def ring_attention(
     if any(n % 2 for n in (local_cu_seqlens[1:] - local_cu_seqlens[:-1]).tolist()):
         raise ValueError(f"{local_cu_seqlens.tolist()} are not zigzag local cu_seqlens (odd sequence length)")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if kernel not in ("auto", "torch", "flash"):
-        raise ValueError(f"kernel must be 'auto', 'torch' or 'flash', got {kernel!r}")
-    flash = _flash_kernel() if kernel != "torch" and query.is_cuda and query.dtype != torch.float32 else None
-    if kernel == "flash" and flash is None:
-        raise RuntimeError("kernel='flash' needs CUDA, fp16/bf16 inputs and the ring-flash-attn package")
-    if flash is not None:
+    kernel = ring_kernel(query, kernel)
+    if kernel == "flash":
         # Same zigzag layout (chunks r and 2·sp−1−r of each sequence), tokens-first tensors.
         lengths = local_cu_seqlens[1:] - local_cu_seqlens[:-1]
-        out = flash(
+        out = _flash_kernel()(
             query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
             local_cu_seqlens.to(device=query.device, dtype=torch.int32), int(lengths.max()),
             softmax_scale=scale, causal=True, group=group,
         )
         return out.unsqueeze(0)
-    return _RingAttention.apply(query, key, value, local_cu_seqlens.to(query.device), group, scale)
+    blocks = FusedBlocks if kernel == "fused" else TorchBlocks
+    return _RingAttention.apply(query, key, value, local_cu_seqlens.to(query.device), group, scale, blocks)
+
+
+RING_KERNELS = ("auto", "torch", "fused", "flash")
+
+
+def ring_kernel(query: torch.Tensor, requested: str = "auto") -> str:
+    """The ring kernel `requested` resolves to for `query`'s device and dtype; an error says what an
+    explicit choice that cannot run needs."""
+    if requested not in RING_KERNELS:
+        raise ValueError(f"kernel must be one of {RING_KERNELS}, got {requested!r}")
+    flash = query.is_cuda and query.dtype != torch.float32 and _flash_kernel() is not None
+    if requested == "flash" and not flash:
+        raise RuntimeError("kernel='flash' needs CUDA, fp16/bf16 inputs and the ring-flash-attn package")
+    if requested == "fused" and not FusedBlocks.supports(query):
+        raise RuntimeError("kernel='fused' needs CPU, or CUDA with fp16/bf16 inputs and head dim <= 256")
+    if requested != "auto":
+        return requested
+    return "flash" if flash else "fused" if FusedBlocks.supports(query) else "torch"
 
 
 def _flash_kernel():

@@ -29,7 +29,8 @@ def build_engine(
 
 def build_engine_from_config(rollout: RolloutConfig, policy: ModelConfig, tokenizer, seed: int) -> Engine:
     """The `rollout.engine` serving `policy.model_name` on this rank, with the rollout section's options."""
-    options = {"max_batch_size": rollout.max_batch_size, "cuda_graphs": rollout.cuda_graphs}
+    options = {"max_batch_size": rollout.max_batch_size, "cuda_graphs": rollout.cuda_graphs,
+               "attn_implementation": rollout.attn_implementation}
     if rollout.engine == "sglang":
         options = {"tp_size": rollout.tp_size, "memory_fraction": rollout.gpu_memory_utilization,
                    "bucket_mb": rollout.sync_bucket_mb}

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from rl2.distributed.fsdp import DTYPES
 from rl2.engines.base import Engine, Generation, OnGeneration, SamplingParams, Turn
 from rl2.engines.decode_step import DecodeStep
-from rl2.engines.kv_slots import NO_MASKS, KVSlots, PrefillPlan, register_slot_attention
+from rl2.engines.kv_slots import NO_MASKS, KVSlots, PrefillPlan, prefill_attention, register_slot_attention
 from rl2.engines.sampling import request_uniforms, sample
 from rl2.engines.slot_table import BLOCK, SlotTable, block_hashes
 
@@ -86,7 +86,9 @@ class HFEngine(Engine):
 
     `max_batch_size` sequences run at once (the KV slots); `sync_interval` decode steps run
     between host checks (default 8 on CUDA, 1 on CPU); on CUDA, `cuda_graphs` replays decode steps
-    from captured graphs; `max_prefill_tokens` bounds one prefill forward.
+    from captured graphs; `max_prefill_tokens` bounds one prefill forward, whose attention
+    `attn_implementation` picks (`kv_slots.prefill_attention`: auto = a variable-length kernel on
+    CUDA, one sdpa call per sequence on CPU).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class HFEngine(Engine):
         sync_interval: int | None = None,
         cuda_graphs: bool = True,
         max_prefill_tokens: int = 16384,
+        attn_implementation: str = "auto",
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -109,6 +112,9 @@ class HFEngine(Engine):
         cuda = self.device.type == "cuda"
         self.sync_interval = sync_interval or (8 if cuda else 1)
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_attention = prefill_attention(self.device, attn_implementation)
+        logger.info(f"hf engine prefill attention on {self.device.type}: {self.prefill_attention}"
+                    + (" (auto)" if attn_implementation == "auto" else ""))
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=DTYPES[dtype], attn_implementation=register_slot_attention()
         ).to(self.device)
@@ -242,19 +248,17 @@ class HFEngine(Engine):
         self._reserve(max(len(request.prompt) for request, _ in admitted) + 1)
         self.stats["prefill_tokens"] += tokens
         self.stats["reused_tokens"] += sum(shared for _, shared in admitted)
-        ids, positions, slots, segments, last = [], [], [], [], []
+        ids, segments, last = [], [], []
         for request, shared in admitted:
             start = len(ids)
             ids += request.prompt[shared:]
-            positions += range(shared, len(request.prompt))
-            slots += [request.slot] * (len(request.prompt) - shared)
             segments.append((request.slot, shared, start, len(ids)))
             last.append(len(ids) - 1)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
-        plan = PrefillPlan(slots=as_tensor(slots), positions=as_tensor(positions), segments=segments)
+        plan = PrefillPlan.build(segments, self.device, self.prefill_attention)
         logits = self.model(
             input_ids=as_tensor(ids)[None],
-            position_ids=as_tensor(positions)[None],
+            position_ids=plan.positions[None],
             attention_mask=NO_MASKS,
             kv_slots=self.kv,
             kv_plan=plan,

@@ -18,9 +18,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from rl2.kernels.attention import available_attention, choose_attention, torch_varlen_attention
 
 SLOT_ATTENTION = "rl2_kv_slots"
 # Given as `attention_mask`, a dict makes the model skip building masks: the plans carry their own.
@@ -38,11 +41,50 @@ class DecodePlan:
 
 @dataclass
 class PrefillPlan:
-    """The new tokens of several sequences packed in one row [1, T]."""
+    """The new tokens of several sequences packed in one row [1, T], and how they attend.
+
+    `attention` names the kernel (`prefill_attention`): `sdpa_loop` runs one sdpa call per
+    sequence over its slot; the packed kernels (`torch_varlen`, `flash_attention_2`,
+    `flex_attention`) run one call over the whole row, with each sequence's keys packed after one
+    another: its new tokens' keys as they come, or, where a cached prefix precedes them, the whole
+    sequence gathered from its slot (`key_slots`, `key_positions`).
+    """
 
     slots: torch.Tensor  # [T] the slot of each token
     positions: torch.Tensor  # [T] its position in its sequence
     segments: list[tuple[int, int, int, int]]  # per sequence: (slot, first position, start, end in the row)
+    attention: str = "sdpa_loop"
+    cu_q: torch.Tensor | None = None  # [n + 1] int32 bounds of each sequence's queries in the row
+    cu_k: torch.Tensor | None = None  # [n + 1] int32 bounds of its keys (= cu_q without cached prefixes)
+    max_q: int = 0
+    max_k: int = 0
+    key_slots: torch.Tensor | None = None  # [T_k] where each packed key is read from, if any sequence
+    key_positions: torch.Tensor | None = None  # has a cached prefix; else the keys are the new tokens'
+    block_mask: object = None  # flex_attention's mask, built once for all layers
+
+    @classmethod
+    def build(cls, segments: list[tuple[int, int, int, int]], device, attention: str = "sdpa_loop") -> "PrefillPlan":
+        """The plan of `segments` (slot, first position, start, end in the row) on `device`."""
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+        slots, positions = [], []
+        for slot, first, start, end in segments:
+            slots += [slot] * (end - start)
+            positions += range(first, first + end - start)
+        plan = cls(as_tensor(slots), as_tensor(positions), segments, attention)
+        if attention == "sdpa_loop":
+            return plan
+        q_lengths = [end - start for _, _, start, end in segments]
+        k_lengths = [first + end - start for _, first, start, end in segments]
+        bounds = lambda lengths: torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)  # noqa: E731
+        plan.cu_q, plan.cu_k, plan.max_q, plan.max_k = bounds(q_lengths), bounds(k_lengths), max(q_lengths), max(k_lengths)
+        key_positions = positions
+        if any(first > 0 for _, first, _, _ in segments):
+            key_slots = [slot for (slot, *_), n in zip(segments, k_lengths) for _ in range(n)]
+            key_positions = [p for n in k_lengths for p in range(n)]
+            plan.key_slots, plan.key_positions = as_tensor(key_slots), as_tensor(key_positions)
+        if attention == "flex_attention":
+            plan.block_mask = _prefill_block_mask(q_lengths, k_lengths, plan.positions, as_tensor(key_positions))
+        return plan
 
 
 class KVSlots:
@@ -141,6 +183,8 @@ def _prefill_attention(query, key, value, layer_keys, layer_values, plan: Prefil
     # [1, kv_heads, T, dim] → [T, kv_heads, dim], the layout of cache[slot, :, position]
     layer_keys[plan.slots, :, plan.positions] = key[0].transpose(0, 1)
     layer_values[plan.slots, :, plan.positions] = value[0].transpose(0, 1)
+    if plan.attention != "sdpa_loop":
+        return _packed_prefill_attention(query, key, value, layer_keys, layer_values, plan, scaling)
     grouped = query.shape[1] != key.shape[1]
     outputs = []
     for slot, first, start, end in plan.segments:
@@ -156,6 +200,54 @@ def _prefill_attention(query, key, value, layer_keys, layer_values, plan: Prefil
             query[:, :, start:end], keys, values, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=grouped
         ))
     return torch.cat(outputs, dim=2).transpose(1, 2)
+
+
+def _packed_prefill_attention(query, key, value, layer_keys, layer_values, plan: PrefillPlan, scaling) -> torch.Tensor:
+    """One kernel call over the packed row: query [1, heads, T, dim] → [1, T, heads, dim]."""
+    if plan.key_slots is not None:  # whole sequences, cached prefixes included: [T_k, kv_heads, dim] → [1, kv_heads, T_k, dim]
+        key = layer_keys[plan.key_slots, :, plan.key_positions].transpose(0, 1)[None]
+        value = layer_values[plan.key_slots, :, plan.key_positions].transpose(0, 1)[None]
+    if plan.attention == "torch_varlen":
+        out, _ = torch_varlen_attention(None, query, key, value, None, scaling, cu_seq_lens_q=plan.cu_q,
+                                        max_length_q=plan.max_q, cu_seq_lens_k=plan.cu_k, max_length_k=plan.max_k)
+        return out
+    if plan.attention == "flash_attention_2":
+        from flash_attn import flash_attn_varlen_func  # causal is aligned to the end of each sequence's keys
+
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+        return flash_attn_varlen_func(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, softmax_scale=scaling,
+                                      causal=True)[None]
+    if plan.attention == "flex_attention":
+        out = flex_attention(query, key, value, block_mask=plan.block_mask, scale=scaling,
+                             enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2)
+    raise ValueError(f"unknown prefill attention {plan.attention!r}")
+
+
+def _prefill_block_mask(q_lengths: list[int], k_lengths: list[int], q_positions: torch.Tensor,
+                        k_positions: torch.Tensor):
+    """flex_attention's block mask: a query sees the keys of its own sequence up to its position."""
+    device = q_positions.device
+    q_sequence = torch.repeat_interleave(torch.arange(len(q_lengths), device=device), torch.tensor(q_lengths, device=device))
+    k_sequence = torch.repeat_interleave(torch.arange(len(k_lengths), device=device), torch.tensor(k_lengths, device=device))
+
+    def visible(batch, head, q_index, k_index):
+        same = q_sequence[q_index] == k_sequence[k_index]
+        return same & (k_positions[k_index] <= q_positions[q_index])
+
+    return create_block_mask(visible, None, None, len(q_sequence), len(k_sequence), device=device)
+
+
+def prefill_attention(device: torch.device, requested: str = "auto", available: dict[str, bool] | None = None) -> str:
+    """The kernel the engine prefills with on `device` (one of ATTENTION_CHOICES): `auto` takes
+    flash-attn, else torch's varlen kernel on CUDA, and the per-sequence loop elsewhere (and where
+    neither is there: flex attention would need compiling per row length)."""
+    if requested == "auto":
+        available = available if available is not None else available_attention(device)
+        if device.type == "cuda":
+            return next(name for name in ("flash_attention_2", "torch_varlen", "sdpa_loop") if available[name])
+        return "sdpa_loop"
+    return choose_attention(device, requested, available)
 
 
 def register_slot_attention() -> str:

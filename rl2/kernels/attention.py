@@ -112,12 +112,17 @@ def torch_varlen_attention(
     max_length_q: int | None = None,
     position_ids: torch.Tensor | None = None,
     kernel=None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_k: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention within each sequence of a packed row through torch's varlen flash kernel.
 
     Shapes and boundaries as in `varlen_attention`; `max_length_q` (the longest sequence) saves a
-    device-to-host copy per layer when given. `kernel` replaces `torch_varlen_kernel()` (tests).
+    device-to-host copy per layer when given. With `cu_seq_lens_k` (and `max_length_k`) each
+    sequence's keys may be longer than its queries: the queries are its last tokens, and the causal
+    mask is aligned to the end (the flash kernels' convention). `kernel` replaces
+    `torch_varlen_kernel()` (tests).
     """
     if query.shape[0] != 1:
         raise ValueError(f"{TORCH_VARLEN_ATTENTION} attention takes packed rows of batch size 1, got {query.shape[0]}")
@@ -126,6 +131,10 @@ def torch_varlen_attention(
     kernel = kernel or torch_varlen_kernel()
     bounds = _sequence_bounds(query, cu_seq_lens_q, position_ids).to(device=query.device, dtype=torch.int32)
     longest = max_length_q or int((bounds[1:] - bounds[:-1]).max())
+    key_bounds, longest_key = bounds, longest
+    if cu_seq_lens_k is not None:
+        key_bounds = cu_seq_lens_k.to(device=query.device, dtype=torch.int32)
+        longest_key = max_length_k or int((key_bounds[1:] - key_bounds[:-1]).max())
     # [1, heads, T, dim] → [T, heads, dim], the kernel's layout
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     grouped = {}
@@ -134,7 +143,7 @@ def torch_varlen_attention(
             grouped["enable_gqa"] = True
         else:  # older kernels: each KV head repeated for its query heads, as transformers' repeat_kv
             k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-    out = kernel(q, k, v, bounds, bounds, longest, longest, scale=scaling, window_size=(-1, 0), **grouped)
+    out = kernel(q, k, v, bounds, key_bounds, longest, longest_key, scale=scaling, window_size=(-1, 0), **grouped)
     return out.unsqueeze(0), None
 
 

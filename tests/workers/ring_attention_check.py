@@ -4,7 +4,7 @@ Usage: ring_attention_check.py MODEL_DIR OUT_JSON   (torchrun with any nproc, or
 
 Every rank builds the same full packed inputs and computes the reference on the whole row itself;
 the ring side runs on its zigzag split. Checks: attention output and dq/dk/dv (fp32, GQA and MHA,
-lengths 1 and not divisible by 2·sp), bf16 in/out, zigzag_gather's backward, and a tiny Qwen2
+lengths 1 and not divisible by 2·sp), bf16 in/out, with each ring kernel (torch, fused), zigzag_gather's backward, and a tiny Qwen2
 model (logits and parameter gradients summed over the SP group) through
 `ring_attention_implementation`, with and without gradient checkpointing. With 4 ranks the
 attention checks also run on two SP subgroups of 2 (group ranks differ from global ranks there).
@@ -39,7 +39,7 @@ def split_heads(x: torch.Tensor, cu: torch.Tensor, rank: int, sp: int) -> torch.
 
 
 def attention_case(
-    lengths: list[int], heads: int, kv_heads: int, dim: int, seed: int, group, dtype=torch.float32
+    lengths: list[int], heads: int, kv_heads: int, dim: int, seed: int, group, dtype=torch.float32, kernel="auto"
 ) -> dict[str, float]:
     """Errors of ring attention (output, dq, dk, dv) against varlen attention on the whole row."""
     rank, sp = dist.get_rank(group), dist.get_world_size(group)
@@ -55,7 +55,7 @@ def attention_case(
     ref_out.backward(grad_out.double())
 
     local = [split_heads(x, cu, rank, sp).requires_grad_() for x in (q, k, v)]
-    out = ring_attention(*local, zigzag_cu_seqlens(cu, sp), group)
+    out = ring_attention(*local, zigzag_cu_seqlens(cu, sp), group, kernel=kernel)
     assert out.dtype == dtype and out.shape == (1, local[0].shape[2], heads, dim), (out.dtype, out.shape)
     gathered = zigzag_gather(out, cu, group)
     (gathered.float() * grad_out.float()).sum().backward()
@@ -71,8 +71,9 @@ def random_lengths(n: int, seed: int, high: int) -> list[int]:
     return [int(x) for x in torch.randint(1, high, (n,), generator=gen)]
 
 
-def attention_checks(group, tag: str) -> dict[str, float]:
+def attention_checks(group, tag: str, kernel: str) -> dict[str, float]:
     sp = dist.get_world_size(group)
+    tag = f"{tag}/{kernel}"
     cases = [
         ([5, 1, 8], 4, 2, 8),
         ([1], 2, 1, 4),
@@ -82,9 +83,10 @@ def attention_checks(group, tag: str) -> dict[str, float]:
     ]
     errors: dict[str, float] = {}
     for n, (lengths, heads, kv_heads, dim) in enumerate(cases):
-        for name, err in attention_case(lengths, heads, kv_heads, dim, seed=n, group=group).items():
+        for name, err in attention_case(lengths, heads, kv_heads, dim, seed=n, group=group, kernel=kernel).items():
             errors[f"{tag}/fp32/{name}"] = max(errors.get(f"{tag}/fp32/{name}", 0.0), err)
-    for name, err in attention_case([33, 1, 20], 4, 2, 16, seed=7, group=group, dtype=torch.bfloat16).items():
+    bf16 = attention_case([33, 1, 20], 4, 2, 16, seed=7, group=group, dtype=torch.bfloat16, kernel=kernel)
+    for name, err in bf16.items():
         errors[f"{tag}/bf16/{name}"] = err
     return errors
 
@@ -188,10 +190,12 @@ def main() -> None:
     init_distributed()
     torch.manual_seed(0)
     world = dist.group.WORLD
-    errors = attention_checks(world, f"sp{dist.get_world_size()}")
+    errors = {}
+    for kernel in ("torch", "fused"):  # each piece from materialised scores, and from torch's flash kernel
+        errors.update(attention_checks(world, f"sp{dist.get_world_size()}", kernel))
     if dist.get_world_size() == 4:
         subgroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        errors.update(attention_checks(subgroups[dist.get_rank() // 2], "sp2_subgroup"))
+        errors.update(attention_checks(subgroups[dist.get_rank() // 2], "sp2_subgroup", "auto"))
     errors["gather_backward"] = gather_backward_check(world)
     errors.update(model_check(model_dir, world, checkpointing=False, pass_max_lengths=False, gather_logps=False))
     errors.update(model_check(model_dir, world, checkpointing=True, pass_max_lengths=True, gather_logps=False))
