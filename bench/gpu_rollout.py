@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--min-prompt", type=int, default=64)
     parser.add_argument("--max-prompt", type=int, default=512)
     parser.add_argument("--cases", nargs="+", default=["distinct", "shared", "multi-turn"])
+    parser.add_argument("--attention", default="auto", help="rollout.attn_implementation (the engine's prefill)")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="rollout.cuda_graphs=false")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -132,7 +134,10 @@ def main() -> None:
         build_tiny_tokenizer().save_pretrained(folder)  # for eos and stop strings; eos is ignored here
         tokenizer = AutoTokenizer.from_pretrained(folder)
         for batch in args.batches:
-            engine = HFEngine(folder, tokenizer, device, dtype=dtype, seed=0, max_batch_size=batch)
+            engine = HFEngine(folder, tokenizer, device, dtype=dtype, seed=0, max_batch_size=batch,
+                              attn_implementation=args.attention, cuda_graphs=not args.no_cuda_graphs)
+            print(f"batch {batch}: prefill attention {engine.prefill_attention}, "
+                  f"CUDA graphs {'on' if engine.decode.use_graphs else 'off'}", flush=True)
             # The baseline: transformers' own model and generate, sdpa attention, the same weights.
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=engine.model.dtype, attn_implementation="sdpa")
             model = model.to(device).eval()

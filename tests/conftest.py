@@ -144,3 +144,23 @@ def assert_same_gradients(ours: dict, reference: dict, rtol: float = GRAD_RTOL) 
     for name, expected in reference.items():
         atol = rtol * expected.abs().max().item()
         torch.testing.assert_close(ours[name], expected, rtol=0, atol=atol, msg=name)
+
+
+def varlen_by_flash_semantics(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False,
+                              aligned_to_end=True):
+    """torch.nn.attention.varlen.varlen_attn on CPU, as documented for flash kernels: layout [T, H, D],
+    window (-1, 0) is causal aligned to the end of each sequence's keys (`aligned_to_end=False`:
+    to their start, sdpa's convention for is_causal, which a prefill after a cached prefix must not get)."""
+    assert window_size == (-1, 0) and cu_q.dtype == cu_k.dtype == torch.int32
+    q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()
+    assert max_q == max(b - a for a, b in zip(q_bounds, q_bounds[1:]))
+    assert max_k == max(b - a for a, b in zip(k_bounds, k_bounds[1:]))
+    outputs = []
+    for (qa, qb), (ka, kb) in zip(zip(q_bounds, q_bounds[1:]), zip(k_bounds, k_bounds[1:])):
+        offset = (kb - ka) - (qb - qa) if aligned_to_end else 0
+        visible = torch.arange(kb - ka)[None, :] <= torch.arange(qb - qa)[:, None] + offset
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q[qa:qb].transpose(0, 1), k[ka:kb].transpose(0, 1), v[ka:kb].transpose(0, 1), attn_mask=visible,
+            scale=scale, enable_gqa=enable_gqa)
+        outputs.append(out.transpose(0, 1))
+    return torch.cat(outputs)

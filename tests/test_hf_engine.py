@@ -7,6 +7,7 @@ from transformers import AutoTokenizer
 
 from rl2.engines import Engine, HFEngine, SamplingParams, Turn, build_engine
 from rl2.engines.sampling import filter_top_k_top_p
+from conftest import varlen_by_flash_semantics
 from rl2.testing.tiny import build_tiny_model
 
 CPU = torch.device("cpu")
@@ -487,24 +488,6 @@ def test_abort_and_tool_failure_during_multi_turn(model_dir, tokenizer, prompts)
 
 
 # ---- prefill attention ------------------------------------------------------------------------
-
-
-def varlen_by_flash_semantics(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-    """torch.nn.attention.varlen.varlen_attn on CPU, as documented for flash kernels: layout [T, H, D],
-    window (-1, 0) is causal aligned to the end of each sequence's keys."""
-    assert window_size == (-1, 0) and cu_q.dtype == cu_k.dtype == torch.int32
-    q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()
-    assert max_q == max(b - a for a, b in zip(q_bounds, q_bounds[1:]))
-    assert max_k == max(b - a for a, b in zip(k_bounds, k_bounds[1:]))
-    outputs = []
-    for (qa, qb), (ka, kb) in zip(zip(q_bounds, q_bounds[1:]), zip(k_bounds, k_bounds[1:])):
-        offset = (kb - ka) - (qb - qa)
-        visible = torch.arange(kb - ka)[None, :] <= torch.arange(qb - qa)[:, None] + offset
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q[qa:qb].transpose(0, 1), k[ka:kb].transpose(0, 1), v[ka:kb].transpose(0, 1), attn_mask=visible,
-            scale=scale, enable_gqa=enable_gqa)
-        outputs.append(out.transpose(0, 1))
-    return torch.cat(outputs)
 
 
 @pytest.mark.parametrize("attention", ["flex_attention", "torch_varlen"])

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# What a session with a lent GPU runs, one stage per device call (each well inside the 10-minute limit),
+# writing each stage's log to $OUT/<stage>.txt. The GPU machine has torch and an older transformers but
+# no registry, so the packages rl2 needs there travel as wheels:
+#
+#   here:   bash bench/gpu_session.sh wheels        # into .whl/ (ignored by git), about 20 MB
+#   there:  bash bench/gpu_session.sh checks        # device run, carry [".whl"]: bench/gpu_checks.py first
+#           bash bench/gpu_session.sh rollout       # bench/gpu_rollout.py (issue 16's >= 4x target)
+#           bash bench/gpu_session.sh train         # bench/gpu_train.py (issue 15's targets)
+#           bash bench/gpu_session.sh demo          # the GRPO demo on one GPU, then the tool demo
+#
+# Record what they print in bench/RESULTS.md with the date and device.
+set -euo pipefail
+STAGE=${1:?usage: bash bench/gpu_session.sh wheels|checks|rollout|train|demo}
+cd "$(dirname "$0")/.."
+
+# Versions as on the CPU machines where the suite passes; pure-Python sdists are built into wheels here.
+WHEELS="transformers==5.23.0 tokenizers==0.23.3 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 omegaconf==2.4.0
+antlr4-python3-runtime==4.13.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 pylatexenc==2.11 bm25s==0.3.16"
+
+if [ "$STAGE" = wheels ]; then
+  mkdir -p .whl
+  for package in $WHEELS; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl "$package" 2>/dev/null || python3 -m pip wheel -q --no-deps -w .whl "$package"
+  done
+  ls -la .whl
+  exit 0
+fi
+
+OUT=${OUT:-outputs/gpu_session}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || echo "no GPU") | tee "$OUT/$STAGE.txt"
+case "$STAGE" in
+  checks) timeout 540 python3 bench/gpu_checks.py 2>&1 | tee -a "$OUT/checks.txt" ;;
+  rollout) timeout 560 python3 bench/gpu_rollout.py 2>&1 | tee -a "$OUT/rollout.txt" ;;
+  train) timeout 560 python3 bench/gpu_train.py 2>&1 | tee -a "$OUT/train.txt" ;;
+  demo)
+    (NPROC=1 OUT=/tmp/demo timeout 270 bash recipes/ppo_tiny.sh 2>&1 | tail -40) \
+        | tee -a "$OUT/demo.txt"
+    (TASK=lookup NPROC=1 OUT=/tmp/demo_tool timeout 270 bash recipes/ppo_tiny.sh 2>&1 | tail -40) \
+        | tee -a "$OUT/demo.txt" ;;
+  *) echo "unknown stage $STAGE" >&2; exit 2 ;;
+esac
