@@ -36,7 +36,7 @@ from gpu_train import save_shape  # noqa: E402
 from rl2.distributed.ring_attention import FusedBlocks, ring_attention, zigzag_cu_seqlens  # noqa: E402
 from rl2.engines import HFEngine, SamplingParams  # noqa: E402
 from rl2.kernels.attention import available_attention, torch_varlen_attention  # noqa: E402
-from rl2.testing.tiny import build_tiny_tokenizer  # noqa: E402
+from rl2.testing.tiny import build_tiny_tokenizer, sharpen_weights  # noqa: E402
 
 
 def dense(q, k, v, q_bounds, k_bounds, scale):
@@ -148,13 +148,7 @@ def save_peaked_tiny_model(folder: str) -> None:
     """The tiny shape with larger random weights: varied, peaked next-token distributions, so a wrong
     attention mask shows in the log-probs (at the default init they are nearly uniform)."""
     save_shape("tiny", folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.3 if "embed_tokens" in name else 0.15, generator=generator)
-    model.save_pretrained(folder)
+    sharpen_weights(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)).save_pretrained(folder)
 
 
 def main() -> None:

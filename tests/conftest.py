@@ -11,7 +11,7 @@ import torch
 
 import rank_launcher
 from rl2.data.chat_template import render_chat
-from rl2.testing.tiny import save_tiny
+from rl2.testing.tiny import save_tiny, sharpen_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Distributed tests fork their ranks from preloaded modules (`rank_launcher`; the suite in ~12 minutes
@@ -28,20 +28,10 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def peaked_model_dir(tiny_model_dir, tmp_path_factory) -> str:
-    """The tiny model with larger random weights.
-
-    At the default init (std 0.02) the residual stream is mostly the input embedding and the
-    embeddings are tied, so greedy decoding repeats the last token forever and tests on greedy
-    outputs would prove little. Larger weights give varied, peaked next-token distributions.
-    """
+    """The tiny model with larger random weights (`sharpen_weights`: peaked next-token distributions)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.3 if "embed_tokens" in name else 0.15, generator=generator)
+    model = sharpen_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
     folder = str(tmp_path_factory.mktemp("peaked"))
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)

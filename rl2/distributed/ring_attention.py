@@ -10,10 +10,12 @@ rank can work out the true positions of any other rank's tokens without communic
 
 `ring_attention` then runs causal attention within each sequence as if on the whole row: K/V blocks
 travel around the ring (Ring Attention, Liu et al. 2023) and the partial outputs are merged by
-their log-sum-exp. This is the pure-torch path (CPU/gloo, and the reference for a fused GPU
-kernel). It materialises the scores of one sequence's block at a time, [H, 2c_i, 2c_i] floats
-(a few of them in backward), so memory grows with (L_i / sp)² for the longest sequence, unlike a
-flash kernel's O(T): fine for CPU tests and moderate lengths.
+their log-sum-exp. Under the zigzag layout every piece of a block (one sequence's queries against
+its keys on another rank) is either causal or full, so each piece runs through torch's fused flash
+kernel for the device (`FusedBlocks`, CPU or CUDA in bf16/fp16; O(T) memory), whose backward, given
+the merged output and log-sum-exp, gives the piece's exact share of the gradient. `TorchBlocks`
+materialises each piece's float32 scores instead ([H, 2c_i, 2c_i], memory growing with (L_i / sp)²):
+the reference, and the path for devices or dtypes the fused kernel does not take.
 
 Recipe for a transformers model (see `ring_attention_implementation`):
 
