@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from rl2.config import ModelConfig
-from rl2.distributed.fsdp import load_fsdp_model, move_optimizer
+from rl2.distributed.fsdp import DTYPES, load_fsdp_model, move_optimizer
 from rl2.distributed.packing import pack_micro_batch, plan_grouped_micro_batches, unpack_row
 from rl2.distributed.process_group import all_reduce_sum, build_fsdp_mesh, build_sp_group, device, rank, world_size
 from rl2.distributed.ring_attention import (
     ring_attention_implementation,
+    ring_kernel,
     zigzag_cu_seqlens,
     zigzag_gather,
     zigzag_position_ids,
@@ -73,6 +74,9 @@ class ModelWorker:
         self.dp_size = self.world_size // self.sp_size
         self.dp_rank, self.sp_rank = divmod(rank(), self.sp_size)
         self.sp_group = build_sp_group(self.sp_size) if self.sp_size > 1 else None
+        if self.sp_group is not None:
+            compute = torch.empty(0, 1, device=self.device, dtype=DTYPES[config.dtype])
+            logger.info(f"sequence parallelism over {self.sp_size} ranks: ring attention with {ring_kernel(compute)} pieces")
         self.mesh = build_fsdp_mesh(config.fsdp_size)
         self.model = load_fsdp_model(
             config.model_name,
