@@ -368,9 +368,16 @@ def test_build_engine(tiny_model_dir, tokenizer):
 def test_abort_from_another_thread(engine, prompts):
     """abort() ends the generation in flight at its next token; the next generate runs normally."""
     import threading
+    import time
 
-    timer = threading.Timer(0.2, engine.abort)
-    timer.start()
+    started = engine.stats["decode_steps"]
+
+    def abort_while_decoding():  # not on a timer: on a loaded machine the call may not have begun decoding
+        while engine.stats["decode_steps"] < started + 3:
+            time.sleep(0.005)
+        engine.abort()
+
+    threading.Thread(target=abort_while_decoding, daemon=True).start()
     aborted = engine.generate(prompts[:2], SamplingParams(max_new_tokens=100_000, ignore_eos=True))
     assert all(g.finish_reason == "abort" and g.error == "aborted" and 0 < len(g.token_ids) < 100_000 for g in aborted)
     after = engine.generate(prompts[:2], SamplingParams(max_new_tokens=3, ignore_eos=True))
