@@ -118,7 +118,7 @@ def test_ring_pieces_cover_exactly_the_visible_pairs(sp):
             q_pos, k_pos = zigzag_position_ids(cu, q_rank, sp)[0], zigzag_position_ids(cu, k_rank, sp)[0]
             visible = (sequence[:, None] == sequence[None, :]) & (k_pos[None, :] <= q_pos[:, None])
             covered = torch.zeros_like(visible)
-            for rows, cols, causal in _ring_pieces(local_cu, q_rank, k_rank, sp):
+            for rows, cols, causal in _ring_pieces(local_cu.tolist(), q_rank, k_rank, sp):
                 block = torch.ones(rows.stop - rows.start, cols.stop - cols.start, dtype=torch.bool)
                 covered[rows, cols] = block.tril() if causal else block
             assert torch.equal(covered, visible), (q_rank, k_rank)

@@ -198,9 +198,9 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-def _ring_pieces(local_cu_seqlens: torch.Tensor, q_rank: int, k_rank: int, sp_size: int) -> list[tuple[slice, slice, bool]]:
+def _ring_pieces(bounds: list[int], q_rank: int, k_rank: int, sp_size: int) -> list[tuple[slice, slice, bool]]:
     """The attention block of q_rank's queries against k_rank's keys, as (query rows, key columns,
-    causal) per sequence, slices of the local row.
+    causal) per sequence, slices of the local row; `bounds` are the local cu_seqlens, on the host.
 
     Every rank's local row has the same sequence slices, so a block is block-diagonal by sequence:
     only sequence i's local slice attends to sequence i's slice (work Σ(2c_i)², not T_local²). With
@@ -209,7 +209,6 @@ def _ring_pieces(local_cu_seqlens: torch.Tensor, q_rank: int, k_rank: int, sp_si
     whole, but only its first chunk, by every query; one from a later rank is seen whole by the
     second chunk of queries only. That halves the work of every off-diagonal step.
     """
-    bounds = local_cu_seqlens.tolist()
     pieces = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
@@ -326,7 +325,7 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, local_cu_seqlens, group, scale, blocks):
+    def forward(ctx, q, k, v, bounds, group, scale, blocks):
         sp_rank, sp_size = dist.get_rank(group), dist.get_world_size(group)
         heads, kv_heads, length, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
         qg = q[0].reshape(kv_heads, heads // kv_heads, length, dim)
@@ -337,7 +336,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(sp_size):  # at step s this rank holds the K/V of rank r − s
             if step + 1 < sp_size:  # overlap: the next block is on its way while this one computes
                 (next_kv,), works = _ring_send_recv([kv], group)
-            for rows, cols, causal in _ring_pieces(local_cu_seqlens, sp_rank, (sp_rank - step) % sp_size, sp_size):
+            for rows, cols, causal in _ring_pieces(bounds, sp_rank, (sp_rank - step) % sp_size, sp_size):
                 block_out, block_lse, state = blocks.forward(qg[:, :, rows], kv[0, :, cols], kv[1, :, cols], causal, scale)
                 states.append(state)
                 # Merge by log-sum-exp: out = (e^lse·out + e^block_lse·block_out) / (e^lse + e^block_lse).
@@ -353,14 +352,14 @@ class _RingAttention(torch.autograd.Function):
                 _wait(works)
                 kv = next_kv
         output = out.reshape(heads, length, dim).transpose(0, 1).unsqueeze(0).to(q.dtype).contiguous()
-        ctx.save_for_backward(q, k, v, output, lse, local_cu_seqlens)
-        ctx.group, ctx.scale, ctx.blocks, ctx.states = group, scale, blocks, states
+        ctx.save_for_backward(q, k, v, output, lse)
+        ctx.bounds, ctx.group, ctx.scale, ctx.blocks, ctx.states = bounds, group, scale, blocks, states
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        q, k, v, output, lse, local_cu_seqlens = ctx.saved_tensors
-        group, scale, blocks, states = ctx.group, ctx.scale, ctx.blocks, iter(ctx.states)
+        q, k, v, output, lse = ctx.saved_tensors
+        bounds, group, scale, blocks, states = ctx.bounds, ctx.group, ctx.scale, ctx.blocks, iter(ctx.states)
         sp_rank, sp_size = dist.get_rank(group), dist.get_world_size(group)
         heads, kv_heads, length, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
 
@@ -376,7 +375,7 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < sp_size:
                 (next_kv,), kv_works = _ring_send_recv([kv], group)
             block_dkv = torch.zeros_like(dkv)
-            for rows, cols, causal in _ring_pieces(local_cu_seqlens, sp_rank, (sp_rank - step) % sp_size, sp_size):
+            for rows, cols, causal in _ring_pieces(bounds, sp_rank, (sp_rank - step) % sp_size, sp_size):
                 d_q, d_k, d_v = blocks.backward(
                     d_out[:, :, rows], qg[:, :, rows], kv[0, :, cols], kv[1, :, cols], out[:, :, rows],
                     lse[:, :, rows], causal, scale, next(states),
@@ -445,7 +444,8 @@ def ring_attention(
         )
         return out.unsqueeze(0)
     blocks = FusedBlocks if kernel == "fused" else TorchBlocks
-    return _RingAttention.apply(query, key, value, local_cu_seqlens.to(query.device), group, scale, blocks)
+    # The pieces are slices of the local row, read once on the host: no device sync inside the ring.
+    return _RingAttention.apply(query, key, value, local_cu_seqlens.tolist(), group, scale, blocks)
 
 
 RING_KERNELS = ("auto", "torch", "fused", "flash")
