@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 [ -f "$OUT/model/config.json" ] || python -m rl2.testing.tiny "$OUT/model" --hidden-size 128 --layers 2
 python recipes/make_pair_data.py "$OUT/data" --rows 512 --test-rows 64
 rm -rf "$OUT/dpo"
-torchrun --nproc_per_node="$NPROC" -m rl2.trainer.dpo \
+torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.dpo \
     data.path="$OUT/data/train.jsonl" data.test_path="$OUT/data/test.jsonl" data.batch_size=32 \
     actor.model_name="$OUT/model" actor.dtype=float32 actor.gradient_checkpointing=false \
     actor.lr=1e-3 actor.warmup_ratio=0.05 actor.max_length_per_device=1024 actor.beta=0.1 \

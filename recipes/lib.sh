@@ -79,7 +79,7 @@ tiny_warmup() {
   echo "== warm-up: $steps SFT steps on $1 tool demonstrations (tiny variant only)"
   python recipes/make_tool_demos.py --tool "$1" --rows "$OUT/data/train.jsonl" --out "$OUT/data/demos.jsonl"
   if [ ! -f "$OUT/warmup/step$steps/config.json" ]; then
-    torchrun --nproc_per_node="$NPROC" -m rl2.trainer.sft \
+    torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.sft \
       data.path="$OUT/data/demos.jsonl" data.batch_size=8 actor.model_name="$MODEL" actor.dtype=float32 \
       actor.gradient_checkpointing=false actor.lr=5e-3 actor.max_length_per_device=2048 \
       actor.save_dir="$OUT/warmup" trainer.total_steps="$steps" trainer.disable_wandb=true

@@ -33,7 +33,7 @@ python recipes/make_demo_data.py --task "$TASK" --out "$OUT/data" --rows 4000
 
 echo "== SFT warm-up ($SFT_STEPS steps)"
 rm -rf "$OUT/sft"
-torchrun --nproc_per_node="$NPROC" -m rl2.trainer.sft \
+torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.sft \
     data.path="$OUT/data/sft.jsonl" data.batch_size=64 \
     actor.model_name="$OUT/model" actor.dtype=float32 actor.gradient_checkpointing=false \
     actor.lr=3e-3 actor.warmup_ratio=0.2 actor.save_dir="$OUT/sft" \
@@ -41,7 +41,7 @@ torchrun --nproc_per_node="$NPROC" -m rl2.trainer.sft \
 
 echo "== GRPO ($PPO_STEPS steps, env envs/demo_$TASK.py)"
 rm -rf "$OUT/ppo"
-torchrun --nproc_per_node="$NPROC" -m rl2.trainer.ppo \
+torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.ppo \
     data.path="$OUT/data/train.jsonl" data.test_path="$OUT/data/test.jsonl" \
     data.prompts_per_rollout=16 data.responses_per_prompt=8 \
     actor.model_name="$OUT/sft/step$SFT_STEPS" actor.dtype=float32 actor.gradient_checkpointing=false \

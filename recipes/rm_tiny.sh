@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 [ -f "$OUT/model/config.json" ] || python -m rl2.testing.tiny "$OUT/model" --hidden-size 128 --layers 2
 python recipes/make_pair_data.py "$OUT/data" --rows 512 --test-rows 64
 rm -rf "$OUT/rm"
-torchrun --nproc_per_node="$NPROC" -m rl2.trainer.rm \
+torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.rm \
     data.path="$OUT/data/train.jsonl" data.test_path="$OUT/data/test.jsonl" data.batch_size=32 \
     critic.model_name="$OUT/model" critic.dtype=float32 critic.gradient_checkpointing=false \
     critic.lr=3e-4 critic.warmup_ratio=0.05 critic.max_length_per_device=1024 \

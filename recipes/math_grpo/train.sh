@@ -40,13 +40,13 @@ python recipes/math_grpo/prepare_data.py $(printf -- '--input %s ' $TRAIN_FILES)
 python recipes/math_grpo/prepare_data.py $(printf -- '--input %s ' $TEST_FILES) --output "$OUT/data/test.jsonl"
 
 echo "== GRPO from $MODEL"
-torchrun --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" \
+torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" \
   actor.model_name="$MODEL" data.path="$OUT/data/train.jsonl" data.test_path="$OUT/data/test.jsonl" \
   actor.save_dir="$OUT/grpo" ${STEPS:+trainer.total_steps=$STEPS} "$@"
 
 LAST=$(ls -d "$OUT"/grpo/step* | sed 's/.*step//' | sort -n | tail -1)
 echo "== evaluation of $OUT/grpo/step$LAST"
-torchrun --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" trainer.eval_only=true \
+torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" trainer.eval_only=true \
   actor.model_name="$OUT/grpo/step$LAST" data.test_path="$OUT/data/test.jsonl" \
   trainer.load_ckpt_from=null actor.save_dir="$OUT/eval"
 echo "results: $OUT/eval/eval.json; trajectories: $OUT/grpo/trajectories/"

@@ -76,7 +76,7 @@ run_stage() {
   local name=$1 data=$2 steps=$3 tokens=$4
   shift 4
   echo "== $name: $steps steps, responses up to $tokens tokens, from $MODEL"
-  torchrun --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" \
+  torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" \
     actor.model_name="$MODEL" data.path="$data" data.test_path="$OUT/data/test.jsonl" \
     data.max_length=$((PROMPT_TOKENS + tokens)) \
     "rollout.train_sampling_params.max_new_tokens=$tokens" "rollout.test_sampling_params.max_new_tokens=$tokens" \
@@ -90,7 +90,7 @@ if [ "$STAGE2_STEPS" -gt 0 ]; then
 fi
 
 echo "== difficulty filter: $FILTER_SAMPLES answers per problem from $MODEL"
-torchrun --nproc_per_node="$NPROC" -m rl2.trainer.difficulty_filter config="$CONFIG" \
+torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.difficulty_filter config="$CONFIG" \
   actor.model_name="$MODEL" data.path="$OUT/data/train.jsonl" data.max_length=$((PROMPT_TOKENS + STAGE3_TOKENS)) \
   "rollout.train_sampling_params.max_new_tokens=$STAGE3_TOKENS" \
   filter.responses_per_prompt="$FILTER_SAMPLES" filter.output="$OUT/data/train_hard.jsonl" \
@@ -103,7 +103,7 @@ fi
 run_stage stage3 "$OUT/data/train_hard.jsonl" "$STAGE3_STEPS" "$STAGE3_TOKENS" "$@"
 
 echo "== evaluation of $MODEL"
-torchrun --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" trainer.eval_only=true \
+torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" trainer.eval_only=true \
   actor.model_name="$MODEL" data.test_path="$OUT/data/test.jsonl" data.max_length=$((PROMPT_TOKENS + STAGE3_TOKENS)) \
   "rollout.test_sampling_params.max_new_tokens=$STAGE3_TOKENS" trainer.load_ckpt_from=null actor.save_dir="$OUT/eval"
 echo "results: $OUT/eval/eval.json; trajectories: $OUT/stage*/trajectories/"

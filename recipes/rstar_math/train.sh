@@ -33,7 +33,7 @@ if [ "$TINY" = 1 ]; then
   echo "== warm-up: $WARMUP_STEPS SFT steps on step-format demonstrations (tiny variant only)"
   python recipes/rstar_math/make_step_demos.py --rows "$OUT/data/train.jsonl" --out "$OUT/data/demos.jsonl"
   if [ ! -f "$OUT/warmup/step$WARMUP_STEPS/config.json" ]; then
-    torchrun --nproc_per_node="$NPROC" -m rl2.trainer.sft config="$CONFIG" data.path="$OUT/data/demos.jsonl" \
+    torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.sft config="$CONFIG" data.path="$OUT/data/demos.jsonl" \
       actor.model_name="$MODEL" actor.lr=5e-3 actor.save_dir="$OUT/warmup" trainer.total_steps="$WARMUP_STEPS"
   fi
   MODEL=$OUT/warmup/step$WARMUP_STEPS
@@ -56,7 +56,7 @@ search() {
   local name=$1 policy=$2 data=$3
   shift 3
   echo "== $name: search with $policy over $data"
-  torchrun --nproc_per_node="$NPROC" -m rl2.search config="$CONFIG" actor.model_name="$policy" \
+  torchrun --standalone --nproc_per_node="$NPROC" -m rl2.search config="$CONFIG" actor.model_name="$policy" \
     data.path="$data" search.output_dir="$OUT/$name" "$@"
 }
 
@@ -73,12 +73,12 @@ require_rows "$OUT/round1/mcts/sft.jsonl" "SFT rows"
 require_rows "$OUT/round1/mcts/ppm_pairs.jsonl" "PPM pairs"
 
 echo "== policy: $SFT_STEPS SFT steps on round 1's best solutions"
-torchrun --nproc_per_node="$NPROC" -m rl2.trainer.sft config="$CONFIG" data.path="$OUT/round1/mcts/sft.jsonl" \
+torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.sft config="$CONFIG" data.path="$OUT/round1/mcts/sft.jsonl" \
   actor.model_name="$BASE" actor.save_dir="$OUT/policy1" trainer.total_steps="$SFT_STEPS"
 POLICY=$OUT/policy1/step$SFT_STEPS
 
 echo "== PPM: $PPM_STEPS reward-model steps on round 1's step-level pairs"
-torchrun --nproc_per_node="$NPROC" -m rl2.trainer.rm config="$CONFIG" data.path="$OUT/round1/mcts/ppm_pairs.jsonl" \
+torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.rm config="$CONFIG" data.path="$OUT/round1/mcts/ppm_pairs.jsonl" \
   critic.model_name="$BASE" critic.save_dir="$OUT/ppm1" trainer.total_steps="$PPM_STEPS"
 PPM=$OUT/ppm1/step$PPM_STEPS
 

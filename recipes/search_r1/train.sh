@@ -58,12 +58,12 @@ echo "== retrieval at $SEARCH_URL"
 if [ "$TINY" = 1 ]; then tiny_warmup search; fi
 
 echo "== GRPO: $STEPS steps from $MODEL"
-torchrun --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" \
+torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" \
   actor.model_name="$MODEL" data.path="$OUT/data/train.jsonl" data.test_path="$OUT/data/test.jsonl" \
   actor.save_dir="$OUT/grpo" trainer.total_steps="$STEPS" "$@"
 
 echo "== evaluation of $OUT/grpo/step$STEPS"
-torchrun --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" trainer.eval_only=true \
+torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.ppo config="$CONFIG" trainer.eval_only=true \
   actor.model_name="$OUT/grpo/step$STEPS" data.test_path="$OUT/data/test.jsonl" \
   trainer.load_ckpt_from=null actor.save_dir="$OUT/eval"
 echo "results: $OUT/eval/eval.json; trajectories: $OUT/grpo/trajectories/"

@@ -6,6 +6,10 @@ computation holds several (logits, log-softmax, its exponential for the entropy,
 chunk of tokens is projected, reduced to what is kept (the next token's log-prob, the logsumexp, the
 entropy) and dropped; backward recomputes each chunk's logits (one more matmul per chunk, as activation
 checkpointing does for a layer).
+
+liger-kernel's fused linear cross-entropy is not dispatched to even where installed: it returns no
+entropy, and RL losses need its per-token mode (`reduction="none"`), whose backward in older releases
+scales gradients already summed over tokens, which is wrong for per-token weights and raises no error.
 """
 
 import contextlib
