@@ -164,7 +164,7 @@ def main() -> None:
                     share = f"{tps / bound:7.1%}" if device.type == "cuda" else "-"
                     print(f"{case:<16} {len(prompts):>8} {method:<22} {seconds:8.2f} {tokens:8d} {tps:10.0f} "
                           f"{tps / base_tps:10.2f}x {share:>8}", flush=True)
-            del engine, model
+            engine = model = None  # free both before the next batch size
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 

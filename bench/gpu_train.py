@@ -20,8 +20,6 @@ CUDA; on CPU no MFU is printed.
 
 import argparse
 import gc
-import math
-import os
 import resource
 import tempfile
 import time
@@ -129,7 +127,6 @@ def run_rl2(folder, batch, args, checkpointing: bool, device: torch.device) -> d
     weighted = with_loss_weights(batch)
     train = timed_steps(lambda: actor.train_step(weighted, sft_loss), args.steps, device)
     logps = timed_steps(lambda: actor.compute(batch), args.steps, device)
-    del actor
     return {"seconds": train, "logps_seconds": logps}
 
 
@@ -171,7 +168,6 @@ def run_plain(folder, batch, args, checkpointing: bool, device: torch.device) ->
         optimizer.zero_grad(set_to_none=True)
 
     seconds = timed_steps(step, args.steps, device)
-    del model, optimizer
     return {"seconds": seconds}
 
 
