@@ -21,6 +21,17 @@ RECIPE_YAMLS = sorted(glob.glob(os.path.join(REPO, "recipes", "**", "*.yaml"), r
 RECIPE_COMMANDS = {"rstar2_agent": "ppo", "search_r1": "ppo", "math_grpo": "ppo", "rstar_math": "search"}
 
 
+def test_recipes_launch_torchrun_on_a_free_port():
+    """Every recipe's torchrun is --standalone: its default static rendezvous port (29500) made two
+    recipes on one machine (or two of the suite's recipe tests at once) fail with EADDRINUSE."""
+    launches = []
+    for path in sorted(glob.glob(os.path.join(REPO, "recipes", "**", "*.sh"), recursive=True)):
+        with open(path) as file:
+            launches += [(path, line.strip()) for line in file if line.strip().startswith("torchrun ")]
+    assert len(launches) >= 10
+    assert [launch for launch in launches if "--standalone" not in launch[1]] == []
+
+
 @pytest.mark.parametrize("path", RECIPE_YAMLS, ids=lambda p: os.path.relpath(p, REPO))
 def test_every_recipe_yaml_is_a_valid_config(path):
     """A recipe can never drift from the code: an unknown key or a bad value fails here, and so do

@@ -50,13 +50,15 @@ from rl2.kernels.attention import no_dense_mask
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None) -> None:
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None) -> list[int]:
+    """`cu_seqlens` read to the host (one copy), after checking it describes a packed row of `total` tokens."""
     bounds = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
     valid = bounds is not None and len(bounds) >= 1 and bounds[0] == 0
     valid = valid and all(a <= b for a, b in zip(bounds, bounds[1:]))
     valid = valid and (total is None or bounds[-1] == total)
     if not valid:
         raise ValueError(f"cu_seqlens {cu_seqlens.tolist()} do not describe a packed row of length {total}")
+    return bounds
 
 
 def _check_sp(sp_rank: int, sp_size: int) -> None:
@@ -333,10 +335,12 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(qg.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k[0], v[0]])
         states = []
-        for step in range(sp_size):  # at step s this rank holds the K/V of rank r − s
+        # At step s this rank holds the K/V of rank r − s; backward walks the same pieces.
+        pieces = [_ring_pieces(bounds, sp_rank, (sp_rank - step) % sp_size, sp_size) for step in range(sp_size)]
+        for step in range(sp_size):
             if step + 1 < sp_size:  # overlap: the next block is on its way while this one computes
                 (next_kv,), works = _ring_send_recv([kv], group)
-            for rows, cols, causal in _ring_pieces(bounds, sp_rank, (sp_rank - step) % sp_size, sp_size):
+            for rows, cols, causal in pieces[step]:
                 block_out, block_lse, state = blocks.forward(qg[:, :, rows], kv[0, :, cols], kv[1, :, cols], causal, scale)
                 states.append(state)
                 # Merge by log-sum-exp: out = (e^lse·out + e^block_lse·block_out) / (e^lse + e^block_lse).
@@ -353,14 +357,14 @@ class _RingAttention(torch.autograd.Function):
                 kv = next_kv
         output = out.reshape(heads, length, dim).transpose(0, 1).unsqueeze(0).to(q.dtype).contiguous()
         ctx.save_for_backward(q, k, v, output, lse)
-        ctx.bounds, ctx.group, ctx.scale, ctx.blocks, ctx.states = bounds, group, scale, blocks, states
+        ctx.pieces, ctx.group, ctx.scale, ctx.blocks, ctx.states = pieces, group, scale, blocks, states
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         q, k, v, output, lse = ctx.saved_tensors
-        bounds, group, scale, blocks, states = ctx.bounds, ctx.group, ctx.scale, ctx.blocks, iter(ctx.states)
-        sp_rank, sp_size = dist.get_rank(group), dist.get_world_size(group)
+        pieces, group, scale, blocks, states = ctx.pieces, ctx.group, ctx.scale, ctx.blocks, iter(ctx.states)
+        sp_size = dist.get_world_size(group)
         heads, kv_heads, length, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
 
         def grouped(x: torch.Tensor) -> torch.Tensor:  # [1, T, H, D] -> [Hkv, G, T, D]
@@ -375,7 +379,7 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < sp_size:
                 (next_kv,), kv_works = _ring_send_recv([kv], group)
             block_dkv = torch.zeros_like(dkv)
-            for rows, cols, causal in _ring_pieces(bounds, sp_rank, (sp_rank - step) % sp_size, sp_size):
+            for rows, cols, causal in pieces[step]:
                 d_q, d_k, d_v = blocks.backward(
                     d_out[:, :, rows], qg[:, :, rows], kv[0, :, cols], kv[1, :, cols], out[:, :, rows],
                     lse[:, :, rows], causal, scale, next(states),
@@ -429,23 +433,24 @@ def ring_attention(
         raise ValueError(f"ring attention takes packed rows of batch size 1, got {query.shape[0]}")
     if query.shape[2:] != key.shape[2:] or query.shape[1] % key.shape[1] != 0:
         raise ValueError(f"query {tuple(query.shape)} does not match key/value {tuple(key.shape)}")
-    _check_cu_seqlens(local_cu_seqlens, query.shape[2])
-    if any(n % 2 for n in (local_cu_seqlens[1:] - local_cu_seqlens[:-1]).tolist()):
-        raise ValueError(f"{local_cu_seqlens.tolist()} are not zigzag local cu_seqlens (odd sequence length)")
+    # Read once on the host: the checks, and the ring's pieces (slices of the local row) without a
+    # device sync inside the ring.
+    bounds = _check_cu_seqlens(local_cu_seqlens, query.shape[2])
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    if any(n % 2 for n in lengths):
+        raise ValueError(f"{bounds} are not zigzag local cu_seqlens (odd sequence length)")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     kernel = ring_kernel(query, kernel)
     if kernel == "flash":
         # Same zigzag layout (chunks r and 2·sp−1−r of each sequence), tokens-first tensors.
-        lengths = local_cu_seqlens[1:] - local_cu_seqlens[:-1]
         out = _flash_kernel()(
             query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-            local_cu_seqlens.to(device=query.device, dtype=torch.int32), int(lengths.max()),
+            local_cu_seqlens.to(device=query.device, dtype=torch.int32), max(lengths, default=0),
             softmax_scale=scale, causal=True, group=group,
         )
         return out.unsqueeze(0)
     blocks = FusedBlocks if kernel == "fused" else TorchBlocks
-    # The pieces are slices of the local row, read once on the host: no device sync inside the ring.
-    return _RingAttention.apply(query, key, value, local_cu_seqlens.tolist(), group, scale, blocks)
+    return _RingAttention.apply(query, key, value, bounds, group, scale, blocks)
 
 
 RING_KERNELS = ("auto", "torch", "fused", "flash")
