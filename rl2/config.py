@@ -38,6 +38,9 @@ class DataConfig:
     prompts_per_rollout: Optional[int] = _f(None, "prompts sampled per rollout")
     responses_per_prompt: int = _f(1, "responses generated per prompt")
     shuffle: bool = _f(True, "shuffle the training data every epoch")
+    messages_key: str = _f("messages", "the column holding a row's conversation (RL2's messages_key)")
+    apply_chat_template: bool = _f(True, "RL: render the prompt's messages with the chat template; false = the prompt_key column is the model's input as is (RL2's apply_chat_template=false)")
+    prompt_key: str = _f("prompt", "RL with apply_chat_template=false: the column holding the raw prompt text")
 
 
 # The allowed values of the settings with choices: the one list, which the code that uses them imports.
@@ -108,10 +111,14 @@ class RolloutConfig:
     env_path: Optional[str] = _f(None, "python file defining the environment (reward / tool steps)")
     env_timeout: float = _f(60.0, "seconds one reward_fn / interact call may take; then reward 0 / trajectory ends")
     env_concurrency: int = _f(64, "env calls running at once (threads for sync functions)")
+    env_workers: Optional[int] = _f(None, "processes per rank that run the env file's sync functions in their main thread (signals, crashes and hangs cost one call); None = one per core of this rank's share, at most 8; 0 = threads in the trainer process instead (shared in-process state)")
+    env_worker_memory_mb: int = _f(8192, "memory limit of one env worker process (a call that exceeds it fails alone); 0 = no limit")
+    max_unscored_steps: int = _f(3, "the run stops with an error after this many steps in a row in which no reward_fn call succeeded")
     env_args: dict[str, Any] = _f({}, "settings of the env file, read there as env_args.get(name, default), e.g. {python_tool_workers: 8}; a name not set here falls back to the environment variable NAME")
     dynamic_filtering: bool = _f(False, "drop groups whose rewards are all equal (zero advantage; DAPO)")
     test_responses_per_prompt: int = _f(1, "responses per test prompt; pass@k uses k = this")
     sync_bucket_mb: int = _f(512, "weights are sent to the engine in buckets of about this many MB")
+    server_args: dict[str, Any] = _f({}, "sglang engine: extra SGLang server arguments, passed as they are (RL2's rollout.server_args)")
     oversample: Optional[int] = _f(None, "GRPO-RoC: responses generated per prompt before down-sampling to data.responses_per_prompt")
 
 
@@ -133,6 +140,7 @@ class AdvConfig:
     gamma: float = _f(1.0, "discount factor")
     lamda: float = _f(1.0, "GAE lambda")
     norm_var: bool = _f(False, "divide advantages by their standard deviation")
+    global_norm: bool = _f(False, "reinforce: with norm_var, divide by the standard deviation of the whole batch's advantages instead of each group's (RL2's adv.global_norm)")
     resample_on_correct: bool = _f(False, "GRPO-RoC: generate rollout.oversample responses per prompt, keep data.responses_per_prompt")
     roc_mode: str = _f("sample", "GRPO-RoC: draw positives with probability ~ 1/penalty (the paper) or take the lowest penalties (the released code)", ROC_MODES)
     roc_min_each: int = _f(2, "GRPO-RoC: keep at least this many positives and negatives where a group has them")
@@ -147,6 +155,7 @@ class TrainerConfig:
     test_freq: Optional[int] = _f(None, "steps between evaluations; None = no periodic evaluation")
     disable_wandb: bool = _f(False, "do not log to wandb")
     load_ckpt_from: Optional[str] = _f(None, "'latest' or a checkpoint dir to resume from")
+    overwrite: bool = _f(False, "start afresh in a save_dir that holds another run's checkpoints and metrics (they are deleted first); without it such a run stops at start-up")
     seed: int = _f(42, "random seed")
     dump_trajectories: bool = _f(True, "write each step's trajectories to <save_dir>/trajectories/step_N.jsonl")
     eval_only: bool = _f(False, "RL: only evaluate actor.model_name on data.test_path (avg@k, pass@k with k = rollout.test_responses_per_prompt), write <save_dir>/eval.json and stop")
