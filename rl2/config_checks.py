@@ -72,6 +72,12 @@ def check_rl_config(config: Config) -> None:
     """Values an RL run (training, evaluation or the difficulty filter) cannot run with."""
     if config.rollout.max_turns < 1:
         raise ConfigError(f"rollout.max_turns must be >= 1, got {config.rollout.max_turns}")
+    if config.rollout.env_workers is not None and config.rollout.env_workers < 0:
+        raise ConfigError(f"rollout.env_workers must be >= 0 (0 = threads), got {config.rollout.env_workers}")
+    if config.rollout.env_worker_memory_mb < 0:
+        raise ConfigError(f"rollout.env_worker_memory_mb must be >= 0 (0 = no limit), got {config.rollout.env_worker_memory_mb}")
+    if config.rollout.max_unscored_steps < 1:
+        raise ConfigError(f"rollout.max_unscored_steps must be >= 1, got {config.rollout.max_unscored_steps}")
     if config.data.responses_per_prompt < 1:
         raise ConfigError(f"data.responses_per_prompt must be >= 1, got {config.data.responses_per_prompt}")
     if config.actor.update_per_rollout < 1 or config.critic.update_per_rollout < 1:

@@ -1,4 +1,5 @@
-"""Env files: loading errors at start-up, concurrent calls, and run-time errors that do not stop a run."""
+"""Env files: loading errors at start-up, concurrent calls, and run-time errors that do not stop a run,
+with sync functions in env worker processes (the default) and in threads (`workers=0`)."""
 
 import asyncio
 import logging
@@ -27,6 +28,10 @@ def write_env(tmp_path, source: str, name: str = "env.py") -> str:
     return str(path)
 
 
+# Where sync functions run: threads of this process, or env worker processes.
+MODES = [pytest.param(0, id="threads"), pytest.param(2, id="processes")]
+
+
 def env_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "rl2.rollout.env" and r.levelno == logging.WARNING]
 
@@ -35,17 +40,19 @@ def env_warnings(caplog) -> list[str]:
 # working envs
 
 
+@pytest.mark.parametrize("workers", MODES)
 @pytest.mark.parametrize("name", ["good_sync.py", "good_async.py"])
-def test_rewards_in_input_order(name):
-    with Env(env_path(name)) as env:
+def test_rewards_in_input_order(name, workers):
+    with Env(env_path(name), workers=workers) as env:
         results = env.rewards([chat("4"), chat("5"), chat("x"), chat("7")], ["4", 4, "y", 7])
     assert results == [EnvResult(1.0, None), EnvResult(0.0, None), EnvResult(0.0, None), EnvResult(1.0, None)]
     assert all(type(r.value) is float for r in results)
 
 
+@pytest.mark.parametrize("workers", MODES)
 @pytest.mark.parametrize("name", ["good_sync.py", "good_async.py"])
-def test_interact_in_input_order(name):
-    with Env(env_path(name), need_interact=True) as env:
+def test_interact_in_input_order(name, workers):
+    with Env(env_path(name), need_interact=True, workers=workers) as env:
         assert env.has_interact
         results = env.interact([chat("a"), chat("bye"), chat("c")])
     assert [r.error for r in results] == [None, None, None]
@@ -53,16 +60,18 @@ def test_interact_in_input_order(name):
     assert results[0].value[0]["role"] == "tool"
 
 
-def test_extra_message_keys_kept():
-    with Env(env_path("good_sync.py")) as env:
+@pytest.mark.parametrize("workers", MODES)
+def test_extra_message_keys_kept(workers):
+    with Env(env_path("good_sync.py"), workers=workers) as env:
         [result] = env.interact([chat("a")])
     assert result.value == [{"role": "tool", "content": "echo: a", "tool_call_id": "call-1"}]
 
 
-@pytest.mark.parametrize("name", ["slow_sync.py", "slow_async.py"])
-def test_calls_run_concurrently(name):
+@pytest.mark.parametrize("name, workers", [("slow_sync.py", 0), ("slow_async.py", 0), ("slow_sync.py", 8)])
+def test_calls_run_concurrently(name, workers):
     # 8 calls of 0.3 s each: one after another would take 2.4 s.
-    with Env(env_path(name), concurrency=8) as env:
+    with Env(env_path(name), concurrency=8, workers=workers) as env:
+        env.rewards([chat("a")] * workers, [None] * workers)  # the workers' start-up is not what is timed
         start = time.perf_counter()
         rewards = env.rewards([chat("a")] * 8, [None] * 8)
         reward_seconds = time.perf_counter() - start
@@ -74,19 +83,21 @@ def test_calls_run_concurrently(name):
     assert reward_seconds < 1.0 and interact_seconds < 1.0
 
 
-def test_concurrency_is_bounded():
-    # concurrency=2: 4 calls of 0.3 s need two rounds.
-    with Env(env_path("slow_async.py"), concurrency=2) as env:
+@pytest.mark.parametrize("name, workers", [("slow_async.py", 0), ("slow_sync.py", 4)])
+def test_concurrency_is_bounded(name, workers):
+    # concurrency=2: 4 calls of 0.3 s need two rounds (also with more env workers than that).
+    with Env(env_path(name), concurrency=2, workers=workers) as env:
         start = time.perf_counter()
         env.rewards([chat("a")] * 4, [None] * 4)
         assert time.perf_counter() - start >= 0.55
 
 
-@pytest.mark.parametrize("name", ["slow_sync.py", "slow_async.py"])
-def test_interactions_one_call_at_a_time(name):
+@pytest.mark.parametrize("name, workers", [("slow_sync.py", 0), ("slow_async.py", 0), ("slow_sync.py", 3)])
+def test_interactions_one_call_at_a_time(name, workers):
     """`interactions()` starts calls one by one (futures of EnvResult), concurrently, bounded by
     `concurrency`; errors come back as results; calls still running at the end are cancelled."""
-    with Env(env_path(name), concurrency=3, need_interact=True) as env:
+    with Env(env_path(name), concurrency=3, need_interact=True, workers=workers) as env:
+        env.interact([chat("a")] * workers)  # the workers' start-up is not what is timed
         with env.interactions() as interact:
             start = time.perf_counter()
             futures = [interact(chat("a")) for _ in range(6)]  # 0.3 s each, 3 at once: two rounds
@@ -98,10 +109,11 @@ def test_interactions_one_call_at_a_time(name):
     assert 0.55 <= elapsed < 1.5
 
 
-def test_interactions_report_errors_and_need_interact(tmp_path):
+@pytest.mark.parametrize("workers", MODES)
+def test_interactions_report_errors_and_need_interact(tmp_path, workers):
     path = write_env(tmp_path, "def reward_fn(messages, answer):\n    return 0.0\n"
                                "def interact(messages):\n    raise ValueError('no tool here')\n")
-    with Env(path) as env:
+    with Env(path, workers=workers) as env:
         with env.interactions() as interact:
             result = interact(chat("a")).result(timeout=5)
     assert result.value == [] and result.error == "interact raised ValueError: no tool here"
@@ -111,37 +123,41 @@ def test_interactions_report_errors_and_need_interact(tmp_path):
                 pass
 
 
-def test_reward_types_converted(tmp_path):
+@pytest.mark.parametrize("workers", MODES)
+def test_reward_types_converted(tmp_path, workers):
     numpy = pytest.importorskip("numpy")
     path = write_env(tmp_path, "import numpy\n\ndef reward_fn(messages, answer):\n    return eval(answer)\n")
-    with Env(path) as env:
+    with Env(path, workers=workers) as env:
         results = env.rewards([chat("a")] * 5, ["True", "3", "numpy.float32(0.5)", "numpy.int64(-2)", "0.25"])
     assert [r.value for r in results] == [1.0, 3.0, 0.5, -2.0, 0.25]
     assert all(type(r.value) is float and r.error is None for r in results)
     assert numpy  # used by the env file
 
 
-def test_helper_module_in_env_directory():
+@pytest.mark.parametrize("workers", MODES)
+def test_helper_module_in_env_directory(workers):
     path_before = list(sys.path)
-    with Env(env_path("uses_helper.py")) as env:
+    with Env(env_path("uses_helper.py"), workers=workers) as env:
         results = env.rewards([chat("so the answer is 42"), chat("it is 41")], [42, 42])
     assert [r.value for r in results] == [1.0, 0.0]
     assert sys.path == path_before
 
 
-def test_each_env_is_a_fresh_module(tmp_path):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_each_env_is_a_fresh_module(tmp_path, workers):
     source = "CALLS = []\n\ndef reward_fn(messages, answer):\n    CALLS.append(1)\n    return float(len(CALLS))\n"
     path = write_env(tmp_path, source)
-    with Env(path) as first, Env(path) as second:
+    with Env(path, workers=workers) as first, Env(path, workers=workers) as second:
         assert first.rewards([chat("a")], [None])[0].value == 1.0
         assert first.rewards([chat("a")], [None])[0].value == 2.0
         assert second.rewards([chat("a")], [None])[0].value == 1.0
 
 
-def test_messages_passed_are_copies():
+@pytest.mark.parametrize("workers", MODES)
+def test_messages_passed_are_copies(workers):
     conversation = chat("original")
     answer = ["keep"]
-    with Env(env_path("mutating.py")) as env:
+    with Env(env_path("mutating.py"), workers=workers) as env:
         [reward] = env.rewards([conversation], [answer])
         first = env.interact([conversation])[0].value
         first[0]["content"] = "mutated by the trainer"
@@ -163,9 +179,11 @@ def test_works_inside_a_running_event_loop():
 
 
 def test_repr_close_and_context_manager():
-    env = Env(env_path("good_async.py"), timeout=5, concurrency=3)
+    env = Env(env_path("good_async.py"), timeout=5, concurrency=3, workers=0)
     text = repr(env)
     assert "good_async.py" in text and "reward_fn=async" in text and "timeout=5.0" in text and "concurrency=3" in text
+    assert "threads" in text and env.mode == "threads"
+    assert "workers=3" in repr(Env(env_path("good_sync.py"), workers=3))
     with env:
         pass
     with pytest.raises(RuntimeError, match="closed"):
@@ -256,8 +274,9 @@ def test_a_missing_tools_extra_package_gets_an_install_hint(tmp_path):
 # run-time errors
 
 
-def test_reward_fn_raises(caplog):
-    with Env(env_path("misbehaving.py")) as env:
+@pytest.mark.parametrize("workers", MODES)
+def test_reward_fn_raises(caplog, workers):
+    with Env(env_path("misbehaving.py"), workers=workers) as env:
         results = env.rewards([chat("a"), chat("b" * 5000), chat("c")], ["ok", "raise", "ok"])
     assert results[0] == results[2] == EnvResult(1.0, None)
     assert results[1] == EnvResult(None, "reward_fn raised ValueError: no reward for you")
@@ -271,24 +290,33 @@ def test_reward_fn_raises(caplog):
     ("none", "reward_fn returned NoneType, expected a number"),
     ("nan", "reward_fn returned nan, expected a finite number"),
 ])
-def test_reward_fn_wrong_type(caplog, answer, error):
-    with Env(env_path("misbehaving.py")) as env:
+@pytest.mark.parametrize("workers", MODES)
+def test_reward_fn_wrong_type(caplog, answer, error, workers):
+    with Env(env_path("misbehaving.py"), workers=workers) as env:
         results = env.rewards([chat("a"), chat("a")], [answer, "bool"])
     assert results == [EnvResult(None, error), EnvResult(1.0, None)]
     [warning] = env_warnings(caplog)
     assert "misbehaving.py" in warning and error in warning
 
 
-@pytest.mark.parametrize("name, hung_thread", [("misbehaving.py", True), ("misbehaving_async.py", False)])
-def test_reward_fn_timeout(caplog, name, hung_thread):
-    with Env(env_path(name), timeout=0.2) as env:
+@pytest.mark.parametrize("name, workers, note", [
+    ("misbehaving.py", 0, "keeps running"),
+    ("misbehaving_async.py", 0, None),
+    ("misbehaving.py", 2, "its env worker process was killed and replaced"),
+])
+def test_reward_fn_timeout(caplog, name, workers, note):
+    with Env(env_path(name), timeout=0.2, workers=workers) as env:
+        env.rewards([chat("a")] * workers, ["ok"] * workers)  # the workers' start-up is not what is timed
         start = time.perf_counter()
         results = env.rewards([chat("a"), chat("a")], ["sleep", "ok"])
         assert time.perf_counter() - start < 0.8
     assert results == [EnvResult(None, "reward_fn timed out after 0.2s"), EnvResult(1.0, None)]
     [warning] = env_warnings(caplog)
     assert name in warning and "timed out" in warning
-    assert ("keeps running" in warning) == hung_thread
+    if note is None:
+        assert "keeps running" not in warning and "killed" not in warning
+    else:
+        assert note in warning
 
 
 def test_async_reward_fn_raises(caplog):
@@ -306,8 +334,9 @@ def test_async_reward_fn_raises(caplog):
     ("int content", "interact returned a message (item 0) whose 'content' is int, expected str"),
     ("str item", "interact returned a list whose item 0 is str, expected a dict"),
 ])
-def test_interact_errors_end_the_trajectory(caplog, kind, error):
-    with Env(env_path("misbehaving.py"), need_interact=True) as env:
+@pytest.mark.parametrize("workers", MODES)
+def test_interact_errors_end_the_trajectory(caplog, kind, error, workers):
+    with Env(env_path("misbehaving.py"), need_interact=True, workers=workers) as env:
         results = env.interact([chat(kind), chat("fine")])
     assert results == [EnvResult([], error), EnvResult([{"role": "tool", "content": "ok"}], None)]
     [warning] = env_warnings(caplog)
@@ -320,18 +349,20 @@ def test_interact_tuple_accepted():
     assert result == EnvResult([{"role": "tool", "content": "ok"}], None)
 
 
-@pytest.mark.parametrize("name", ["misbehaving.py", "misbehaving_async.py"])
-def test_interact_timeout(name):
-    with Env(env_path(name), timeout=0.2) as env:
+@pytest.mark.parametrize("name, workers", [("misbehaving.py", 0), ("misbehaving_async.py", 0), ("misbehaving.py", 2)])
+def test_interact_timeout(name, workers):
+    with Env(env_path(name), timeout=0.2, workers=workers) as env:
+        env.interact([chat("fine")] * workers)  # the workers' start-up is not what is timed
         start = time.perf_counter()
         results = env.interact([chat("sleep"), chat("fine")])
         assert time.perf_counter() - start < 0.8
     assert results == [EnvResult([], "interact timed out after 0.2s"), EnvResult([{"role": "tool", "content": "ok"}], None)]
 
 
-def test_users_own_timeout_error_is_not_our_timeout(tmp_path):
+@pytest.mark.parametrize("workers", MODES)
+def test_users_own_timeout_error_is_not_our_timeout(tmp_path, workers):
     path = write_env(tmp_path, "def reward_fn(messages, answer):\n    raise TimeoutError('http request')\n")
-    with Env(path, timeout=5) as env:
+    with Env(path, timeout=5, workers=workers) as env:
         [result] = env.rewards([chat("a")], [None])
     assert result == EnvResult(None, "reward_fn raised TimeoutError: http request")
 
@@ -352,7 +383,7 @@ def test_close_closes_the_env_files_lazy_pools(tmp_path):
         "    _pool.get()\n"
         "    return 1.0\n"
     )
-    env = Env(str(path))
+    env = Env(str(path), workers=0)
     assert [r.value for r in env.rewards([[{"role": "assistant", "content": "x"}]], [None])] == [1.0]
     module = env._module
     env.close()
@@ -381,7 +412,7 @@ def test_fault_counts_sum_the_env_files_pools_and_counters(tmp_path):
         "    counter.add('call_retries')\n"
         "    return 1.0\n"
     )
-    with Env(str(path)) as env:
+    with Env(str(path), workers=0) as env:
         assert env.fault_counts() == {}  # nothing made, nothing counted
         env.rewards([chat("a"), chat("b")], ["x", "y"])
         assert env.fault_counts() == {"worker_restarts": 6, "call_retries": 2}

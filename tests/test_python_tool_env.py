@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 
 from conftest import tokenize_prompt
 from rl2.engines import SamplingParams
-from rl2.rollout.env import Env, _load_module
+from rl2.rollout.env import Env
+from rl2.rollout.env_file import load_env_file
 from rl2.rollout.multi_turn import assign_rewards, rollout
 from rl2.tools.lazy import Lazy
 from rl2.tools.sandbox import RunResult
@@ -25,7 +26,7 @@ ENV_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 @pytest.fixture(scope="module")
 def tool():
-    module = _load_module(ENV_PATH)
+    module = load_env_file(ENV_PATH)
     yield module
     if module._sandbox._value is not None:
         module._sandbox.get().close()

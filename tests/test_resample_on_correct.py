@@ -12,7 +12,7 @@ import torch
 
 from rl2.algorithms.resample_on_correct import ROC_EPS, resample_on_correct
 from rl2.tools.roc_penalty import roc_penalty, roc_tool_error
-from rl2.rollout.env import _load_module
+from rl2.rollout.env_file import load_env_file
 
 ENV_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "envs", "python_tool.py")
 
@@ -240,7 +240,7 @@ def test_sample_mode_zero_and_equal_penalties():
 
 @pytest.fixture(scope="module")
 def env():
-    return _load_module(ENV_PATH)
+    return load_env_file(ENV_PATH)
 
 
 def call(code: str) -> str:

@@ -1,5 +1,5 @@
 """The user's environment: a Python file with a reward function and, for multi-turn rollouts, an
-interaction step.
+interaction step, called a batch at a time.
 
 An env file (`rollout.env_path`) defines
 
@@ -9,33 +9,33 @@ An env file (`rollout.env_path`) defines
 `messages` is the whole conversation so far (ending with the assistant's last message) and `answer`
 the dataset row's answer. `interact` returns the messages to append, usually
 `{"role": "tool", "content": ...}`; an empty list ends the trajectory. Either may be `async def`.
+Loading (and what a broken file gets) is `rl2.rollout.env_file`.
 
-A broken file (missing, syntax or import error, missing function) raises `EnvError` at start-up.
-At run time a call that raises, times out or returns the wrong type does not stop training: it has
-no reward (value None; for `interact`, the trajectory ends), a warning with the sample is logged
-and the caller gets the error in `EnvResult.error` to count it and to leave the trajectory out of
-training. "Could not score" is never turned into a plausible reward such as 0.0.
+Where the functions run:
+- sync functions, by default, in env worker processes (`rollout.env_workers`; `rl2.rollout.env_worker`),
+  each loading the file once and calling in its main thread, as a plain script would: signal-based
+  libraries work (math-verify's `parse` / `verify`), CPU-heavy functions use the cores, and a crash,
+  a hang past the timeout (its worker is killed and replaced) or a memory blow-up costs one call;
+- sync functions with `workers=0`, in threads of the trainer process (shared in-process state; a
+  timed-out call cannot be stopped there and keeps its thread);
+- async functions on an event loop in the trainer process.
+
+At run time a call that raises, times out, crashes its worker or returns the wrong type does not stop
+training: it has no reward (value None; for `interact`, the trajectory ends), a warning with the
+sample is logged and the caller gets the error in `EnvResult.error` to count it and to leave the
+trajectory out of training. "Could not score" is never turned into a plausible reward such as 0.0.
 
 The file's settings come from `rollout.env_args` through the global `env_args` it sees while it loads
 and after (`env_args.get("python_tool_workers", 4)`, falling back to the environment variable
-`PYTHON_TOOL_WORKERS`), so a run's config holds them all.
-
-Worker pools and clients an env file keeps at module level (in a `rl2.tools.lazy.Lazy`, or a bare
-`rl2.tools.faults.FaultCounter`) report the faults they recovered from through `fault_counts()`.
-
-Sync functions run in a thread pool owned by the `Env`; async ones run on an event loop made for
-each batch, so an async env should not keep loop-bound objects (e.g. an HTTP client session)
-across calls. A sync call that times out cannot be killed: its thread keeps running and holds a
-worker until the function returns.
+`PYTHON_TOOL_WORKERS`), so a run's config holds them all. Worker pools and clients an env file keeps
+at module level (in a `rl2.tools.lazy.Lazy`, or a bare `rl2.tools.faults.FaultCounter`) report the
+faults they recovered from through `fault_counts()`, from every process the file runs in.
 """
 
 import asyncio
 import concurrent.futures
 import contextlib
 import copy
-import functools
-import importlib.machinery
-import importlib.util
 import inspect
 import logging
 import math
@@ -43,26 +43,39 @@ import numbers
 import os
 import sys
 import threading
-import traceback
-import uuid
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from rl2.config import RolloutConfig
 from rl2.coroutines import run_coroutine
-from rl2.tools.faults import FaultCounter
-from rl2.tools.lazy import Lazy
+from rl2.rollout.env_file import (  # noqa: F401  (EnvArgs, EnvError: env files and callers import them from here)
+    EnvArgs,
+    EnvError,
+    close_lazy_values,
+    describe_exception,
+    env_function,
+    load_env_file,
+    module_fault_counts,
+    one_line,
+    shorten,
+    where,
+)
+from rl2.rollout.env_worker import encode_args
+from rl2.tools.worker_pool import PICKLE, WorkerFailed, WorkerPool, WorkerTimeout, child_python_environment
 
 logger = logging.getLogger(__name__)
 
-LOG_CHARS = 300  # how much of a message / answer a warning shows
-# The packages of the `tools` extra (setup.py) that rl2.tools imports: a missing one gets an install hint.
-TOOLS_EXTRA_MODULES = ("aiohttp", "bm25s", "math_verify", "sympy", "pylatexenc")
+MAX_AUTO_WORKERS = 8  # env workers per rank when rollout.env_workers is unset
+WORKER_START_TIMEOUT = 120.0  # seconds an env worker may take to import its env file
 
 
-class EnvError(Exception):
-    """A broken env file: missing, unloadable, or without the functions the run needs."""
+def default_env_workers() -> int:
+    """Env worker processes per rank when `rollout.env_workers` is unset: this rank's share of the
+    cores it may use (torchrun's LOCAL_WORLD_SIZE ranks share them), at least 1, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, min(MAX_AUTO_WORKERS, cores // max(ranks_here, 1)))
 
 
 @dataclass
@@ -73,12 +86,23 @@ class EnvResult:
     error: str | None  # None when the call succeeded; else a one-line description
 
 
+@dataclass
+class _Outcome:
+    """What one call gave before its value is checked: a value, or why there is none."""
+
+    value: Any = None
+    error: str | None = None
+    note: str = ""  # more for the log: where in the env file, what became of a hung call
+
+
 class Env:
-    """A loaded env file whose `reward_fn` / `interact` are called a batch at a time.
+    """A loaded env file whose `reward_fn` / `interact` / `roc_penalty` are called a batch at a time.
 
     Each batch call runs all its calls concurrently (at most `concurrency` at once), each with a
-    `timeout` in seconds, and returns results in input order. Use it as a context manager or call
-    `close()` to shut the worker threads down.
+    `timeout` in seconds, and returns results in input order. `workers`: env worker processes for
+    the sync functions (None: `default_env_workers()`; 0: threads in this process), each limited to
+    `memory_mb` of memory (0: no limit); they start at the first sync call. Use it as a context
+    manager or call `close()` to stop the workers.
     """
 
     def __init__(
@@ -88,24 +112,46 @@ class Env:
         concurrency: int = 64,
         need_interact: bool = False,
         args: dict[str, Any] | None = None,
+        workers: int | None = None,
+        memory_mb: int = 8192,
     ):
         if timeout <= 0:
             raise ValueError(f"env timeout must be positive, got {timeout}")
         if concurrency < 1:
             raise ValueError(f"env concurrency must be at least 1, got {concurrency}")
+        if workers is not None and workers < 0:
+            raise ValueError(f"env workers must be >= 0 (0 = threads), got {workers}")
         self.path = os.path.expanduser(path)
         self.timeout = float(timeout)
         self.concurrency = concurrency
+        self.workers = default_env_workers() if workers is None else workers
+        self.memory_mb = memory_mb
+        self._args = dict(args or {})
 
-        module = _load_module(self.path, EnvArgs(args or {}, self.path))
-        self._reward_fn = _get_function(module, self.path, "reward_fn", ("messages", "answer"), required=True)
-        self._interact = _get_function(module, self.path, "interact", ("messages",), required=need_interact)
+        module = load_env_file(self.path, EnvArgs(self._args, self.path))
+        self._reward_fn = env_function(module, self.path, "reward_fn", ("messages", "answer"), required=True)
+        self._interact = env_function(module, self.path, "interact", ("messages",), required=need_interact)
         self.has_interact = self._interact is not None
-        self._roc_penalty = _get_function(module, self.path, "roc_penalty", ("messages",), required=False)
+        self._roc_penalty = env_function(module, self.path, "roc_penalty", ("messages",), required=False)
         self.has_roc_penalty = self._roc_penalty is not None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rl2-env")
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rl2-env")
         self._closed = False
         self._module = module
+        self._worker_pool: WorkerPool | None = None
+        self._worker_lock = threading.Lock()  # guards the pool's start and the workers' fault totals
+        self._worker_faults: dict[int, dict[str, int]] = {}  # worker pid -> its module's fault totals
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, need_interact: bool = False) -> "Env":
+        """The env file of `rollout.env_path` with the run's env settings."""
+        return cls(rollout.env_path, timeout=rollout.env_timeout, concurrency=rollout.env_concurrency,
+                   need_interact=need_interact, args=rollout.env_args, workers=rollout.env_workers,
+                   memory_mb=rollout.env_worker_memory_mb)
+
+    @property
+    def mode(self) -> str:
+        """Where sync functions run: 'processes' or 'threads'."""
+        return "processes" if self.workers > 0 else "threads"
 
     def rewards(self, conversations: list[list[dict]], answers: list[Any]) -> list[EnvResult]:
         """`reward_fn(messages, answer)` for each pair; value None where a call failed."""
@@ -168,27 +214,28 @@ class Env:
         return self._run_batch("roc_penalty", self._roc_penalty, [(messages,) for messages in conversations])
 
     def fault_counts(self) -> dict[str, int]:
-        """Running totals of the faults the env file's pools and clients recovered from (a worker
-        replaced, a call retried): the `faults` counters of its module-level `Lazy` values that have
-        been made, and its module-level `FaultCounter`s, summed by name."""
-        totals: Counter[str] = Counter()
-        for value in vars(self._module).values():
-            if isinstance(value, Lazy):
-                value = value.peek()
-            faults = value if isinstance(value, FaultCounter) else getattr(value, "faults", None)
-            if isinstance(faults, FaultCounter):
-                totals.update(faults.counts())
+        """Running totals of the faults recovered from: the env file's own pools and counters in this
+        process and in every env worker (`module_fault_counts`), and the env workers replaced
+        (`env_worker_restarts`; `env_worker_timeouts` of them for a call past its timeout)."""
+        totals: Counter[str] = Counter(module_fault_counts(self._module))
+        with self._worker_lock:
+            for counts in self._worker_faults.values():
+                totals.update(counts)
+            if self._worker_pool is not None:
+                totals.update(self._worker_pool.faults.counts())
         return dict(totals)
 
     def close(self) -> None:
-        """Shut the worker threads down, and close the env file's `Lazy` pools (its sandbox, its
-        grader processes: trainers end with `os._exit`, which would leave them running). Calls still
-        running (hung after a timeout) are not waited for."""
+        """Stop the env workers and the threads, and close the env file's `Lazy` pools (its sandbox,
+        its grader processes: trainers end with `os._exit`, which would leave them running). Calls
+        still running (hung after a timeout, in thread mode) are not waited for."""
         self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        for value in vars(self._module).values():
-            if isinstance(value, Lazy):
-                value.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        with self._worker_lock:
+            pool, self._worker_pool = self._worker_pool, None
+        if pool is not None:
+            pool.close()
+        close_lazy_values(self._module)
 
     def __enter__(self) -> "Env":
         return self
@@ -200,8 +247,10 @@ class Env:
         def kind(fn: Callable | None) -> str:
             return "none" if fn is None else "async" if _is_async(fn) else "sync"
 
+        where = f"workers={self.workers}" if self.workers else "threads"
         return (f"Env({self.path!r}, reward_fn={kind(self._reward_fn)}, interact={kind(self._interact)}, "
-                f"timeout={self.timeout}, concurrency={self.concurrency}{', closed' if self._closed else ''})")
+                f"timeout={self.timeout}, concurrency={self.concurrency}, {where}"
+                f"{', closed' if self._closed else ''})")
 
     # ------------------------------------------------------------------------------------------
     # calling
@@ -224,140 +273,69 @@ class Env:
         """One call with a timeout and a checked result; failures become (default value, error):
         None for a number, [] (end of the trajectory) for messages."""
         numeric = name in ("reward_fn", "roc_penalty")
-        default = None if numeric else []
-        note = ""
+        if _is_async(fn) or self.workers == 0:
+            outcome = await self._call_here(name, fn, args)
+        else:  # the pool enforces the timeout from when the call reaches a worker
+            outcome = await asyncio.get_running_loop().run_in_executor(self._threads, self._call_worker, name, args)
+        if outcome.error is None:
+            value, problem = _check_reward(outcome.value) if numeric else _check_messages(outcome.value)
+            if problem is None:
+                return EnvResult(value, None)
+            outcome.error = f"{name} {problem}"
+        sample = f"answer={shorten(repr(args[1]))}; " if name == "reward_fn" else ""
+        logger.warning("env %s: %s%s; %slast message: %s", self.path, outcome.error, outcome.note, sample,
+                       _describe_last(args[0]))
+        return EnvResult(None if numeric else [], outcome.error)
+
+    async def _call_here(self, name: str, fn: Callable, args: tuple) -> _Outcome:
+        """Call `fn` in this process: on the event loop (async) or in a thread (sync)."""
         try:
-            result, exc = await asyncio.wait_for(self._invoke(fn, copy.deepcopy(args)), self.timeout)
-        except asyncio.TimeoutError:  # only ours: the function's own exceptions come back in `exc`
-            error = f"{name} timed out after {self.timeout}s"
-            if not _is_async(fn):
-                note = " (a sync function cannot be stopped: its thread keeps running)"
-        else:
-            if exc is not None:
-                error = f"{name} raised {type(exc).__name__}: {_one_line(str(exc))}"
-                note = _where(exc, self.path)
-            else:
-                value, problem = _check_reward(result) if numeric else _check_messages(result)
-                if problem is None:
-                    return EnvResult(value, None)
-                error = f"{name} {problem}"
+            return await asyncio.wait_for(self._invoke(name, fn, copy.deepcopy(args)), self.timeout)
+        except asyncio.TimeoutError:  # only ours: the function's own exceptions come back in the outcome
+            note = "" if _is_async(fn) else " (a sync function cannot be stopped in a thread: it keeps running)"
+            return _Outcome(error=f"{name} timed out after {self.timeout}s", note=note)
 
-        sample = f"answer={_shorten(repr(args[1]))}; " if name == "reward_fn" else ""
-        logger.warning("env %s: %s%s; %slast message: %s", self.path, error, note, sample, _describe_last(args[0]))
-        return EnvResult(default, error)
-
-    async def _invoke(self, fn: Callable, args: tuple) -> tuple[Any, Exception | None]:
-        """(result, None), or (None, exception) when the function raised."""
+    async def _invoke(self, name: str, fn: Callable, args: tuple) -> _Outcome:
         try:
             if _is_async(fn):
-                return await fn(*args), None
-            result = await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+                return _Outcome(await fn(*args))
+            result = await asyncio.get_running_loop().run_in_executor(self._threads, lambda: fn(*args))
             if inspect.isawaitable(result):  # e.g. a plain function returning a coroutine
                 result = await result
-            return result, None
+            return _Outcome(result)
         except Exception as exc:
-            return None, exc
+            return _Outcome(error=f"{name} raised {describe_exception(exc)}", note=where(exc, self.path))
 
-
-# ----------------------------------------------------------------------------------------------
-# loading
-
-
-class EnvArgs(Mapping):
-    """`rollout.env_args` as an env file sees them: the global `env_args` of the file.
-
-    `env_args.get(name, default)` is the setting `name` from the config, else the environment variable
-    `NAME` (upper case; how settings were passed before `rollout.env_args`), else `default`; a value
-    from the environment is converted to the type of `default`, with an error naming the variable.
-    A file that must also import on its own starts with
-    `env_args = globals().get("env_args", EnvArgs())`.
-    """
-
-    def __init__(self, args: dict[str, Any] | None = None, path: str = "env file"):
-        self._args = dict(args or {})
-        self._path = path
-
-    def __getitem__(self, name: str) -> Any:
-        return self._args[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._args)
-
-    def __len__(self) -> int:
-        return len(self._args)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        if name in self._args:
-            return self._args[name]
-        value = os.environ.get(name.upper())
-        if value is None or value.strip() == "":
-            return default
-        if default is None or isinstance(default, str):
-            return value
-        kind = type(default)
+    def _call_worker(self, name: str, args: tuple) -> _Outcome:
+        """Call the sync function `name` in an env worker process (blocking; runs in a thread)."""
         try:
-            return kind(value) if kind is not bool else value.strip().lower() in ("1", "true", "yes")
-        except ValueError:
-            raise ValueError(
-                f"{self._path}: environment variable {name.upper()}={value!r} is not a {kind.__name__} "
-                f"(or set rollout.env_args.{name})"
-            ) from None
+            response = self._workers_pool().call((name, args), self.timeout)
+        except WorkerTimeout:
+            return _Outcome(error=f"{name} timed out after {self.timeout}s",
+                            note=" (its env worker process was killed and replaced)")
+        except WorkerFailed as failure:  # "<pool>: the call failed (1 attempt): worker pid N died ... (how)"
+            detail = str(failure).split(": ", 2)[-1]
+            return _Outcome(error=f"{name} crashed its env worker process, which was replaced: {one_line(detail)}")
+        with self._worker_lock:
+            self._worker_faults[response["pid"]] = response["faults"]
+        if "raised" in response:
+            raised = response["raised"]
+            return _Outcome(error=f"{name} raised {raised['exception']}", note=raised["where"])
+        return _Outcome(response["value"])
 
-
-def _load_module(path: str, args: EnvArgs | None = None) -> Any:
-    """Execute the env file as a fresh module, with its directory importable while it loads and its
-    settings as the global `env_args`."""
-    if not os.path.isfile(path):
-        raise EnvError(f"env file not found: {path}")
-    name = f"rl2_env_{os.path.splitext(os.path.basename(path))[0]}_{uuid.uuid4().hex[:8]}"
-    # An explicit loader so a file without the .py suffix still loads.
-    loader = importlib.machinery.SourceFileLoader(name, path)
-    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
-    module = importlib.util.module_from_spec(spec)
-    module.env_args = args if args is not None else EnvArgs({}, path)
-    sys.modules[name] = module  # some code (e.g. @dataclass) looks its module up while it loads
-    directory = os.path.dirname(os.path.abspath(path))
-    sys.path.insert(0, directory)
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as exc:
-        sys.modules.pop(name, None)
-        filename = exc.filename if exc.filename and os.path.abspath(exc.filename) != os.path.abspath(path) else path
-        text = f"\n    {exc.text.strip()}" if exc.text and exc.text.strip() else ""
-        loading = "" if filename == path else f" (imported by env file {path})"
-        raise EnvError(f"syntax error in {filename}, line {exc.lineno}: {exc.msg}{loading}{text}") from exc
-    except Exception as exc:
-        sys.modules.pop(name, None)
-        hint = ""
-        if isinstance(exc, ModuleNotFoundError) and exc.name in TOOLS_EXTRA_MODULES:
-            hint = " (rl2.tools needs the tools extra: pip install 'rl2[tools]')"
-        raise EnvError(f"env file {path} failed to load{_where(exc, path)}: "
-                       f"{type(exc).__name__}: {_one_line(str(exc))}{hint}") from exc
-    finally:
-        sys.path.remove(directory)
-    return module
-
-
-def _get_function(module: Any, path: str, name: str, params: tuple[str, ...], required: bool) -> Callable | None:
-    """`module.<name>`, checked to be callable with `params`; None when absent and not required."""
-    signature = f"{name}({', '.join(params)})"
-    fn = getattr(module, name, None)
-    if fn is None:
-        if required:
-            why = " (needed because rollout.max_turns > 1)" if name == "interact" else ""
-            raise EnvError(f"env file {path} does not define {signature}{why}")
-        return None
-    if not callable(fn):
-        raise EnvError(f"env file {path}: {name} must be a function {signature}, got {type(fn).__name__}")
-    try:
-        parameters = inspect.signature(fn)
-    except (TypeError, ValueError):  # some builtins have no signature; nothing to check
-        return fn
-    try:
-        parameters.bind(*params)
-    except TypeError:
-        raise EnvError(f"env file {path}: {name}{parameters} cannot be called as {signature}") from None
-    return fn
+    def _workers_pool(self) -> WorkerPool:
+        """The env worker processes, started at the first call that needs them."""
+        with self._worker_lock:
+            if self._closed:
+                raise WorkerFailed(f"{self!r} is closed")
+            if self._worker_pool is None:
+                command = [sys.executable, "-m", "rl2.rollout.env_worker", os.path.abspath(self.path),
+                           encode_args(self._args), str(self.memory_mb)]
+                # retries=0: a call whose worker dies (the user's code crashed it) is not run again.
+                self._worker_pool = WorkerPool("env_worker", [command] * self.workers, retries=0,
+                                               env=child_python_environment(), start_timeout=WORKER_START_TIMEOUT,
+                                               codec=PICKLE)
+            return self._worker_pool
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,32 +372,11 @@ def _check_messages(value: Any) -> tuple[list[dict], str | None]:
     return copy.deepcopy(list(value)), None
 
 
-def _where(exc: BaseException, path: str) -> str:
-    """' (at FILE:LINE)' for the innermost traceback frame in the env file's directory (the file or
-    its helpers), or ''."""
-    directory = os.path.dirname(os.path.abspath(path))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.dirname(os.path.abspath(f.filename)) == directory]
-    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-
-
-def _one_line(text: str) -> str:
-    return _shorten(" ".join(text.split()), 500)
-
-
-def _shorten(text: str, limit: int = LOG_CHARS) -> str:
-    """`text` cut to about `limit` characters, keeping its start and (mostly) its end."""
-    if len(text) <= limit:
-        return text
-    head = limit // 3
-    tail = limit - head
-    return f"{text[:head]}...[{len(text) - limit} chars]...{text[-tail:]}"
-
-
 def _describe_last(messages: Any) -> str:
     if not isinstance(messages, list) or not messages:
         return "(none)"
     last = messages[-1]
     if not isinstance(last, dict):
-        return _shorten(repr(last))
+        return shorten(repr(last))
     content = last.get("content")
-    return f"{last.get('role')}: {_shorten(content if isinstance(content, str) else repr(content))!r}"
+    return f"{last.get('role')}: {shorten(content if isinstance(content, str) else repr(content))!r}"

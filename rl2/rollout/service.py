@@ -38,13 +38,7 @@ class RolloutService:
             check_sglang(config.rollout.tp_size)  # before any model is loaded
         self.config = config
         self.tokenizer = tokenizer
-        self.env = Env(
-            config.rollout.env_path,
-            timeout=config.rollout.env_timeout,
-            concurrency=config.rollout.env_concurrency,
-            need_interact=config.rollout.max_turns > 1,
-            args=config.rollout.env_args,
-        )
+        self.env = Env.from_config(config.rollout, need_interact=config.rollout.max_turns > 1)
         self.max_length = config.data.max_length or config.actor.max_length_per_device * config.actor.sp_size
         self.train_params = SamplingParams.from_dict(config.rollout.train_sampling_params)
         self.test_params = SamplingParams.from_dict(config.rollout.test_sampling_params)

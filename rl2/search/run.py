@@ -77,8 +77,7 @@ class SearchRun:
         if config.rollout.engine == "sglang":
             check_sglang(config.rollout.tp_size)
         self.config = config
-        self.env = Env(config.rollout.env_path, timeout=config.rollout.env_timeout,
-                       concurrency=config.rollout.env_concurrency, args=config.rollout.env_args)
+        self.env = Env.from_config(config.rollout)
         self.max_length = config.data.max_length
         self.data = RLDataset(config.data.path, self.tokenizer, self.max_length)
         search = config.search

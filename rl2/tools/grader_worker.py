@@ -5,7 +5,12 @@ signal.alarm, which works only there).
 Request `{"response": str, "gold": str, "timeout": int}`; response `{"score": 1.0 or 0.0, "rule": str}`.
 """
 
-import math_verify  # noqa: F401  (imported before the ready frame, so that no call pays for it)
+import sys
+
+try:
+    import math_verify  # noqa: F401  (imported before the ready frame, so that no call pays for it)
+except ModuleNotFoundError as missing:  # the pool quotes our stderr when we do not start
+    sys.exit(f"rl2.tools.grader_worker: {missing}: the math grader needs rl2's tools extra (pip install 'rl2[tools]')")
 
 from rl2.tools.math_grader import grade_one
 from rl2.tools.worker_pool import serve

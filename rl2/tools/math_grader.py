@@ -10,13 +10,12 @@ was graded; one that could not be (a timeout, workers that keep dying) raises `G
 
 import concurrent.futures
 import math
-import os
 import re
 import sys
 from fractions import Fraction
 from typing import Any, Iterable
 
-from rl2.tools.worker_pool import WorkerFailed, WorkerPool, WorkerTimeout
+from rl2.tools.worker_pool import WorkerFailed, WorkerPool, WorkerTimeout, child_python_environment
 
 # ----------------------------------------------------------------------------------------------
 # extraction
@@ -185,13 +184,6 @@ class GradingError(RuntimeError):
     answer: the reward is unknown."""
 
 
-def grader_environment() -> dict[str, str]:
-    """Our environment, with our sys.path as PYTHONPATH: the workers import the same rl2 as we do,
-    even when we found it through changes to sys.path rather than an installed package."""
-    paths = [os.path.abspath(path) for path in sys.path]  # "" (the working directory) included
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-
-
 class MathGrader:
     """Grades replies against gold answers in `workers` processes (`rl2.tools.grader_worker`).
 
@@ -211,7 +203,7 @@ class MathGrader:
         self.workers = workers
         self.timeout = float(timeout)
         command = [sys.executable, "-m", "rl2.tools.grader_worker"]
-        self._pool = WorkerPool("grader", [command] * workers, retries=retries, env=grader_environment())
+        self._pool = WorkerPool("grader", [command] * workers, retries=retries, env=child_python_environment())
         self.faults = self._pool.faults
 
     def grade(self, response_text: str, gold: Any) -> float:

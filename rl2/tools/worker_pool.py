@@ -9,18 +9,23 @@ what happened. Every recovery is counted in the pool's `faults` (`<name>_restart
 
 Workers are started with `subprocess.Popen`, not multiprocessing, so the caller may be anything (a
 notebook, `python -c`, a script on stdin, a `python -m` entry point). Protocol on the worker's
-stdin/stdout: frames of a 4-byte big-endian length and a JSON object; the worker's first frame is
+stdin/stdout: frames of a 4-byte big-endian length and a message encoded by the pool's codec (JSON
+by default; `PICKLE` for Python objects between our own processes); the worker's first frame is
 `{"ready": ...}`, then it answers each request with one frame. `serve(handle)` is the worker side.
+A worker's stderr is passed on to ours line by line, and its last lines are kept: an error about a
+worker that did not start or died quotes them (the missing module, the crash).
 
     with WorkerPool("echo", [[sys.executable, "-m", "my_worker"]] * 2) as pool:
         pool.call({"x": 1}, timeout=5.0)
 """
 
 import asyncio
+import collections
 import ctypes
 import json
 import logging
 import os
+import pickle
 import select
 import signal
 import struct
@@ -29,13 +34,36 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 from rl2.tools.faults import FaultCounter
 
 logger = logging.getLogger("rl2.tools.worker_pool")
 
 PR_SET_PDEATHSIG = 1
+STDERR_LINES = 20  # how many of a worker's last stderr lines an error quotes
+
+
+class Codec(Protocol):
+    """How messages become frame bodies: `dumps(message) -> bytes`, `loads(bytes) -> message`."""
+
+    def dumps(self, message: Any) -> bytes: ...
+
+    def loads(self, body: bytes) -> Any: ...
+
+
+class JsonCodec:
+    """JSON objects (the default: language-neutral, and safe to read from any worker)."""
+
+    def dumps(self, message: Any) -> bytes:
+        return json.dumps(message).encode()
+
+    def loads(self, body: bytes) -> Any:
+        return json.loads(body)
+
+
+JSON = JsonCodec()
+PICKLE: Codec = pickle  # any picklable Python object; only between processes we started ourselves
 
 
 class WorkerFailed(RuntimeError):
@@ -64,6 +92,13 @@ def exit_description(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+def child_python_environment() -> dict[str, str]:
+    """Our environment, with our sys.path as PYTHONPATH: workers import the same rl2 (and the same
+    packages) as we do, even when we found them through changes to sys.path rather than an install."""
+    paths = [os.path.abspath(path) for path in sys.path]  # "" (the working directory) included
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
 def _wait_for(fd: int, events: int, deadline: float) -> None:
     """Wait until `fd` is ready for `events` (poll, not select: fds above 1024 are fine)."""
     poller = select.poll()
@@ -75,11 +110,14 @@ def _wait_for(fd: int, events: int, deadline: float) -> None:
 class _Worker:
     """One worker process of a pool and its end of the protocol."""
 
-    def __init__(self, command: list[str]):
+    def __init__(self, command: list[str], codec: Codec):
         self.command = command
+        self.codec = codec
         self.process: subprocess.Popen | None = None
         self.ready: dict | None = None  # the worker's {"ready": ...} frame, once read
         self.busy = False  # a request has been (or is being) sent and not yet answered
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+        self._stderr_reader: threading.Thread | None = None
 
     @property
     def pid(self) -> int | None:
@@ -93,6 +131,23 @@ class _Worker:
     def start(self, spawn: Callable[[list[str]], subprocess.Popen]) -> None:
         self.process, self.ready = spawn(self.command), None
         os.set_blocking(self.process.stdin.fileno(), False)  # so a write can give up at its deadline
+        self.stderr_tail = collections.deque(maxlen=STDERR_LINES)  # a fresh process, a fresh tail
+        self._stderr_reader = threading.Thread(target=_pass_on_stderr, args=(self.process.stderr, self.stderr_tail),
+                                               name=f"rl2-worker-{self.process.pid}-stderr", daemon=True)
+        self._stderr_reader.start()
+
+    def stderr_quote(self) -> Callable[[], str]:
+        """A function that gives this process's last stderr lines as `; its stderr ended: ...` (empty
+        when it wrote none), still valid after the worker has been restarted."""
+        reader, tail = self._stderr_reader, self.stderr_tail
+
+        def quote() -> str:
+            if reader is not None:
+                reader.join(timeout=1.0)  # the lines a dead worker wrote last may still be in the pipe
+            lines = [line for line in tail if line.strip()]
+            return "; its stderr ended: " + " | ".join(lines) if lines else ""
+
+        return quote
 
     def wait_ready(self, timeout: float) -> None:
         """Read the ready frame, unless already read."""
@@ -111,7 +166,7 @@ class _Worker:
     def exchange(self, request: dict, timeout: float) -> dict:
         """Send `request` and read the response, at most `timeout` seconds in all."""
         deadline = time.monotonic() + timeout
-        body = json.dumps(request).encode()
+        body = self.codec.dumps(request)
         self.busy = True
         try:
             self._write(struct.pack(">I", len(body)) + body, deadline)
@@ -138,6 +193,11 @@ class _Worker:
         process.stdout.close()
         return exit_description(returncode)
 
+    def kill_quoting_stderr(self) -> str:
+        """`kill()`, then how the worker ended followed by its last stderr lines."""
+        quote = self.stderr_quote()
+        return self.kill() + quote()
+
     def _write(self, data: bytes, deadline: float) -> None:
         fd = self.process.stdin.fileno()
         while data:
@@ -153,7 +213,7 @@ class _Worker:
         if header is None:
             return None
         body = self._read_exact(struct.unpack(">I", header)[0], deadline)
-        return None if body is None else json.loads(body)
+        return None if body is None else self.codec.loads(body)
 
     def _read_exact(self, n: int, deadline: float) -> bytes | None:
         chunks, fd = [], self.process.stdout.fileno()
@@ -171,17 +231,18 @@ class WorkerPool:
     """`len(commands)` worker processes, one per command (restarted with the same command), and a
     thread-safe `call` that waits for an idle one. `env`: the workers' whole environment (None:
     ours). `start_timeout`: seconds a worker may take to send its ready frame; start-up never counts
-    against a call's timeout. Workers end when the pool closes or this process dies."""
+    against a call's timeout. `codec`: how requests and responses are encoded (the workers' `serve`
+    must use the same). Workers end when the pool closes or this process dies."""
 
     def __init__(self, name: str, commands: list[list[str]], retries: int = 2, env: dict[str, str] | None = None,
-                 start_timeout: float = 60.0):
+                 start_timeout: float = 60.0, codec: Codec = JSON):
         if not commands:
             raise ValueError(f"{name} worker pool needs at least one worker")
         if retries < 0:
             raise ValueError(f"{name} worker pool: retries must be >= 0, got {retries}")
         self.name, self.retries, self.env, self.start_timeout = name, retries, env, float(start_timeout)
         self.faults = FaultCounter()
-        self._workers = [_Worker(list(command)) for command in commands]
+        self._workers = [_Worker(list(command), codec) for command in commands]
         self._idle = list(self._workers)
         self._closed = False
         self._lock = threading.Condition()  # guards _idle, _closed and every start and kill of a worker
@@ -269,7 +330,7 @@ class WorkerPool:
                                     "(killed and replaced)") from None
             except _WorkerDied as died:
                 pid = worker.pid
-                failure = f"worker pid {pid} {died} ({self._restart(worker)})"
+                failure = f"worker pid {pid} {died} ({self._restart(worker, quote_stderr=True)})"
                 failures.append(failure)
                 then = "retrying on a fresh worker" if attempt < self.retries else "giving up"
                 logger.warning("%s %s; %s (attempt %d of %d)", self.name, failure, then, attempt + 1,
@@ -287,13 +348,16 @@ class WorkerPool:
             except _WorkerDied as error:
                 pid = worker.pid
                 if attempt == self.retries:
-                    raise WorkerFailed(f"{self.name} worker pool: worker pid {pid} {error} ({worker.kill()})") from None
-                logger.warning("%s worker pid %s %s (%s); restarted it", self.name, pid, error, self._restart(worker))
+                    raise WorkerFailed(f"{self.name} worker pool: worker pid {pid} {error} "
+                                       f"({worker.kill_quoting_stderr()})") from None
+                logger.warning("%s worker pid %s %s (%s); restarted it", self.name, pid, error,
+                               self._restart(worker, quote_stderr=True))
 
-    def _restart(self, worker: _Worker) -> str:
+    def _restart(self, worker: _Worker, quote_stderr: bool = False) -> str:
         """Replace `worker`'s process with a fresh one (its ready frame is read later); how the old
-        one ended."""
+        one ended (and, with `quote_stderr`, its last stderr lines)."""
         with self._lock:
+            quote = worker.stderr_quote()
             ended = worker.kill()
             if self._closed:
                 raise WorkerFailed(f"{self.name} worker pool is closed")
@@ -302,12 +366,12 @@ class WorkerPool:
             except (OSError, RuntimeError) as error:  # RuntimeError: the interpreter is shutting down
                 raise WorkerFailed(f"{self.name} worker pool: cannot start a worker: {error}") from None
             self.faults.add(f"{self.name}_restarts")
-            return ended
+        return ended + quote() if quote_stderr else ended
 
     def _spawn(self, command: list[str]) -> subprocess.Popen:
         return self._spawner.submit(
-            subprocess.Popen, command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env, bufsize=0,
-            start_new_session=True,
+            subprocess.Popen, command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=self.env, bufsize=0, start_new_session=True,
         ).result()
 
     def _acquire(self) -> _Worker:
@@ -327,17 +391,30 @@ class WorkerPool:
                 self._lock.notify()
 
 
+def _pass_on_stderr(pipe, tail: collections.deque) -> None:
+    """Copy a worker's stderr to ours, line by line, keeping the last lines in `tail`, until it closes."""
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode(errors="replace")
+            tail.append(line.rstrip("\n"))
+            try:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            except (OSError, ValueError):  # our stderr is closed (interpreter shutdown): keep draining
+                pass
+
+
 # ----------------------------------------------------------------------------------------------
 # the worker side
 
 
-def read_frame(fd: int) -> dict | None:
+def read_frame(fd: int, codec: Codec = JSON) -> Any:
     """The next frame from `fd` (blocking); None at end of file."""
     header = _read_exact(fd, 4)
     if header is None:
         return None
     body = _read_exact(fd, struct.unpack(">I", header)[0])
-    return None if body is None else json.loads(body)
+    return None if body is None else codec.loads(body)
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:
@@ -351,16 +428,17 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def write_frame(fd: int, message: dict) -> None:
-    body = json.dumps(message).encode()
+def write_frame(fd: int, message: Any, codec: Codec = JSON) -> None:
+    body = codec.dumps(message)
     data = struct.pack(">I", len(body)) + body
     while data:
         data = data[os.write(fd, data):]
 
 
-def serve(handle: Callable[[dict], dict]) -> None:
+def serve(handle: Callable[[Any], Any], codec: Codec = JSON) -> None:
     """Run a worker: send the ready frame, then answer each request with `handle(request)` (or
-    `{"error": "..."}` when it raises) until stdin closes. Call it in the worker's main thread."""
+    `{"error": "..."}` when it raises) until stdin closes. Call it in the worker's main thread, with
+    the codec of its pool."""
     if sys.platform.startswith("linux"):
         # End with the parent even while busy (end of file on stdin only reaches an idle worker).
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -368,10 +446,10 @@ def serve(handle: Callable[[dict], dict]) -> None:
     requests, responses = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)
-    write_frame(responses, {"ready": True, "pid": os.getpid()})
-    while (request := read_frame(requests)) is not None:
+    write_frame(responses, {"ready": True, "pid": os.getpid()}, codec)
+    while (request := read_frame(requests, codec)) is not None:
         try:
             response = handle(request)
         except Exception as error:
             response = {"error": f"{type(error).__name__}: {error}"}
-        write_frame(responses, response)
+        write_frame(responses, response, codec)
