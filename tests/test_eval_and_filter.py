@@ -13,7 +13,8 @@ from rl2.config import ConfigError, load_config
 from rl2.trainer.difficulty_filter import DifficultyFilter
 
 # Each row's answer says how its responses score: "always" 1.0, "never" 0.0, "half" 1.0 for every
-# other response of that row (a per-row counter, so the share is exact whatever the order).
+# other response of that row (a per-row counter, so the share is exact whatever the order; the counter
+# is state shared by all calls, so the env runs in threads: rollout.env_workers=0).
 ENV = """
 import itertools
 import threading
@@ -51,7 +52,7 @@ def common(model: str, env: str) -> list[str]:
         f"actor.model_name={model}", "actor.dtype=float32", f"rollout.env_path={env}",
         "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 4}",
         "rollout.test_sampling_params={temperature: 1.0, max_new_tokens: 4}",
-        "data.prompts_per_rollout=4", "trainer.disable_wandb=true",
+        "data.prompts_per_rollout=4", "trainer.disable_wandb=true", "rollout.env_workers=0",
     ]
 
 

@@ -313,9 +313,12 @@ class Env:
         except WorkerTimeout:
             return _Outcome(error=f"{name} timed out after {self.timeout}s",
                             note=" (its env worker process was killed and replaced)")
-        except WorkerFailed as failure:  # "<pool>: the call failed (1 attempt): worker pid N died ... (how)"
-            detail = str(failure).split(": ", 2)[-1]
-            return _Outcome(error=f"{name} crashed its env worker process, which was replaced: {one_line(detail)}")
+        except WorkerFailed as failure:
+            if not failure.how:  # the pool is closed
+                return _Outcome(error=f"{name} could not run: {failure}")
+            said = _relevant_lines(failure.stderr_tail, self.path)
+            return _Outcome(error=f"{name} crashed its env worker process, which was replaced: it {failure.how}"
+                                  + (f"; it wrote: {one_line(' | '.join(said))}" if said else ""))
         with self._worker_lock:
             self._worker_faults[response["pid"]] = response["faults"]
         if "raised" in response:
@@ -370,6 +373,16 @@ def _check_messages(value: Any) -> tuple[list[dict], str | None]:
                 return [], f"returned a message (item {i}) whose {key!r} is {type(message[key]).__name__}, expected str"
     # A copy, so messages the function keeps (e.g. a constant list) never alias the trajectory.
     return copy.deepcopy(list(value)), None
+
+
+def _relevant_lines(stderr_tail: list[str], path: str) -> list[str]:
+    """Of a dead env worker's last stderr lines: the first (e.g. "Fatal Python error: Segmentation
+    fault") and those that name the env file's folder (where in the user's code), else the last three."""
+    folder = os.path.dirname(os.path.abspath(path))
+    in_env = [line for line in stderr_tail if folder in line]
+    if not in_env:
+        return stderr_tail[-3:]
+    return ([stderr_tail[0]] if stderr_tail[0] not in in_env else []) + in_env
 
 
 def _describe_last(messages: Any) -> str:

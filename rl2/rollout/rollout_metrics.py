@@ -1,18 +1,28 @@
-"""Statistics of a rollout: rewards, lengths, turns and errors; avg@k and pass@k on a test set."""
+"""Statistics of a rollout: rewards, lengths, turns and errors; avg@k and pass@k on a test set.
+
+A rollout in which no `reward_fn` call succeeded has no reward statistics at all (not 0.0): its
+metrics say how many calls failed (`reward_errors`), and `unscored_report` says why.
+"""
 
 import torch
 
+from rl2.rollout.env_file import shorten
 from rl2.rollout.trajectory import Trajectory
 
 
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Reward, length, turn and error statistics of a rollout; rewards of scored trajectories only."""
+    """Reward, length, turn and error statistics of a rollout; rewards of scored trajectories only
+    (`reward/mean` and `reward/std` are absent when none was scored)."""
     scored = [t.reward for t in trajectories if t.reward is not None]
-    rewards = torch.tensor(scored or [0.0], dtype=torch.float64)
+    rewards = torch.tensor(scored, dtype=torch.float64)
     lengths = torch.tensor([t.response_length for t in trajectories], dtype=torch.float64)
+    reward_stats = {}
+    if scored:
+        reward_stats = {"reward/mean": rewards.mean().item(),
+                        "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0}
     return {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        **reward_stats,
+        "reward_errors": float(len(trajectories) - len(scored)),
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
         "turns/mean": sum(t.turns for t in trajectories) / len(trajectories),
@@ -33,16 +43,34 @@ def correct_by_prompt(trajectories: list[Trajectory], k: int) -> torch.Tensor:
 
 def eval_metrics(trajectories: list[Trajectory], k: int) -> dict[str, float]:
     """Mean reward, avg@k (the mean share of correct responses, reward > 0) and pass@k (the share of
-    prompts with a correct one) of `k` consecutive trajectories per prompt. Answers that could not
-    be scored (env errors) count neither as right nor as wrong."""
+    prompts with a correct one) of `k` consecutive trajectories per prompt, and how many test rewards
+    failed (`test/reward_errors`). Answers that could not be scored (env errors) count neither as
+    right nor as wrong; when none could be, the reward statistics are absent."""
     correct = correct_by_prompt(trajectories, k)
     scored = ~correct.isnan()
     rewards = [t.reward for t in trajectories if t.reward is not None]
+    reward_stats = {}
+    if scored.any():
+        reward_stats[f"test/avg@{k}"] = correct[scored].mean().item()
+        reward_stats[f"test/pass@{k}"] = (correct.nan_to_num(0.0) > 0).any(dim=1)[scored.any(dim=1)].float().mean().item()
+    if rewards:
+        reward_stats["test/reward_mean"] = sum(rewards) / len(rewards)
     return {
-        "test/reward_mean": sum(rewards) / max(len(rewards), 1),
-        f"test/avg@{k}": correct[scored].mean().item() if scored.any() else 0.0,
-        f"test/pass@{k}": (correct.nan_to_num(0.0) > 0).any(dim=1)[scored.any(dim=1)].float().mean().item()
-        if scored.any() else 0.0,
+        **reward_stats,
+        "test/reward_errors": float(len(trajectories) - len(rewards)),
         "test/response_length": sum(t.response_length for t in trajectories) / len(trajectories),
         "test/env_errors": float(sum(len(t.errors) for t in trajectories)),
     }
+
+
+def unscored_report(trajectories: list[Trajectory], env_path: str) -> str | None:
+    """None when some `reward_fn` call succeeded; else what failed: the env file, how many calls,
+    the first error and its sample."""
+    if not trajectories or any(t.reward is not None for t in trajectories):
+        return None
+    first = next((t for t in trajectories if t.errors), trajectories[0])
+    error = first.errors[-1] if first.errors else "no reward"
+    last = first.messages[-1].get("content", "") if first.messages else ""
+    return (f"every reward_fn call of env file {env_path} failed ({len(trajectories)} of {len(trajectories)}); "
+            f"first error: {error}; its sample: answer={shorten(repr(first.answer))}, "
+            f"last message {shorten(repr(last))}")

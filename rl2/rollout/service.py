@@ -14,9 +14,9 @@ from rl2.config import Config
 from rl2.distributed.process_group import all_gather_objects, broadcast_from_rank0, is_rank0, rank, rank_slice
 from rl2.engines import SamplingParams, build_engine_from_config, check_sglang
 from rl2.metrics import PhaseTimer
-from rl2.rollout.env import Env
+from rl2.rollout.env import Env, EnvError
 from rl2.rollout.multi_turn import assign_rewards, rollout
-from rl2.rollout.rollout_metrics import eval_metrics
+from rl2.rollout.rollout_metrics import eval_metrics, unscored_report
 from rl2.rollout.trajectory import Trajectory
 from rl2.rollout.weight_sync import iter_full_weights
 from rl2.tools.roc_penalty import roc_penalty
@@ -44,6 +44,7 @@ class RolloutService:
         self.test_params = SamplingParams.from_dict(config.rollout.test_sampling_params)
         self.engine = build_engine_from_config(config.rollout, config.actor, tokenizer, config.trainer.seed)
         self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
+        self.unscored_in_a_row = 0  # rollouts in a row in which no reward_fn call succeeded
 
     def generate(
         self,
@@ -79,12 +80,35 @@ class RolloutService:
             assign_rewards(self.env, trajectories)
         return all_gather_objects(trajectories)
 
-    def evaluate(self, prompts: list[dict], seed: int, name: str) -> dict[str, float]:
-        """`test/` metrics (mean reward, avg@k, pass@k with k = rollout.test_responses_per_prompt) of
-        the engine's model on `prompts`; the trajectories are dumped as `name`."""
+    def require_scores(self, trajectories: list[Trajectory]) -> None:
+        """Count a rollout in which no `reward_fn` call succeeded: it is an error, not a step with
+        reward 0. After `rollout.max_unscored_steps` such rollouts in a row, raise `EnvError` naming
+        the env file, the error and a sample (every rank holds the same trajectories, so every rank
+        raises); before that, log it."""
+        report = unscored_report(trajectories, self.config.rollout.env_path)
+        if report is None:
+            self.unscored_in_a_row = 0
+            return
+        self.unscored_in_a_row += 1
+        limit = self.config.rollout.max_unscored_steps
+        if self.unscored_in_a_row >= limit:
+            raise EnvError(f"no reward could be computed in {self.unscored_in_a_row} rollout(s) in a row "
+                           f"(rollout.max_unscored_steps={limit}): {report}")
+        logger.error(f"no reward could be computed in this rollout ({self.unscored_in_a_row} in a row; the run "
+                     f"stops at rollout.max_unscored_steps={limit}): {report}")
+
+    def evaluate(self, prompts: list[dict], seed: int, name: str, require_scores: bool = False) -> dict[str, float]:
+        """`test/` metrics (mean reward, avg@k, pass@k with k = rollout.test_responses_per_prompt, the
+        failed rewards) of the engine's model on `prompts`; the trajectories are dumped as `name`.
+        When no test reward could be computed: `EnvError` with `require_scores`, else a logged error."""
         k = self.config.rollout.test_responses_per_prompt
         trajectories = self.generate(prompts, self.test_params, k, seed)
         self.dump(trajectories, name)
+        report = unscored_report(trajectories, self.config.rollout.env_path)
+        if report is not None and require_scores:
+            raise EnvError(f"evaluation: no test reward could be computed: {report}")
+        if report is not None:
+            logger.error(f"evaluation {name}: no test reward could be computed: {report}")
         return eval_metrics(trajectories, k)
 
     def sync_weights(self, model: nn.Module) -> None:

@@ -67,7 +67,13 @@ PICKLE: Codec = pickle  # any picklable Python object; only between processes we
 
 
 class WorkerFailed(RuntimeError):
-    """A call could not complete: its workers kept dying (or would not start), or the pool is closed."""
+    """A call could not complete: its workers kept dying (or would not start), or the pool is closed.
+    For the last worker that failed: `how` it failed and the `stderr_tail` it wrote last."""
+
+    def __init__(self, message: str, how: str = "", stderr_tail: list[str] | None = None):
+        super().__init__(message)
+        self.how = how
+        self.stderr_tail = list(stderr_tail or [])
 
 
 class WorkerTimeout(WorkerFailed):
@@ -136,18 +142,17 @@ class _Worker:
                                                name=f"rl2-worker-{self.process.pid}-stderr", daemon=True)
         self._stderr_reader.start()
 
-    def stderr_quote(self) -> Callable[[], str]:
-        """A function that gives this process's last stderr lines as `; its stderr ended: ...` (empty
-        when it wrote none), still valid after the worker has been restarted."""
+    def stderr_lines(self) -> Callable[[], list[str]]:
+        """A function that gives this process's last non-empty stderr lines, still valid after the
+        worker has been restarted."""
         reader, tail = self._stderr_reader, self.stderr_tail
 
-        def quote() -> str:
+        def lines() -> list[str]:
             if reader is not None:
                 reader.join(timeout=1.0)  # the lines a dead worker wrote last may still be in the pipe
-            lines = [line for line in tail if line.strip()]
-            return "; its stderr ended: " + " | ".join(lines) if lines else ""
+            return [line.strip() for line in tail if line.strip()]
 
-        return quote
+        return lines
 
     def wait_ready(self, timeout: float) -> None:
         """Read the ready frame, unless already read."""
@@ -193,10 +198,10 @@ class _Worker:
         process.stdout.close()
         return exit_description(returncode)
 
-    def kill_quoting_stderr(self) -> str:
-        """`kill()`, then how the worker ended followed by its last stderr lines."""
-        quote = self.stderr_quote()
-        return self.kill() + quote()
+    def kill_reading_stderr(self) -> tuple[str, list[str]]:
+        """`kill()`; how the worker ended and its last stderr lines."""
+        lines = self.stderr_lines()
+        return self.kill(), lines()
 
     def _write(self, data: bytes, deadline: float) -> None:
         fd = self.process.stdin.fileno()
@@ -316,7 +321,7 @@ class WorkerPool:
                 self.faults.add(f"{self.name}_retries")
             try:
                 if not worker.alive():
-                    pid, ended = worker.pid, self._restart(worker)
+                    pid, (ended, _) = worker.pid, self._restart(worker)
                     logger.warning("%s worker pid %s was found dead (%s); restarted it", self.name, pid, ended)
                 worker.wait_ready(self.start_timeout)
                 return worker.exchange(request, timeout)
@@ -330,13 +335,15 @@ class WorkerPool:
                                     "(killed and replaced)") from None
             except _WorkerDied as died:
                 pid = worker.pid
-                failure = f"worker pid {pid} {died} ({self._restart(worker, quote_stderr=True)})"
+                ended, stderr_tail = self._restart(worker, read_stderr=True)
+                how = f"{died} ({ended})"
+                failure = f"worker pid {pid} {died} ({ended}{_quote(stderr_tail)})"
                 failures.append(failure)
                 then = "retrying on a fresh worker" if attempt < self.retries else "giving up"
                 logger.warning("%s %s; %s (attempt %d of %d)", self.name, failure, then, attempt + 1,
                                self.retries + 1)
         attempts = f"{len(failures)} attempt" + ("s" if len(failures) > 1 else "")
-        raise WorkerFailed(f"{self.name} worker pool: the call failed ({attempts}): " + "; ".join(failures))
+        raise WorkerFailed(f"{self.name} worker pool: the call failed ({attempts}): " + "; ".join(failures), how, stderr_tail)
 
     def _start_up(self, worker: _Worker) -> None:
         """Wait for a new worker's ready frame; one that dies first (killed, out of memory) is
@@ -348,16 +355,17 @@ class WorkerPool:
             except _WorkerDied as error:
                 pid = worker.pid
                 if attempt == self.retries:
-                    raise WorkerFailed(f"{self.name} worker pool: worker pid {pid} {error} "
-                                       f"({worker.kill_quoting_stderr()})") from None
-                logger.warning("%s worker pid %s %s (%s); restarted it", self.name, pid, error,
-                               self._restart(worker, quote_stderr=True))
+                    ended, stderr_tail = worker.kill_reading_stderr()
+                    raise WorkerFailed(f"{self.name} worker pool: worker pid {pid} {error} ({ended}{_quote(stderr_tail)})",
+                                       f"{error} ({ended})", stderr_tail) from None
+                ended, stderr_tail = self._restart(worker, read_stderr=True)
+                logger.warning("%s worker pid %s %s (%s%s); restarted it", self.name, pid, error, ended, _quote(stderr_tail))
 
-    def _restart(self, worker: _Worker, quote_stderr: bool = False) -> str:
+    def _restart(self, worker: _Worker, read_stderr: bool = False) -> tuple[str, list[str]]:
         """Replace `worker`'s process with a fresh one (its ready frame is read later); how the old
-        one ended (and, with `quote_stderr`, its last stderr lines)."""
+        one ended, and (with `read_stderr`) its last stderr lines."""
         with self._lock:
-            quote = worker.stderr_quote()
+            lines = worker.stderr_lines()
             ended = worker.kill()
             if self._closed:
                 raise WorkerFailed(f"{self.name} worker pool is closed")
@@ -366,7 +374,7 @@ class WorkerPool:
             except (OSError, RuntimeError) as error:  # RuntimeError: the interpreter is shutting down
                 raise WorkerFailed(f"{self.name} worker pool: cannot start a worker: {error}") from None
             self.faults.add(f"{self.name}_restarts")
-        return ended + quote() if quote_stderr else ended
+        return ended, lines() if read_stderr else []
 
     def _spawn(self, command: list[str]) -> subprocess.Popen:
         return self._spawner.submit(
@@ -389,6 +397,11 @@ class WorkerPool:
             else:
                 self._idle.append(worker)
                 self._lock.notify()
+
+
+def _quote(stderr_tail: list[str]) -> str:
+    """`; its stderr ended: a | b` (empty when there are no lines)."""
+    return "; its stderr ended: " + " | ".join(stderr_tail) if stderr_tail else ""
 
 
 def _pass_on_stderr(pipe, tail: collections.deque) -> None:

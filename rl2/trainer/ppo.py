@@ -233,6 +233,7 @@ class PPOTrainer(Trainer):
         trajectories = self.rollout.generate(prompts, self.rollout.train_params, generated, seed, timer, release_after=True)
         metrics = {**rollout_metrics(trajectories), **self.rollout.fault_metrics()}
         self.rollout.dump(trajectories, f"step_{self.step}")
+        self.rollout.require_scores(trajectories)
         if config.adv.resample_on_correct:
             trajectories, roc_metrics = self.resample_on_correct(trajectories, generated)
             metrics.update(roc_metrics)
@@ -287,9 +288,11 @@ class PPOTrainer(Trainer):
         }
 
     def evaluate(self, name: str | None = None) -> dict[str, float]:
-        """The rollout's `test/` metrics of the current policy on the test set."""
+        """The rollout's `test/` metrics of the current policy on the test set (an evaluation-only
+        run in which no test reward could be computed is an error)."""
         prompts = [self.test_data[i] for i in range(len(self.test_data))]
-        return self.rollout.evaluate(prompts, self.config.trainer.seed - 1 - self.step, name or f"test_step_{self.step}")
+        return self.rollout.evaluate(prompts, self.config.trainer.seed - 1 - self.step, name or f"test_step_{self.step}",
+                                     require_scores=self.eval_only)
 
     def evaluate_only(self) -> dict[str, float]:
         """`trainer.eval_only`: evaluate actor.model_name, write `<save_dir>/eval.json`, print it."""
@@ -310,6 +313,13 @@ class PPOTrainer(Trainer):
         return results
 
     def train(self) -> None:
+        try:
+            self._train()
+        except BaseException:
+            self.rollout.close()  # the env's worker processes and the engine end with the failed run
+            raise
+
+    def _train(self) -> None:
         if self.eval_only:
             self.evaluate_only()
             return
@@ -323,7 +333,7 @@ class PPOTrainer(Trainer):
                 metrics.update(self.evaluate())
             self.metrics.log(metrics, self.step)
             progress.update(1)
-            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}" if "reward/mean" in metrics else "none")
             if self.should_save(self.step):
                 self.save(self.step)
         progress.close()
@@ -337,9 +347,13 @@ class PPOTrainer(Trainer):
 def run_summary(rows: list[dict]) -> str:
     """The reward curve, test results and where the time of a step went, from metrics.jsonl rows."""
     lines = [curve_summary([row for row in rows if row["step"] > 0], "reward/mean")]
-    tests = [(row["step"], row["test/reward_mean"]) for row in rows if "test/reward_mean" in row]
+    tests = [row for row in rows if "test/reward_errors" in row or "test/reward_mean" in row]
     if tests:
-        lines.append("test reward: " + ", ".join(f"step {step}: {value:.3f}" for step, value in tests))
+        lines.append("test reward: " + ", ".join(
+            f"step {row['step']}: {row['test/reward_mean']:.3f}" if "test/reward_mean" in row
+            else f"step {row['step']}: none ({row['test/reward_errors']:.0f} reward_fn errors)" for row in tests
+        ))
+    lines.append(env_error_summary(rows))
     phases = ["rollout", "reward", "logps", "update", "sync"]
     steps = [row for row in rows if "time/step" in row]
     means = {p: sum(row.get(f"time/{p}", 0.0) for row in steps) / max(len(steps), 1) for p in phases}
@@ -349,6 +363,25 @@ def run_summary(rows: list[dict]) -> str:
         + ", ".join(f"{p} {means[p]:.3f}s ({100 * means[p] / max(step_time, 1e-9):.0f}%)" for p in phases)
     )
     return "\n".join(lines)
+
+
+def env_error_summary(rows: list[dict]) -> str:
+    """How many env calls failed over a run (training steps and evaluations), and the faults its
+    pools recovered from, from metrics.jsonl rows."""
+    steps = [row for row in rows if row["step"] > 0 and "env_errors" in row]
+    errors = sum(row["env_errors"] for row in steps)
+    reward_errors = sum(row.get("reward_errors", 0.0) for row in steps)
+    test_errors = sum(row.get("test/env_errors", 0.0) for row in rows)
+    faults: dict[str, float] = {}
+    for row in steps:
+        for key, value in row.items():
+            if key.startswith("faults/") and value:
+                faults[key[len("faults/"):]] = faults.get(key[len("faults/"):], 0.0) + value
+    line = (f"env errors: {errors:.0f} in {sum(row['env_errors'] > 0 for row in steps)} of {len(steps)} steps "
+            f"({reward_errors:.0f} reward_fn calls failed), {test_errors:.0f} in evaluations")
+    if faults:
+        line += "; recovered faults: " + ", ".join(f"{name} {count:.0f}" for name, count in sorted(faults.items()))
+    return line
 
 
 def main() -> None:
