@@ -138,6 +138,7 @@ class Env:
         self._closed = False
         self._module = module
         self._worker_pool: WorkerPool | None = None
+        self._dispatch_threads: concurrent.futures.ThreadPoolExecutor | None = None
         self._worker_lock = threading.Lock()  # guards the pool's start and the workers' fault totals
         self._worker_faults: dict[int, dict[str, int]] = {}  # worker pid -> its module's fault totals
 
@@ -233,6 +234,9 @@ class Env:
         self._threads.shutdown(wait=False, cancel_futures=True)
         with self._worker_lock:
             pool, self._worker_pool = self._worker_pool, None
+            dispatch, self._dispatch_threads = self._dispatch_threads, None
+        if dispatch is not None:
+            dispatch.shutdown(wait=False, cancel_futures=True)
         if pool is not None:
             pool.close()
         close_lazy_values(self._module)
@@ -258,6 +262,8 @@ class Env:
     def _run_batch(self, name: str, fn: Callable, calls: list[tuple]) -> list[EnvResult]:
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
+        if self._in_workers(fn):  # no event loop needed: one dispatching thread per env worker
+            return list(self._dispatcher().map(lambda args: self._checked(name, args, self._call_worker(name, args)), calls))
         return run_coroutine(lambda: self._gather(name, fn, calls))
 
     async def _gather(self, name: str, fn: Callable, calls: list[tuple]) -> list[EnvResult]:
@@ -270,13 +276,17 @@ class Env:
         return list(await asyncio.gather(*(one(args) for args in calls)))
 
     async def _call(self, name: str, fn: Callable, args: tuple) -> EnvResult:
-        """One call with a timeout and a checked result; failures become (default value, error):
-        None for a number, [] (end of the trajectory) for messages."""
-        numeric = name in ("reward_fn", "roc_penalty")
-        if _is_async(fn) or self.workers == 0:
+        """One call with a timeout and a checked result."""
+        if self._in_workers(fn):  # the pool enforces the timeout from when the call reaches a worker
+            outcome = await asyncio.get_running_loop().run_in_executor(self._dispatcher(), self._call_worker, name, args)
+        else:
             outcome = await self._call_here(name, fn, args)
-        else:  # the pool enforces the timeout from when the call reaches a worker
-            outcome = await asyncio.get_running_loop().run_in_executor(self._threads, self._call_worker, name, args)
+        return self._checked(name, args, outcome)
+
+    def _checked(self, name: str, args: tuple, outcome: _Outcome) -> EnvResult:
+        """The call's value, checked; failures become (default value, error): None for a number,
+        [] (end of the trajectory) for messages, with a warning that shows the sample."""
+        numeric = name in ("reward_fn", "roc_penalty")
         if outcome.error is None:
             value, problem = _check_reward(outcome.value) if numeric else _check_messages(outcome.value)
             if problem is None:
@@ -286,6 +296,9 @@ class Env:
         logger.warning("env %s: %s%s; %slast message: %s", self.path, outcome.error, outcome.note, sample,
                        _describe_last(args[0]))
         return EnvResult(None if numeric else [], outcome.error)
+
+    def _in_workers(self, fn: Callable) -> bool:
+        return self.workers > 0 and not _is_async(fn)
 
     async def _call_here(self, name: str, fn: Callable, args: tuple) -> _Outcome:
         """Call `fn` in this process: on the event loop (async) or in a thread (sync)."""
@@ -325,6 +338,17 @@ class Env:
             raised = response["raised"]
             return _Outcome(error=f"{name} raised {raised['exception']}", note=raised["where"])
         return _Outcome(response["value"])
+
+    def _dispatcher(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads that hand calls to the env workers and wait for them: one per worker (more
+        would only wait for an idle worker), at most `concurrency`."""
+        with self._worker_lock:
+            if self._closed:
+                raise RuntimeError(f"{self!r} is closed")
+            if self._dispatch_threads is None:
+                self._dispatch_threads = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=min(self.workers, self.concurrency), thread_name_prefix="rl2-env-dispatch")
+            return self._dispatch_threads
 
     def _workers_pool(self) -> WorkerPool:
         """The env worker processes, started at the first call that needs them."""
