@@ -6,9 +6,13 @@
 `rl2_reward_model` (or the environment variable `RL2_REWARD_MODEL`) is a folder written by `rl2.trainer.rm` (any one-label
 `AutoModelForSequenceClassification` folder with a chat template works). Each rank loads it when
 the env file is loaded, so a wrong path stops the run at start-up, onto its GPU (or the CPU;
-`rl2_reward_device=cpu` forces it). The row's `answer` is not used. A reward model too large to sit
+`rl2_reward_device=cpu` forces it). The row's `answer` is not used. `reward_fn` is async, so it
+runs in the trainer's process (env worker processes, which run sync functions, would each load a
+copy of the model); the scoring itself runs in a thread. A reward model too large to sit
 beside the policy is better served by vLLM / SGLang and called over HTTP from `reward_fn`.
 """
+
+import asyncio
 
 from rl2.rollout.env import EnvArgs
 from rl2.rollout.reward_scorer import RewardScorer
@@ -22,5 +26,5 @@ if not env_args.get("rl2_reward_model"):
 _scorer = RewardScorer(env_args.get("rl2_reward_model"), device=env_args.get("rl2_reward_device"))
 
 
-def reward_fn(messages: list[dict], answer) -> float:
-    return _scorer.score(messages)
+async def reward_fn(messages: list[dict], answer) -> float:
+    return await asyncio.to_thread(_scorer.score, messages)

@@ -188,6 +188,7 @@ def test_env_file_serves_the_reward_model(rm_run, pair_data, monkeypatch):
     with Env("envs/reward_model.py") as env:
         chosen = env.rewards([conversation(row, "chosen") for row in rows], [None] * len(rows))
         rejected = env.rewards([conversation(row, "rejected") for row in rows], [None] * len(rows))
+        assert env._worker_pool is None  # async: scored in this process, no env worker loaded a copy
     assert all(result.error is None for result in chosen + rejected)
     scorer = RewardScorer(f"{rm_run}/step12", device="cpu")
     for row, result in zip(rows, chosen):
