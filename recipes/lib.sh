@@ -82,7 +82,7 @@ tiny_warmup() {
     torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.sft \
       data.path="$OUT/data/demos.jsonl" data.batch_size=8 actor.model_name="$MODEL" actor.dtype=float32 \
       actor.gradient_checkpointing=false actor.lr=5e-3 actor.max_length_per_device=2048 \
-      actor.save_dir="$OUT/warmup" trainer.total_steps="$steps" trainer.disable_wandb=true
+      actor.save_dir="$OUT/warmup" trainer.total_steps="$steps" trainer.disable_wandb=true trainer.load_ckpt_from=latest
   fi
   MODEL=$OUT/warmup/step$steps
 }

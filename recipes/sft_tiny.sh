@@ -7,6 +7,7 @@ NPROC=${NPROC:-2}
 mkdir -p "$OUT"
 [ -f "$OUT/model/config.json" ] || python -m rl2.testing.tiny "$OUT/model" --hidden-size 128 --layers 2
 python recipes/make_sft_data.py "$OUT/data.jsonl" --rows 512
+rm -rf "$OUT/ckpt"
 torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.sft \
     data.path="$OUT/data.jsonl" data.test_ratio=0.05 data.batch_size=32 \
     actor.model_name="$OUT/model" actor.dtype=float32 actor.gradient_checkpointing=false \

@@ -32,9 +32,9 @@ def _section(cls: type, help: str) -> Any:
 class DataConfig:
     path: Optional[str] = _f(None, "HF dataset, save_to_disk dir or json/jsonl/csv/parquet/arrow file; `split@path` picks a split")
     test_path: Optional[str] = _f(None, "test set, same forms as path")
-    test_ratio: float = _f(0.0, "fraction of training rows held out as the test set when test_path is unset")
+    test_ratio: float = _f(0.03, "fraction of training rows held out as the test set when test_path is unset (none when that is under half a row)")
     max_length: Optional[int] = _f(None, "SFT: longer sequences are truncated; RL: longest trajectory (prompt + all turns; longer prompts are dropped), default actor.max_length_per_device")
-    batch_size: int = _f(8, "rows per optimizer step (global, across ranks)")
+    batch_size: int = _f(128, "rows per optimizer step (global, across ranks); RL: prompts per step unless prompts_per_rollout is set")
     prompts_per_rollout: Optional[int] = _f(None, "prompts sampled per rollout")
     responses_per_prompt: int = _f(1, "responses generated per prompt")
     shuffle: bool = _f(True, "shuffle the training data every epoch")
@@ -69,11 +69,11 @@ class ModelConfig:
     lr: float = _f(1e-6, "learning rate of the optimizer")
     weight_decay: float = _f(1e-2, "AdamW weight decay")
     max_grad_norm: float = _f(1.0, "gradient norm clipping threshold")
-    warmup_ratio: float = _f(0.0, "fraction of total steps spent in linear lr warmup")
+    warmup_ratio: float = _f(0.03, "fraction of total steps spent in linear lr warmup")
     freeze_steps: int = _f(0, "initial steps without updating this model")
     offload_model: bool = _f(False, "keep parameters on CPU between uses")
     offload_optimizer: bool = _f(False, "keep optimizer state on CPU between uses")
-    save_dir: str = _f("ckpts", "checkpoint directory")
+    save_dir: Optional[str] = _f(None, "checkpoints, metrics.jsonl and trajectories of the run; default ckpts/<trainer.experiment_name>")
     save_freq: Optional[int] = _f(None, "steps between checkpoints; None = only at the end")
     save_optimizer: bool = _f(True, "include optimizer state in checkpoints")
     dtype: str = _f("bfloat16", "compute (param) dtype; master weights stay fp32", DTYPE_NAMES)
@@ -106,7 +106,7 @@ class RolloutConfig:
     cuda_graphs: bool = _f(True, "hf engine: replay decode steps from captured CUDA graphs (on CUDA)")
     attn_implementation: str = _f("auto", "hf engine: prefill attention; auto = flash-attn, else torch's varlen kernel on CUDA; sdpa_loop on CPU", ATTENTION_CHOICES)
     train_sampling_params: dict[str, Any] = _f({"temperature": 1.0, "max_new_tokens": 512}, "sampling params for training (any keys)")
-    test_sampling_params: dict[str, Any] = _f({"temperature": 0.0, "max_new_tokens": 512}, "sampling params for testing (any keys)")
+    test_sampling_params: dict[str, Any] = _f({"temperature": 0.0}, "sampling params for testing; a key not set here is train_sampling_params' (max_new_tokens, stop, ...)")
     max_turns: int = _f(1, "max assistant turns per episode")
     env_path: Optional[str] = _f(None, "python file defining the environment (reward / tool steps)")
     env_timeout: float = _f(60.0, "seconds one reward_fn / interact call may take; then reward 0 / trajectory ends")
@@ -115,7 +115,7 @@ class RolloutConfig:
     env_worker_memory_mb: int = _f(8192, "memory limit of one env worker process (a call that exceeds it fails alone); 0 = no limit")
     max_unscored_steps: int = _f(3, "the run stops with an error after this many steps in a row in which no reward_fn call succeeded")
     env_args: dict[str, Any] = _f({}, "settings of the env file, read there as env_args.get(name, default), e.g. {python_tool_workers: 8}; a name not set here falls back to the environment variable NAME")
-    dynamic_filtering: bool = _f(False, "drop groups whose rewards are all equal (zero advantage; DAPO)")
+    dynamic_filtering: bool = _f(True, "drop groups whose rewards are all equal (zero advantage; DAPO); never with data.responses_per_prompt=1")
     test_responses_per_prompt: int = _f(1, "responses per test prompt; pass@k uses k = this")
     sync_bucket_mb: int = _f(512, "weights are sent to the engine in buckets of about this many MB")
     server_args: dict[str, Any] = _f({}, "sglang engine: extra SGLang server arguments, passed as they are (RL2's rollout.server_args)")
@@ -140,7 +140,7 @@ class AdvConfig:
     gamma: float = _f(1.0, "discount factor")
     lamda: float = _f(1.0, "GAE lambda")
     norm_var: bool = _f(False, "divide advantages by their standard deviation")
-    global_norm: bool = _f(False, "reinforce: with norm_var, divide by the standard deviation of the whole batch's advantages instead of each group's (RL2's adv.global_norm)")
+    global_norm: bool = _f(False, "reinforce: baseline and (with norm_var) std of the whole batch instead of each group's, as RL2's adv.global_norm; always so with data.responses_per_prompt=1")
     resample_on_correct: bool = _f(False, "GRPO-RoC: generate rollout.oversample responses per prompt, keep data.responses_per_prompt")
     roc_mode: str = _f("sample", "GRPO-RoC: draw positives with probability ~ 1/penalty (the paper) or take the lowest penalties (the released code)", ROC_MODES)
     roc_min_each: int = _f(2, "GRPO-RoC: keep at least this many positives and negatives where a group has them")
@@ -149,13 +149,13 @@ class AdvConfig:
 @dataclass
 class TrainerConfig:
     project: str = _f("rl2", "wandb project")
-    experiment_name: str = _f("run", "wandb run name")
+    experiment_name: str = _f("run", "wandb run name; the checkpoint folder is ckpts/<experiment_name> unless actor.save_dir (critic.save_dir) is set")
     n_epochs: int = _f(1, "passes over the training data")
     total_steps: Optional[int] = _f(None, "optimizer steps; None = n_epochs over the data")
     test_freq: Optional[int] = _f(None, "steps between evaluations; None = no periodic evaluation")
     disable_wandb: bool = _f(False, "do not log to wandb")
     load_ckpt_from: Optional[str] = _f(None, "'latest' or a checkpoint dir to resume from")
-    overwrite: bool = _f(False, "start afresh in a save_dir that holds another run's checkpoints and metrics (they are deleted first); without it such a run stops at start-up")
+    overwrite: bool = _f(False, "start afresh in a save_dir that holds another run's checkpoints and metrics (its step*/ folders, metrics.jsonl, trajectories/ and run.json are deleted first); without it such a run stops at start-up")
     seed: int = _f(42, "random seed")
     dump_trajectories: bool = _f(True, "write each step's trajectories to <save_dir>/trajectories/step_N.jsonl")
     eval_only: bool = _f(False, "RL: only evaluate actor.model_name on data.test_path (avg@k, pass@k with k = rollout.test_responses_per_prompt), write <save_dir>/eval.json and stop")
@@ -330,6 +330,10 @@ def load_config(args: Optional[list[str]] = None) -> Config:
     for model in (config.actor, config.critic):
         if model.tokenizer_name is None:
             model.tokenizer_name = model.model_name
+        if model.save_dir is None:
+            model.save_dir = os.path.join("ckpts", config.trainer.experiment_name)
+    rollout = config.rollout
+    rollout.test_sampling_params = {**rollout.train_sampling_params, **rollout.test_sampling_params}
     return config
 
 

@@ -33,6 +33,11 @@ def check_config(config: Config, command: str) -> None:
         check_search_config(config)
     else:
         raise ValueError(f"unknown command {command!r}; expected one of {COMMANDS}")
+    if command in ("ppo", "sft", "rm", "dpo") and config.trainer.overwrite and config.trainer.load_ckpt_from is not None:
+        raise ConfigError(
+            f"trainer.overwrite=true starts afresh, trainer.load_ckpt_from={config.trainer.load_ckpt_from} resumes: "
+            "pass one of them (trainer.load_ckpt_from=null to start over)"
+        )
     for section in ("actor", "critic"):
         check_local_model_path(getattr(config, section).model_name, f"{section}.model_name")
 
@@ -107,11 +112,6 @@ def check_rl_config(config: Config) -> None:
         )
     if config.rollout.test_responses_per_prompt < 1:
         raise ConfigError(f"rollout.test_responses_per_prompt must be >= 1, got {config.rollout.test_responses_per_prompt}")
-    if config.adv.estimator == "reinforce" and config.data.responses_per_prompt == 1 and not config.trainer.eval_only:
-        raise ConfigError(
-            "adv.estimator=reinforce uses the group mean as baseline: set data.responses_per_prompt >= 2 "
-            "(or use adv.estimator=gae)"
-        )
 
 
 def check_rm_config(config: Config) -> None:

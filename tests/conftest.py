@@ -60,15 +60,16 @@ def tokenize_prompt(messages: list[dict], tokenizer) -> list[int]:
 
 
 def run_torchrun(
-    args: list[str], nproc: int = 2, timeout: int = 300, check: bool = True, env: dict | None = None
+    args: list[str], nproc: int = 2, timeout: int = 300, check: bool = True, env: dict | None = None,
+    cwd: str = REPO,
 ) -> subprocess.CompletedProcess:
-    """What `torchrun --nproc_per_node=nproc ARGS` does, on CPU, with ranks forked from preloaded
+    """What `torchrun --nproc_per_node=nproc ARGS` does in `cwd`, on CPU, with ranks forked from preloaded
     modules (`rank_launcher`); the output is shown when it fails; `env` entries override."""
     env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO, **(env or {})}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     result = forked_or_real(
-        lambda: rank_launcher.launch(args, nproc, env, REPO, timeout),
-        lambda: subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO),
+        lambda: rank_launcher.launch(args, nproc, env, cwd, timeout),
+        lambda: subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd),
     )
     if check and result.returncode != 0:
         raise AssertionError(f"torchrun --nproc_per_node={nproc} {' '.join(args)} failed ({result.returncode}):\n"

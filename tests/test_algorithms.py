@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from rl2.algorithms.advantages import gae, group_advantages, uniform_groups
+from rl2.algorithms.advantages import gae, group_advantages, trajectory_advantages, uniform_groups
 from rl2.algorithms.losses import kl_penalty, loss_weights, masked_mean, policy_loss, value_loss
 
 
@@ -194,6 +194,59 @@ def test_group_advantages_equal_rewards_exactly_zero(norm_var):
 def test_group_advantages_bad_length():
     with pytest.raises(ValueError):
         group_advantages(torch.zeros(7), 4, norm_var=True)
+
+
+def reinforce(rewards, group_size, norm_var, global_norm=False, valid=None, lengths=None, kl=None, kl_coef=0.0):
+    """trajectory_advantages(estimator="reinforce") of one trajectory per reward, masks of `lengths` ones."""
+    lengths = lengths or [2] * len(rewards)
+    valid = torch.tensor(valid if valid is not None else [True] * len(rewards))
+    masks = [torch.ones(n) for n in lengths]
+    advantages, returns = trajectory_advantages(
+        torch.tensor(rewards), valid, masks, "reinforce", group_size, norm_var=norm_var, global_norm=global_norm,
+        kl=kl, kl_coef=kl_coef,
+    )
+    assert returns is None
+    for advantage, mask in zip(advantages, masks):
+        assert torch.equal(advantage, advantage[0] * mask)  # one value per trajectory, on its action tokens
+    return [advantage[0].item() for advantage in advantages]
+
+
+def test_one_response_per_prompt_uses_the_batch_mean_as_baseline():
+    """RL2: `if responses_per_prompt == 1 or global_norm: baseline = rewards.mean(); std = rewards.std()`."""
+    assert reinforce([1.0, 0.0, 0.0, 1.0, 1.0], 1, norm_var=False) == pytest.approx([0.4, -0.6, -0.6, 0.4, 0.4])
+    std = math.sqrt((3 * 0.4**2 + 2 * 0.6**2) / 4)  # unbiased, over the batch: sqrt(0.3)
+    assert reinforce([1.0, 0.0, 0.0, 1.0, 1.0], 1, norm_var=True) == pytest.approx(
+        [0.4 / std, -0.6 / std, -0.6 / std, 0.4 / std, 0.4 / std], rel=1e-5)
+    # An excluded trajectory (reward 0 as passed, valid False) is in neither the mean nor the std, and gets 0.
+    assert reinforce([1.0, 0.0, 0.0, 1.0], 1, norm_var=False, valid=[True, True, False, True]) == pytest.approx(
+        [1 / 3, -2 / 3, 0.0, 1 / 3])
+    assert reinforce([1.0, 0.0, 0.0, 1.0], 1, norm_var=True, valid=[True, True, False, True]) == pytest.approx(
+        [1 / 3 / math.sqrt(1 / 3), -2 / 3 / math.sqrt(1 / 3), 0.0, 1 / 3 / math.sqrt(1 / 3)], rel=1e-5)
+    assert reinforce([0.5, 0.5, 0.5], 1, norm_var=True) == [0.0, 0.0, 0.0]  # all equal: exactly 0, not NaN
+    assert reinforce([0.7, 0.0], 1, norm_var=True, valid=[True, False]) == [0.0, 0.0]  # one valid: its own mean
+
+
+def test_global_norm_takes_baseline_and_std_over_the_batch():
+    """Groups [1, 0] and [1, 1]: per group (GRPO) the second has no signal; with global_norm the batch mean
+    0.75 and unbiased batch std 0.5 apply to every trajectory (RL2's adv.global_norm); without norm_var
+    only the baseline changes."""
+    rewards = [1.0, 0.0, 1.0, 1.0]
+    assert reinforce(rewards, 2, norm_var=False) == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    assert reinforce(rewards, 2, norm_var=True) == pytest.approx([math.sqrt(0.5), -math.sqrt(0.5), 0.0, 0.0], rel=1e-5)
+    assert reinforce(rewards, 2, norm_var=False, global_norm=True) == pytest.approx([0.25, -0.75, 0.25, 0.25])
+    assert reinforce(rewards, 2, norm_var=True, global_norm=True) == pytest.approx([0.5, -1.5, 0.5, 0.5], rel=1e-5)
+    # Excluded trajectories stay out of the batch statistics: [1, 0, 1] -> mean 2/3, std sqrt(1/3).
+    out = reinforce(rewards, 2, norm_var=True, global_norm=True, valid=[True, True, True, False])
+    assert out == pytest.approx([(1 / 3) / math.sqrt(1 / 3), (-2 / 3) / math.sqrt(1 / 3), (1 / 3) / math.sqrt(1 / 3), 0.0],
+                                rel=1e-5)
+
+
+def test_batch_baseline_applies_to_scores_with_the_kl_penalty():
+    """With kl.type=reward the score is the reward minus kl_coef x the trajectory's summed KL, then the batch baseline."""
+    kl = [torch.tensor([0.5, 0.5]), torch.tensor([0.0, 0.0]), torch.tensor([1.0, 1.0])]
+    scores = [1.0 - 0.5 * 1.0, 0.0, 1.0 - 0.5 * 2.0]  # 0.5, 0, 0 -> mean 1/6
+    assert reinforce([1.0, 0.0, 1.0], 1, norm_var=False, kl=kl, kl_coef=0.5) == pytest.approx(
+        [s - 1 / 6 for s in scores])
 
 
 # ---------------------------------------------------------------- policy_loss

@@ -19,12 +19,15 @@ def test_defaults():
     assert isinstance(c, Config) and type(c.actor) is ActorConfig and type(c.critic) is CriticConfig
     assert c.actor.beta == 0.1 and c.actor.label_smoothing == 0.0 and c.ref_actor.offload_model is False
     assert not hasattr(c.critic, "beta")  # DPO keys live on the actor only
-    assert c.data.batch_size == 8 and c.data.path is None and c.data.shuffle is True
+    # RL2's defaults (README, "Defaults that differ from RL2's", for the ones rl2 does not share)
+    assert c.data.batch_size == 128 and c.data.test_ratio == 0.03 and c.data.path is None and c.data.shuffle is True
     assert c.actor.lr == 1e-6 and c.actor.clip == 0.2 and c.actor.dtype == "bfloat16"
+    assert c.actor.warmup_ratio == c.critic.warmup_ratio == 0.03
     assert c.critic.lr == 5e-6 and c.critic.clip == 0.5
-    assert c.rollout.engine == "hf"
+    assert c.rollout.engine == "hf" and c.rollout.dynamic_filtering is True
     assert c.rollout.train_sampling_params == {"temperature": 1.0, "max_new_tokens": 512}
-    assert c.rollout.test_sampling_params == {"temperature": 0.0, "max_new_tokens": 512}
+    assert c.rollout.test_sampling_params == {"temperature": 0.0, "max_new_tokens": 512}  # max_new_tokens: train's
+    assert c.actor.save_dir == c.critic.save_dir == "ckpts/run" and c.trainer.experiment_name == "run"
     assert c.kl.type == "reward" and c.adv.estimator == "reinforce" and c.trainer.seed == 42
     assert load_config([]) == c
 
@@ -60,8 +63,40 @@ def test_overrides_of_each_type():
     stop = c.rollout.train_sampling_params["stop"]
     assert type(stop) is list and stop == ["</answer>"]
     assert c.rollout.train_sampling_params["temperature"] == 1.0  # merged, not replaced
-    assert c.rollout.test_sampling_params == {"temperature": 0.0, "max_new_tokens": 64, "extra": {"a": {"b": 2}}}
+    assert c.rollout.test_sampling_params == {"temperature": 0.0, "max_new_tokens": 64, "extra": {"a": {"b": 2}},
+                                              "stop": ["</answer>"]}  # stop: train's
     assert type(c.rollout.test_sampling_params["extra"]) is dict
+
+
+def test_test_sampling_params_inherit_the_training_ones_they_do_not_set(tmp_path):
+    """RL2's test sampling: temperature 0, max_new_tokens and stop as in training; a run trained at 16 new
+    tokens is tested at 16, not at a fixed 512."""
+    c = load_config(["rollout.train_sampling_params={temperature: 0.8, max_new_tokens: 16, stop: ['</a>'], top_p: 0.9}"])
+    assert c.rollout.test_sampling_params == {"temperature": 0.0, "max_new_tokens": 16, "stop": ["</a>"], "top_p": 0.9}
+    assert c.rollout.train_sampling_params == {"temperature": 0.8, "max_new_tokens": 16, "stop": ["</a>"], "top_p": 0.9}
+    c = load_config(["rollout.train_sampling_params.max_new_tokens=16", "rollout.test_sampling_params.stop=[]",
+                     "rollout.test_sampling_params.max_new_tokens=64", "rollout.train_sampling_params.stop=['</a>']"])
+    assert c.rollout.test_sampling_params == {"temperature": 0.0, "max_new_tokens": 64, "stop": []}  # its own win
+    config = tmp_path / "c.yaml"
+    config.write_text("rollout:\n  train_sampling_params: {temperature: 1.0, max_new_tokens: 24}\n"
+                      "  test_sampling_params: {temperature: 0.6}\n")
+    c = load_config([f"config={config}"])
+    assert c.rollout.test_sampling_params == {"temperature": 0.6, "max_new_tokens": 24}
+    from rl2.engines import SamplingParams  # what the rollout service builds the test parameters from
+
+    assert SamplingParams.from_dict(c.rollout.test_sampling_params).max_new_tokens == 24
+
+
+def test_save_dir_defaults_to_the_experiment_name(tmp_path):
+    """RL2's `trainer.save_dir: ckpts/${trainer.experiment_name}`: two runs with different names never share
+    a folder; a save_dir given explicitly is kept."""
+    c = load_config(["trainer.experiment_name=grpo_a"])
+    assert c.actor.save_dir == c.critic.save_dir == "ckpts/grpo_a"
+    c = load_config(["trainer.experiment_name=grpo_a", "actor.save_dir=out/x"])
+    assert c.actor.save_dir == "out/x" and c.critic.save_dir == "ckpts/grpo_a"
+    config = tmp_path / "c.yaml"
+    config.write_text("trainer:\n  experiment_name: from_yaml\n")
+    assert load_config([f"config={config}", "critic.save_dir=rm"]).actor.save_dir == "ckpts/from_yaml"
 
 
 def test_int_given_to_float_field_is_converted():

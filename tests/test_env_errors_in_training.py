@@ -34,7 +34,8 @@ def test_unscored_trajectories_are_left_out_and_faults_are_summed_over_ranks(tin
     env_file.write_text(FLAKY_ENV)
     save_dir = tmp_path / "run"
     run_torchrun(_ppo_args(tiny_model_dir, rl_data, str(save_dir), f"rollout.env_path={env_file}",
-                           "trainer.total_steps=3", "trainer.test_freq=null"))
+                           "trainer.total_steps=3", "trainer.test_freq=null",
+                           "rollout.dynamic_filtering=false"))  # every scored trajectory trains, filtered or not
     rows = read_metrics(str(save_dir / "metrics.jsonl"))
     assert [row["step"] for row in rows] == [1, 2, 3]
     for row in rows:
@@ -95,6 +96,13 @@ def test_dynamic_filtering_counts_only_scored_rewards():
     ]
     kept, dropped = groups_with_signal([t for group in groups for t in group], 4)
     assert kept == groups[0] and dropped == 2 / 3
+
+
+def test_dynamic_filtering_keeps_everything_with_one_response_per_prompt():
+    """No group to compare within (the baseline is the batch's): RL2 filters only groups of more than one."""
+    trajectories = [_trajectory(1.0), _trajectory(1.0), _trajectory(0.0), _trajectory(None, ["down"])]
+    kept, dropped = groups_with_signal(trajectories, 1)
+    assert kept == trajectories and dropped == 0.0
 
 
 def test_resample_on_correct_draws_from_scored_trajectories_only():

@@ -57,8 +57,11 @@ def common(model: str, env: str) -> list[str]:
 
 
 def test_eval_only_reports_avg_and_pass_at_k(tiny_model_dir, problems, tmp_path):
+    """Into a folder that holds a training run (evaluating its checkpoint there is not another run)."""
     env, rows = problems
     out = tmp_path / "eval"
+    (out / "step2").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     result = run_python(["-m", "rl2.trainer.ppo", *common(tiny_model_dir, env), "trainer.eval_only=true",
                          f"data.test_path={rows}", "rollout.test_responses_per_prompt=4", f"actor.save_dir={out}"])
     report = json.loads((out / "eval.json").read_text())
@@ -66,7 +69,9 @@ def test_eval_only_reports_avg_and_pass_at_k(tiny_model_dir, problems, tmp_path)
     assert report["test/avg@4"] == pytest.approx((1 + 0 + 0.5 + 1 + 0.5 + 0) / 6)
     assert report["test/pass@4"] == pytest.approx(4 / 6)
     assert json.loads(result.stdout.strip().splitlines()[-1]) == report
-    assert sorted(p.name for p in out.iterdir()) == ["eval.json", "trajectories"]  # no checkpoint, no training
+    # no checkpoint, no training, the run's files untouched
+    assert sorted(p.name for p in out.iterdir()) == ["eval.json", "metrics.jsonl", "step2", "trajectories"]
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n' and not any((out / "step2").iterdir())
     assert len((out / "trajectories" / "eval.jsonl").read_text().splitlines()) == 24
 
 

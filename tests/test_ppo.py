@@ -104,6 +104,53 @@ def test_demo_learns_on_every_seed(tmp_path, seed, demo_model):
     assert "reward/mean by step" in result.stderr
 
 
+def _prepared_advantages(overrides: list[str], rewards: list[float | None]) -> list[float]:
+    """The advantage that the PPO trainer's `prepare` (scoring, then `add_advantages`) gives each trajectory
+    of a batch with these rewards (None: its reward_fn failed, so it is excluded), under the config
+    `overrides`. No model is needed: with recompute_logprobs=false the engine's log-probs are the old ones."""
+    from rl2.config import load_config
+    from rl2.rollout.trajectory import Trajectory
+    from rl2.trainer.ppo import PPOTrainer
+
+    config = load_config(["actor.recompute_logprobs=false", *overrides])
+    trainer = object.__new__(PPOTrainer)  # the trainer's own methods, without its models and engine
+    trainer.config, trainer.actor, trainer.reference, trainer.critic = config, None, None, None
+    group_size = config.data.responses_per_prompt
+    trajectories = [
+        Trajectory(messages=[], answer=None, group=i // group_size, token_ids=[5, 6, 7], action_mask=[0, 1, 1],
+                   logprobs=[0.0, -0.5, -0.5], reward=reward)
+        for i, reward in enumerate(rewards)
+    ]
+    sequences, _ = trainer.prepare(trajectories)
+    assert all(seq["advantages"][0] == 0 and seq["advantages"][1] == seq["advantages"][2] for seq in sequences)
+    return [seq["advantages"][-1].item() for seq in sequences]
+
+
+def test_trainer_baseline_with_one_response_per_prompt_is_the_batch_mean():
+    """REINFORCE with data.responses_per_prompt=1 (refused before): the baseline is the mean of the batch's
+    scored trajectories (RL2's), here (1 + 0 + 0 + 1) / 4; the failed one gets 0 and is left out."""
+    assert _prepared_advantages(["data.responses_per_prompt=1"], [1.0, 0.0, 0.0, 1.0, None]) == pytest.approx(
+        [0.5, -0.5, -0.5, 0.5, 0.0])
+    std = (4 * 0.25 / 3) ** 0.5
+    assert _prepared_advantages(["data.responses_per_prompt=1", "adv.norm_var=true"], [1.0, 0.0, 0.0, 1.0]) == (
+        pytest.approx([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std], rel=1e-5))
+    from rl2.config import load_config
+    from rl2.config_checks import check_config
+
+    check_config(load_config(["data.path=rows.jsonl", "actor.model_name=Qwen/Qwen2.5-0.5B-Instruct",
+                              "rollout.env_path=envs/demo_successor.py", "data.responses_per_prompt=1"]), "ppo")
+
+
+def test_trainer_applies_adv_global_norm():
+    """Groups [1, 0] and [1, 1] with norm_var: per group the second has no signal; with adv.global_norm
+    the batch mean 0.75 and the batch std 0.5 apply to all four."""
+    overrides = ["data.responses_per_prompt=2", "adv.norm_var=true"]
+    rewards = [1.0, 0.0, 1.0, 1.0]
+    assert _prepared_advantages(overrides, rewards) == pytest.approx([0.5**0.5, -(0.5**0.5), 0.0, 0.0], rel=1e-5)
+    assert _prepared_advantages([*overrides, "adv.global_norm=true"], rewards) == pytest.approx(
+        [0.5, -1.5, 0.5, 0.5], rel=1e-5)
+
+
 def _ppo_args(model_dir: str, data: str, save_dir: str, *extra: str) -> list[str]:
     return [
         "-m", "rl2.trainer.ppo", f"data.path={data}/train.jsonl", f"data.test_path={data}/test.jsonl",

@@ -34,7 +34,8 @@ if [ "$TINY" = 1 ]; then
   python recipes/rstar_math/make_step_demos.py --rows "$OUT/data/train.jsonl" --out "$OUT/data/demos.jsonl"
   if [ ! -f "$OUT/warmup/step$WARMUP_STEPS/config.json" ]; then
     torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.sft config="$CONFIG" data.path="$OUT/data/demos.jsonl" \
-      actor.model_name="$MODEL" actor.lr=5e-3 actor.save_dir="$OUT/warmup" trainer.total_steps="$WARMUP_STEPS"
+      actor.model_name="$MODEL" actor.lr=5e-3 actor.save_dir="$OUT/warmup" trainer.total_steps="$WARMUP_STEPS" \
+      trainer.load_ckpt_from=latest
   fi
   MODEL=$OUT/warmup/step$WARMUP_STEPS
 else
@@ -74,12 +75,12 @@ require_rows "$OUT/round1/mcts/ppm_pairs.jsonl" "PPM pairs"
 
 echo "== policy: $SFT_STEPS SFT steps on round 1's best solutions"
 torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.sft config="$CONFIG" data.path="$OUT/round1/mcts/sft.jsonl" \
-  actor.model_name="$BASE" actor.save_dir="$OUT/policy1" trainer.total_steps="$SFT_STEPS"
+  actor.model_name="$BASE" actor.save_dir="$OUT/policy1" trainer.total_steps="$SFT_STEPS" trainer.load_ckpt_from=latest
 POLICY=$OUT/policy1/step$SFT_STEPS
 
 echo "== PPM: $PPM_STEPS reward-model steps on round 1's step-level pairs"
 torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.rm config="$CONFIG" data.path="$OUT/round1/mcts/ppm_pairs.jsonl" \
-  critic.model_name="$BASE" critic.save_dir="$OUT/ppm1" trainer.total_steps="$PPM_STEPS"
+  critic.model_name="$BASE" critic.save_dir="$OUT/ppm1" trainer.total_steps="$PPM_STEPS" trainer.load_ckpt_from=latest
 PPM=$OUT/ppm1/step$PPM_STEPS
 
 search round2 "$POLICY" "$OUT/data/train.jsonl" search.modes=[mcts] search.terminal_value=env \

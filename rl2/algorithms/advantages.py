@@ -1,4 +1,4 @@
-"""Advantages on plain tensors: GAE (PPO) and group baselines (GRPO, Dr. GRPO).
+"""Advantages on plain tensors: GAE (PPO), group baselines (GRPO, Dr. GRPO) and batch baselines (REINFORCE).
 
 A per-sequence tensor is 1-D and aligned with the sequence's token ids, and `action_mask` is 1 on
 tokens the policy generated, 0 on prompt and tool tokens.
@@ -97,6 +97,7 @@ def trajectory_advantages(
     estimator: str,
     group_size: int,
     norm_var: bool = False,
+    global_norm: bool = False,
     gamma: float = 1.0,
     lamda: float = 1.0,
     kl: list[Tensor] | None = None,
@@ -107,16 +108,28 @@ def trajectory_advantages(
 
     `rewards` [n] are the trajectories' scores (0 where not `valid`), `masks` their loss masks, `kl`
     (when given) the per-token KL to the reference that is subtracted from the reward, times `kl_coef`.
-    estimator="reinforce": one advantage per trajectory from its group's baseline (`group_advantages`
-    over groups of `group_size`), the KL summed over the trajectory's tokens. estimator="gae": the
-    reward lands on the last action token, the KL on every token, and GAE runs against the critic's
-    `values`.
+    estimator="reinforce": one advantage per trajectory, its score (reward minus the KL summed over
+    its tokens) minus a baseline, on every action token:
+    - by default the baseline is the mean of its group of `group_size` responses to one prompt and,
+      with `norm_var`, the result is divided by the group's std (`group_advantages`);
+    - with `global_norm`, or with one response per prompt (`group_size` 1), the whole batch is one
+      group: the baseline is the mean score of the batch's valid trajectories and, with `norm_var`,
+      the divisor is their unbiased std (+ eps). Without `norm_var` nothing is divided, so
+      `global_norm` alone still swaps the group mean for the batch mean. This is RL2's
+      `_compute_reinforce_adv` (RL2/utils/algorithms.py): `if responses_per_prompt == 1 or
+      global_norm: baseline = rewards.mean(); std = rewards.std()`, else the same per group, then
+      `advantages = rewards - baseline` and, `if norm_var`, `advantages /= std + eps`; RL2 computes
+      it once over the whole step's batch, as here (every rank holds all trajectories).
+    Invalid trajectories get advantage 0 and count in no mean or std.
+    estimator="gae": the reward lands on the last action token, the KL on every token, and GAE runs
+    against the critic's `values`.
     """
     if estimator == "reinforce":
         scores = rewards.clone()
         if kl is not None:
             scores -= kl_coef * torch.stack([(k * m).sum() for k, m in zip(kl, masks)])
-        advantages = group_advantages(scores, group_size, norm_var, valid)
+        batch_baseline = global_norm or group_size == 1
+        advantages = group_advantages(scores, max(len(scores), 1) if batch_baseline else group_size, norm_var, valid)
         return [a * m for a, m in zip(advantages, masks)], None
     if values is None:
         raise ValueError("estimator='gae' needs the critic's values")

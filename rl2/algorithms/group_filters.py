@@ -12,7 +12,11 @@ from rl2.algorithms.resample_on_correct import resample_on_correct
 
 def groups_with_signal(trajectories: Sequence, group_size: int) -> tuple[list, float]:
     """The trajectories of the groups with advantage signal, at least two that can train and not all
-    their rewards equal; and the ratio of groups dropped."""
+    their rewards equal; and the ratio of groups dropped. With one response per prompt there are no
+    groups to compare within (the baseline is the batch's): nothing is dropped, as in RL2, which
+    filters only groups of more than one response."""
+    if group_size == 1:
+        return list(trajectories), 0.0
     groups = [trajectories[start : start + group_size] for start in range(0, len(trajectories), group_size)]
 
     def has_signal(group: Sequence) -> bool:

@@ -20,9 +20,10 @@ from rl2.checkpoint import (
 )
 from rl2.config import Config, ConfigError, ModelConfig, config_to_dict, load_config
 from rl2.data.rows import DataError, load_rows, split_rows, validate_rows
-from rl2.distributed.process_group import exit_process, init_distributed, is_rank0, world_size
+from rl2.distributed.process_group import broadcast_from_rank0, exit_process, init_distributed, is_rank0, world_size
 from rl2.metrics import MetricsLogger
 from rl2.rollout.env import EnvError
+from rl2.run_folder import check_run_folder, claim_run_folder
 
 logger = logging.getLogger(__name__)
 
@@ -79,24 +80,45 @@ class Trainer:
     `checkpointed_models()` (keyed by config section), and call `resume()` once their models and
     sampler exist. `main_section` names the model a run is about: its tokenizer is the run's, its
     `save_dir`, `save_freq` and `save_optimizer` rule the checkpoints, and the checkpoint folder
-    holds it at its root (other models in sub-folders named after their section).
+    holds it at its root (other models in sub-folders named after their section). `name` is the
+    run's kind (e.g. "SFT"), recorded in the folder's run marker.
     """
 
+    name: str
     main_section = "actor"
 
     def __init__(self, config: Config):
         self.config = config
         self.tokenizer = start_run(config, self.main_section)
+        if not config.trainer.eval_only:
+            self.check_save_dir()
         self.step = 0
         self.metrics: MetricsLogger | None = None
 
+    def check_save_dir(self) -> None:
+        """Before any model loads: stop with a ConfigError when the checkpoint folder holds another
+        run that this one neither resumes nor overwrites (`rl2.run_folder`); decided on rank 0, so
+        that every rank stops or none does."""
+        trainer = self.config.trainer
+        error = None
+        if is_rank0():
+            error = check_run_folder(self.main_config.save_dir, f"{self.main_section}.save_dir",
+                                     resume=trainer.load_ckpt_from is not None, overwrite=trainer.overwrite)
+        error = broadcast_from_rank0(error)
+        if error is not None:
+            raise ConfigError(error)
+
     def load_datasets(self, dataset_cls: type, max_length: int | None) -> tuple:
-        """(train, test or None) from `data.path`, `data.test_path` or a `data.test_ratio` split."""
+        """(train, test or None) from `data.path`, `data.test_path` or a `data.test_ratio` split (none
+        when `test_ratio` of the rows rounds to no row: the run trains on them all)."""
         data, tokenizer = self.config.data, self.tokenizer
         if data.test_path is not None:
             return dataset_cls(data.path, tokenizer, max_length), dataset_cls(data.test_path, tokenizer, max_length)
         if data.test_ratio > 0:
             rows = load_rows(data.path)
+            if round(len(rows) * data.test_ratio) < 1:
+                logger.info(f"data.test_ratio={data.test_ratio} of {len(rows)} rows is under half a row: no test set")
+                return dataset_cls(rows, tokenizer, max_length, source=data.path), None
             validate_rows(rows, dataset_cls.kind, data.path)  # before the split, so errors name the file's rows
             train_rows, test_rows = split_rows(rows, data.test_ratio, self.config.trainer.seed)
             return (
@@ -125,8 +147,13 @@ class Trainer:
         pass
 
     def resume(self) -> None:
-        """Restore from `trainer.load_ckpt_from` if set, then open the metrics log at that step."""
-        save_dir = self.main_config.save_dir
+        """Make the checkpoint folder this run's (`rl2.run_folder`: with `trainer.overwrite` the previous
+        run's outputs are deleted now), restore from `trainer.load_ckpt_from` if set, then open the
+        metrics log at that step."""
+        save_dir, trainer = self.main_config.save_dir, self.config.trainer
+        if is_rank0():
+            claim_run_folder(save_dir, self.name.lower(), trainer.experiment_name,
+                             resume=trainer.load_ckpt_from is not None, overwrite=trainer.overwrite)
         path = resolve_checkpoint(self.config.trainer.load_ckpt_from, save_dir)
         if path is not None:
             state = load_checkpoint(path, self.checkpointed_models())

@@ -39,6 +39,8 @@ logger = logging.getLogger("rl2.trainer.ppo")
 class PPOTrainer(Trainer):
     """Policy-gradient RL on `{"messages", "answer"}` prompts scored by an env file's `reward_fn`."""
 
+    name = "PPO"
+
     def __init__(self, config: Config):
         check_config(config, "ppo")
         self.eval_only = config.trainer.eval_only
@@ -154,6 +156,7 @@ class PPOTrainer(Trainer):
             estimator=config.adv.estimator,
             group_size=config.data.responses_per_prompt,
             norm_var=config.adv.norm_var,
+            global_norm=config.adv.global_norm,
             gamma=config.adv.gamma,
             lamda=config.adv.lamda,
             kl=kl if config.kl.type == "reward" else None,
