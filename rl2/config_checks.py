@@ -33,6 +33,8 @@ def check_config(config: Config, command: str) -> None:
         check_search_config(config)
     else:
         raise ValueError(f"unknown command {command!r}; expected one of {COMMANDS}")
+    if command in ("sft", "rm", "dpo", "search"):
+        check_chat_template(config, command)
     if command in ("ppo", "sft", "rm", "dpo") and config.trainer.overwrite and config.trainer.load_ckpt_from is not None:
         raise ConfigError(
             f"trainer.overwrite=true starts afresh, trainer.load_ckpt_from={config.trainer.load_ckpt_from} resumes: "
@@ -71,6 +73,30 @@ def require_pair_budget(config: Config, section: str) -> None:
             f"rejected share a micro-batch), more than {section}.max_length_per_device x {section}.sp_size = {budget}; "
             f"raise {section}.max_length_per_device or lower data.max_length"
         )
+
+
+def check_chat_template(config: Config, command: str) -> None:
+    """Raw prompts (`data.apply_chat_template=false`) are for RL (ppo, filter) only."""
+    if config.data.apply_chat_template:
+        return
+    if command == "search":
+        raise ConfigError(
+            "data.apply_chat_template=false is not supported by rl2.search: it renders each problem's "
+            f"data.messages_key={config.data.messages_key!r} column with the chat template and writes SFT / "
+            "preference rows of messages; use rows of messages"
+        )
+    if command == "sft":
+        raw_columns = "prompt / response"
+        example = '{"messages": [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": RESPONSE}]}'
+    else:
+        raw_columns = "prompt / chosen / rejected"
+        example = '{"messages": [{"role": "user", "content": PROMPT}], "chosen": RESPONSE, "rejected": RESPONSE}'
+    raise ConfigError(
+        f"data.apply_chat_template=false is not supported for {command.upper()}: rl2 reads the conversation from "
+        f"the data.messages_key={config.data.messages_key!r} column and renders it with the chat template (RL2's "
+        f"raw mode reads {raw_columns} columns; rl2 does not). Put each row's text in messages, e.g. {example}, "
+        "and drop data.apply_chat_template=false (it is for RL prompts: rl2.trainer.ppo)"
+    )
 
 
 def check_rl_config(config: Config) -> None:

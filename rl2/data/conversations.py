@@ -7,18 +7,24 @@ import datasets
 import torch
 
 from rl2.data.chat_template import _tokenize_conversation, render_chat, tokenize_conversation
-from rl2.data.rows import DataError, load_rows, parse_messages, validate_rows
+from rl2.data.rows import Columns, DataError, load_rows, parse_messages, parse_prompt, validate_rows
 
 logger = logging.getLogger(__name__)
 
 
 class _ConversationDataset(torch.utils.data.Dataset):
-    """Rows loaded from a path (or given), validated eagerly for `kind`, tokenized lazily."""
+    """Rows loaded from a path (or given), validated eagerly for `kind`, tokenized lazily; the
+    conversation is read from the `columns.messages_key` column."""
 
     kind: str
 
     def __init__(
-        self, path_or_rows: str | datasets.Dataset, tokenizer, max_length: int | None, source: str | None = None
+        self,
+        path_or_rows: str | datasets.Dataset,
+        tokenizer,
+        max_length: int | None,
+        source: str | None = None,
+        columns: Columns = Columns(),
     ):
         if isinstance(path_or_rows, str):
             self.rows = load_rows(path_or_rows)
@@ -26,7 +32,8 @@ class _ConversationDataset(torch.utils.data.Dataset):
         else:
             self.rows = path_or_rows
             self.source = source or "<rows>"
-        validate_rows(self.rows, self.kind, self.source)
+        self.columns = columns
+        validate_rows(self.rows, self.kind, self.source, columns)
         self.tokenizer = tokenizer
         self.max_length = max_length
         # Counted in the process that calls __getitem__ (a DataLoader worker's count stays there).
@@ -36,7 +43,8 @@ class _ConversationDataset(torch.utils.data.Dataset):
         return len(self.rows)
 
     def _messages(self, i: int) -> list[dict]:
-        return parse_messages(self.rows[i]["messages"], f"{self.source}, row {i + 1}")
+        key = self.columns.messages_key
+        return parse_messages(self.rows[i][key], f"{self.source}, row {i + 1}", key)
 
 
 class SFTDataset(_ConversationDataset):
@@ -74,15 +82,31 @@ class PairDataset(_ConversationDataset):
 
 class RLDataset(_ConversationDataset):
     """RL prompts; item: {"prompt_ids": list[int], "messages": list[dict], "answer": ...}. Prompts
-    longer than max_length tokens are dropped at construction and counted in `num_skipped`."""
+    longer than max_length tokens are dropped at construction and counted in `num_skipped`.
+
+    The prompt is the `columns.messages_key` conversation through the chat template, with the
+    generation prompt. With `columns.apply_chat_template=False` (RL2's raw prompts: base models,
+    Countdown) it is the `columns.prompt_key` text as is, tokenized with no special tokens added (a
+    BOS the model needs must be in the text, as in RL2), and its `messages` are
+    `[{"role": "user", "content": <the text>}]`: what the env file's `reward_fn` and `interact`
+    see, followed by the assistant's messages (and the tools') of the rollout.
+    """
 
     kind = "rl"
 
     def __init__(
-        self, path_or_rows: str | datasets.Dataset, tokenizer, max_length: int | None, source: str | None = None
+        self,
+        path_or_rows: str | datasets.Dataset,
+        tokenizer,
+        max_length: int | None,
+        source: str | None = None,
+        columns: Columns = Columns(),
     ):
-        super().__init__(path_or_rows, tokenizer, max_length, source)
-        texts = [render_chat(self._messages(i), tokenizer, add_generation_prompt=True) for i in range(len(self.rows))]
+        super().__init__(path_or_rows, tokenizer, max_length, source, columns)
+        if columns.apply_chat_template:
+            texts = [render_chat(self._messages(i), tokenizer, True) for i in range(len(self.rows))]
+        else:
+            texts = [self._prompt_text(i) for i in range(len(self.rows))]
         prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         self.indices = [i for i, ids in enumerate(prompt_ids) if max_length is None or len(ids) <= max_length]
         self.prompt_ids = [list(prompt_ids[i]) for i in self.indices]
@@ -99,10 +123,19 @@ class RLDataset(_ConversationDataset):
     def __len__(self) -> int:
         return len(self.indices)
 
+    def _prompt_text(self, i: int) -> str:
+        key = self.columns.prompt_key
+        return parse_prompt(self.rows[i][key], f"{self.source}, row {i + 1}", key)
+
+    def _prompt_messages(self, i: int) -> list[dict]:
+        if self.columns.apply_chat_template:
+            return self._messages(i)
+        return [{"role": "user", "content": self._prompt_text(i)}]
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         row_index = self.indices[i]
         return {
             "prompt_ids": self.prompt_ids[i],
-            "messages": self._messages(row_index),
+            "messages": self._prompt_messages(row_index),
             "answer": self.rows[row_index]["answer"],
         }

@@ -4,8 +4,11 @@ splitting and writing.
 Row formats (one JSON object per row, or the same columns in CSV / parquet / arrow / a saved dataset):
 
     RL:   {"messages": [{"role": ..., "content": ...}, ...], "answer": <any JSON value>}
+    RL, raw prompt (apply_chat_template=False): {"prompt": str, "answer": <any JSON value>}
     SFT:  {"messages": [...]}                                  (at least one assistant message)
     pair: {"messages": [...], "chosen": str, "rejected": str}  (messages are the prompt)
+
+The "messages" and "prompt" columns are named by `Columns` (`data.messages_key`, `data.prompt_key`).
 
 Rows are loaded with `datasets` and validated eagerly, so bad data fails before training starts, with
 the file, row and field in the message (`rl2.data.conversations` tokenizes them lazily).
@@ -16,19 +19,51 @@ import logging
 import math
 import os
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import datasets
 
+from rl2.config import DataConfig
+
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
-REQUIRED_COLUMNS = {"rl": ("messages", "answer"), "sft": ("messages",), "pair": ("messages", "chosen", "rejected")}
+# The columns each kind needs besides the prompt / conversation column (`Columns`).
+OTHER_COLUMNS = {"rl": ("answer",), "sft": (), "pair": ("chosen", "rejected")}
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
 
 class DataError(ValueError):
     """Unreadable or invalid training data; the message names the file and, where it can, the row and field."""
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Where a row's prompt or conversation is: the `messages_key` column, or, for RL rows with
+    `apply_chat_template=False`, the raw prompt text of the `prompt_key` column (RL2's keys; the
+    config's `data.messages_key`, `data.apply_chat_template`, `data.prompt_key`)."""
+
+    messages_key: str = "messages"
+    apply_chat_template: bool = True
+    prompt_key: str = "prompt"
+
+    @classmethod
+    def from_config(cls, data: DataConfig) -> "Columns":
+        """The columns named by a `DataConfig`."""
+        return cls(data.messages_key, data.apply_chat_template, data.prompt_key)
+
+    def conversation_key(self) -> str:
+        """The column the prompt or conversation is read from."""
+        return self.messages_key if self.apply_chat_template else self.prompt_key
+
+    def describe(self, column: str) -> str:
+        """` (the config key naming it)` for the prompt / conversation column, "" for others."""
+        if column != self.conversation_key():
+            return ""
+        if self.apply_chat_template:
+            return " (data.messages_key)"
+        return " (data.prompt_key, used because data.apply_chat_template=false)"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,24 +239,45 @@ def _type_label(t: Any) -> str:
 # validation
 
 
-def validate_rows(rows: datasets.Dataset, kind: str, source: str) -> None:
-    """Check every row for `kind` ("rl", "sft" or "pair"); raise DataError naming `source`, the
-    1-based row number and the field of the first problem."""
-    if kind not in REQUIRED_COLUMNS:
-        raise ValueError(f"unknown data kind {kind!r}; expected one of {sorted(REQUIRED_COLUMNS)}")
-    for column in REQUIRED_COLUMNS[kind]:
+def validate_rows(rows: datasets.Dataset, kind: str, source: str, columns: Columns = Columns()) -> None:
+    """Check every row for `kind` ("rl", "sft" or "pair"), reading the prompt / conversation from
+    `columns`; raise DataError naming `source`, the 1-based row number and the field of the first problem."""
+    if kind not in OTHER_COLUMNS:
+        raise ValueError(f"unknown data kind {kind!r}; expected one of {sorted(OTHER_COLUMNS)}")
+    if not columns.apply_chat_template and kind != "rl":
+        raise ValueError(f"apply_chat_template=False (a raw prompt column) is for RL data only, not {kind}")
+    for column in (columns.conversation_key(), *OTHER_COLUMNS[kind]):
         if column not in rows.column_names:
             raise DataError(
-                f"{source}: missing column {column!r} needed for {kind} data; columns present: {rows.column_names}"
+                f"{source}: missing column {column!r}{columns.describe(column)} needed for {kind} data; "
+                f"columns present: {rows.column_names}{_column_hint(rows.column_names, column, columns)}"
             )
     for row_number, row in enumerate(rows, 1):
-        _validate_row(row, kind, f"{source}, row {row_number}")
+        _validate_row(row, kind, f"{source}, row {row_number}", columns)
 
 
-def _validate_row(row: dict, kind: str, where: str) -> None:
-    messages = parse_messages(row["messages"], where)
+def _column_hint(present: list[str], missing: str, columns: Columns) -> str:
+    """A pointer to the other way of reading prompts when the file has that column instead."""
+    if missing == columns.prompt_key and not columns.apply_chat_template and columns.messages_key in present:
+        return (f"; to read the {columns.messages_key!r} column through the chat template, "
+                "set data.apply_chat_template=true")
+    if missing == columns.messages_key and columns.apply_chat_template and columns.prompt_key in present:
+        return (f"; to use the {columns.prompt_key!r} column as raw prompt text (no chat template), "
+                "set data.apply_chat_template=false")
+    return ""
+
+
+def _validate_row(row: dict, kind: str, where: str, columns: Columns) -> None:
+    key = columns.conversation_key()
+    if row[key] is None:
+        raise DataError(f"{where} has no {key!r} column{columns.describe(key)}")
+    if columns.apply_chat_template:
+        messages = parse_messages(row[key], where, key)
+    else:  # a raw prompt: RL rows only (validate_rows)
+        parse_prompt(row[key], where, key)
+        messages = []
     if kind == "sft" and not any(m["role"] == "assistant" for m in messages):
-        raise DataError(f"{where}, field 'messages': SFT rows need at least one assistant message")
+        raise DataError(f"{where}, field {key!r}: SFT rows need at least one assistant message")
     if kind == "rl":
         answer = row["answer"]
         if answer is None or (isinstance(answer, float) and math.isnan(answer)):
@@ -234,36 +290,51 @@ def _validate_row(row: dict, kind: str, where: str) -> None:
                 raise DataError(f"{where}, field {field!r}: expected a non-empty string, got {got}")
         if messages[-1]["role"] == "assistant":
             raise DataError(
-                f"{where}, field 'messages': pair rows hold the prompt in 'messages', which must not end with "
+                f"{where}, field {key!r}: pair rows hold the prompt in {key!r}, which must not end with "
                 "an assistant message; the responses go in 'chosen' and 'rejected'"
             )
 
 
-def parse_messages(value: Any, where: str) -> list[dict]:
-    """The messages of a row as a list of dicts, decoding a JSON string (CSV / parquet cells) and
-    dropping null keys that arrow adds when messages have different keys; DataError if malformed."""
+def parse_prompt(value: Any, where: str, key: str = "prompt") -> str:
+    """The raw prompt text of a row (`apply_chat_template=False`); DataError unless a non-empty string."""
+    if isinstance(value, str) and value:
+        return value
+    got = "an empty string" if isinstance(value, str) else _type_name(value)
+    hint = ""
+    if isinstance(value, list):
+        hint = f"; a column of messages is read with data.apply_chat_template=true data.messages_key={key}"
+    raise DataError(
+        f"{where}, field {key!r}: expected the raw prompt text (a non-empty string, data.apply_chat_template=false), "
+        f"got {got}{hint}"
+    )
+
+
+def parse_messages(value: Any, where: str, key: str = "messages") -> list[dict]:
+    """The messages of a row (its `key` column) as a list of dicts, decoding a JSON string (CSV /
+    parquet cells) and dropping null keys that arrow adds when messages have different keys;
+    DataError if malformed."""
     expected = 'expected a non-empty list of {"role", "content"} messages'
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise DataError(f"{where}, field 'messages': {expected}, got a string that is not JSON ({e.msg})") from None
+            raise DataError(f"{where}, field {key!r}: {expected}, got a string that is not JSON ({e.msg})") from None
     if not isinstance(value, list) or not value:
         got = "an empty list" if isinstance(value, list) else _type_name(value)
-        raise DataError(f"{where}, field 'messages': {expected}, got {got}")
+        raise DataError(f"{where}, field {key!r}: {expected}, got {got}")
     messages = []
     for i, message in enumerate(value):
         if not isinstance(message, dict):
-            raise DataError(f"{where}, field 'messages': messages[{i}] should be a dict, got {_type_name(message)}")
-        message = {key: item for key, item in message.items() if item is not None}
+            raise DataError(f"{where}, field {key!r}: messages[{i}] should be a dict, got {_type_name(message)}")
+        message = {name: item for name, item in message.items() if item is not None}
         role = message.get("role")
         if role is None:
-            raise DataError(f"{where}, field 'messages': messages[{i}] has no 'role'")
+            raise DataError(f"{where}, field {key!r}: messages[{i}] has no 'role'")
         if role not in ROLES:
-            raise DataError(f"{where}, field 'messages': messages[{i}] has role {role!r}; expected one of {ROLES}")
+            raise DataError(f"{where}, field {key!r}: messages[{i}] has role {role!r}; expected one of {ROLES}")
         if not isinstance(message.get("content"), str):
             raise DataError(
-                f"{where}, field 'messages': messages[{i}] 'content' should be a string, "
+                f"{where}, field {key!r}: messages[{i}] 'content' should be a string, "
                 f"got {_type_name(message.get('content'))}"
             )
         messages.append(message)

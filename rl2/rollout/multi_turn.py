@@ -2,7 +2,9 @@
 
 Trajectories are kept as token ids (token-in, token-out): the model's tokens are never
 re-tokenised. Tool messages are rendered by the chat template as the text the template adds
-after the conversation so far, so the trajectory equals the templated conversation.
+after the conversation so far, so the trajectory equals the templated conversation. With raw
+prompts (`apply_chat_template=False`: base models, as Search-R1 trains them) there is no template:
+a tool's messages are appended as their plain text and the model continues after it.
 """
 
 import contextlib
@@ -29,9 +31,12 @@ def rollout(
     max_turns: int = 1,
     max_length: int | None = None,
     first_group: int = 0,
+    apply_chat_template: bool = True,
 ) -> list[Trajectory]:
     """`responses_per_prompt` trajectories for each prompt ({"prompt_ids", "messages", "answer"}),
-    grouped by prompt, of at most `max_turns` generations and `max_length` tokens in all."""
+    grouped by prompt, of at most `max_turns` generations and `max_length` tokens in all.
+    `apply_chat_template` says how the prompts were made (`RLDataset`), and so how tool messages
+    are appended: through the chat template, or as plain text (`observation_tokens`)."""
     trajectories = [
         Trajectory(
             messages=copy.deepcopy(prompt["messages"]),
@@ -61,7 +66,7 @@ def rollout(
         if result.error is not None or not result.value:
             trajectory.done = True
             return None
-        _append_observation(trajectory, result.value, tokenizer, max_length)
+        _append_observation(trajectory, result.value, tokenizer, max_length, apply_chat_template)
         return None if trajectory.done else _turn(trajectory, params, max_length)
 
     with env.interactions() if max_turns > 1 else contextlib.nullcontext() as interact:
@@ -131,8 +136,10 @@ def _append_generation(
         trajectory.done = True
 
 
-def _append_observation(trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None) -> None:
-    tokens = observation_tokens(tokenizer, trajectory.token_ids, trajectory.messages, new_messages)
+def _append_observation(
+    trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None, apply_chat_template: bool
+) -> None:
+    tokens = observation_tokens(tokenizer, trajectory.token_ids, trajectory.messages, new_messages, apply_chat_template)
     trajectory.messages.extend(new_messages)
     room = _room(trajectory, max_length)
     if len(tokens) >= room:
@@ -145,15 +152,22 @@ def _append_observation(trajectory: Trajectory, new_messages: list[dict], tokeni
     trajectory.logprobs += [0.0] * len(tokens)
 
 
-def observation_tokens(tokenizer, token_ids: list[int], messages: list[dict], new_messages: list[dict]) -> list[int]:
+def observation_tokens(
+    tokenizer, token_ids: list[int], messages: list[dict], new_messages: list[dict], apply_chat_template: bool = True
+) -> list[int]:
     """Token ids to append after `token_ids` (the trajectory so far, which renders `messages`)
     so that it renders `messages + new_messages` followed by the generation prompt.
 
     The text is what the chat template adds after the trajectory's text: the end of the
     assistant turn the model did not generate (e.g. the newline after `<|im_end|>`, or the whole
     end-of-turn marker when a stop string ended the turn), the new messages and the next
-    assistant header.
+    assistant header. With `apply_chat_template=False` (raw prompts) it is the new messages'
+    contents, concatenated as they are (no roles, no separators: the env's text is what the model
+    reads), tokenized without special tokens.
     """
+    if not apply_chat_template:
+        text = "".join(message["content"] for message in new_messages)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     after = render_chat(messages + new_messages, tokenizer, add_generation_prompt=True)
     so_far = tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     if after.startswith(so_far):

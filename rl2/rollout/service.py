@@ -73,6 +73,7 @@ class RolloutService:
                 self.config.rollout.max_turns,
                 self.max_length,
                 first_group=start,
+                apply_chat_template=self.config.data.apply_chat_template,
             )
         if release_after:
             self.engine.sleep()

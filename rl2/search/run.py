@@ -28,7 +28,7 @@ from tqdm import tqdm
 from rl2.config import Config
 from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
-from rl2.data.rows import write_json, write_jsonl
+from rl2.data.rows import Columns, write_json, write_jsonl
 from rl2.distributed.process_group import (
     all_gather_objects,
     device,
@@ -79,7 +79,7 @@ class SearchRun:
         self.config = config
         self.env = Env.from_config(config.rollout)
         self.max_length = config.data.max_length
-        self.data = RLDataset(config.data.path, self.tokenizer, self.max_length)
+        self.data = RLDataset(config.data.path, self.tokenizer, self.max_length, columns=Columns.from_config(config.data))
         search = config.search
         self.fmt = StepFormat(search.step_end, search.answer_end, search.max_output_chars)
         self.sandbox, self.run_programs = None, no_programs

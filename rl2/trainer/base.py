@@ -19,7 +19,7 @@ from rl2.checkpoint import (
     save_hf_model,
 )
 from rl2.config import Config, ConfigError, ModelConfig, config_to_dict, load_config
-from rl2.data.rows import DataError, load_rows, split_rows, validate_rows
+from rl2.data.rows import Columns, DataError, load_rows, split_rows, validate_rows
 from rl2.distributed.process_group import broadcast_from_rank0, exit_process, init_distributed, is_rank0, world_size
 from rl2.metrics import MetricsLogger
 from rl2.rollout.env import EnvError
@@ -112,20 +112,22 @@ class Trainer:
         """(train, test or None) from `data.path`, `data.test_path` or a `data.test_ratio` split (none
         when `test_ratio` of the rows rounds to no row: the run trains on them all)."""
         data, tokenizer = self.config.data, self.tokenizer
+        columns = Columns.from_config(data)
         if data.test_path is not None:
-            return dataset_cls(data.path, tokenizer, max_length), dataset_cls(data.test_path, tokenizer, max_length)
+            return (dataset_cls(data.path, tokenizer, max_length, columns=columns),
+                    dataset_cls(data.test_path, tokenizer, max_length, columns=columns))
         if data.test_ratio > 0:
             rows = load_rows(data.path)
             if round(len(rows) * data.test_ratio) < 1:
                 logger.info(f"data.test_ratio={data.test_ratio} of {len(rows)} rows is under half a row: no test set")
-                return dataset_cls(rows, tokenizer, max_length, source=data.path), None
-            validate_rows(rows, dataset_cls.kind, data.path)  # before the split, so errors name the file's rows
+                return dataset_cls(rows, tokenizer, max_length, source=data.path, columns=columns), None
+            validate_rows(rows, dataset_cls.kind, data.path, columns)  # before the split, so errors name the file's rows
             train_rows, test_rows = split_rows(rows, data.test_ratio, self.config.trainer.seed)
             return (
-                dataset_cls(train_rows, tokenizer, max_length, source=data.path),
-                dataset_cls(test_rows, tokenizer, max_length, source=f"{data.path} (test split)"),
+                dataset_cls(train_rows, tokenizer, max_length, source=data.path, columns=columns),
+                dataset_cls(test_rows, tokenizer, max_length, source=f"{data.path} (test split)", columns=columns),
             )
-        return dataset_cls(data.path, tokenizer, max_length), None
+        return dataset_cls(data.path, tokenizer, max_length, columns=columns), None
 
     @property
     def main_config(self) -> ModelConfig:

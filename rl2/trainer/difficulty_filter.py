@@ -23,7 +23,7 @@ from tqdm import tqdm
 from rl2.config import Config
 from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
-from rl2.data.rows import write_jsonl
+from rl2.data.rows import Columns, write_jsonl
 from rl2.distributed.process_group import is_rank0
 from rl2.rollout.rollout_metrics import correct_by_prompt
 from rl2.rollout.service import RolloutService
@@ -45,7 +45,8 @@ class DifficultyFilter:
         self.config = config
         tokenizer = start_run(config)
         self.rollout = RolloutService(config, tokenizer)
-        self.dataset = RLDataset(config.data.path, tokenizer, self.rollout.max_length)
+        self.dataset = RLDataset(config.data.path, tokenizer, self.rollout.max_length,
+                                 columns=Columns.from_config(config.data))
 
     def run(self) -> dict[str, float]:
         """Sample, score and write the kept rows; returns counts and the mean pass rate."""

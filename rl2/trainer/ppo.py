@@ -20,7 +20,7 @@ from rl2.algorithms.sequences import RLSequence
 from rl2.config import Config
 from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
-from rl2.data.rows import write_json
+from rl2.data.rows import Columns, write_json
 from rl2.data.sampler import BatchSampler
 from rl2.distributed.process_group import is_rank0
 from rl2.metrics import PhaseTimer, curve_summary, read_metrics
@@ -37,7 +37,8 @@ logger = logging.getLogger("rl2.trainer.ppo")
 
 
 class PPOTrainer(Trainer):
-    """Policy-gradient RL on `{"messages", "answer"}` prompts scored by an env file's `reward_fn`."""
+    """Policy-gradient RL on `{"messages", "answer"}` prompts (or raw `{"prompt", "answer"}` ones with
+    `data.apply_chat_template=false`) scored by an env file's `reward_fn`."""
 
     name = "PPO"
 
@@ -52,7 +53,8 @@ class PPOTrainer(Trainer):
         max_length = self.rollout.max_length
         if self.eval_only:  # the engine alone serves actor.model_name
             self.train_data, self.sampler, self.total_steps = None, None, 0
-            self.test_data = RLDataset(config.data.test_path, self.tokenizer, max_length)
+            self.test_data = RLDataset(config.data.test_path, self.tokenizer, max_length,
+                                       columns=Columns.from_config(config.data))
         else:
             self.train_data, self.test_data = self.load_datasets(RLDataset, max_length)
             self.sampler = BatchSampler(
