@@ -129,11 +129,13 @@ def test_bad_requests_get_json_errors(server, method, path, body, status, needle
 
 
 def test_code_judge_semantics(server):
-    """What code-judge answers, case by case: a timed-out program's last line, a long output cut
-    to 1,000 characters without failing (compared before the cut), C++ next to Python in one batch,
-    and a type the service cannot run answered per submission, not by rejecting the batch."""
+    """What code-judge answers, case by case: a timed-out program's last line (and nothing it
+    printed after its limit: code-judge's `test_cpp_timeout`), a long output cut to 1,000 characters
+    without failing (compared before the cut), C++ next to Python in one batch, and a type the
+    service cannot run answered per submission, not by rejecting the batch."""
     long_output = "print('7' * 1500)"
     cpp = "#include <cstdio>\nint main(){char s[8]; scanf(\"%7s\", s); printf(\"<%s>\", s); return 0;}"
+    sleeps_its_limit = "#include <cstdio>\n#include <unistd.h>\nint main(){sleep(1);printf(\"a\");return 0;}"
     body = {"type": "batch", "submissions": [
         py("import time\nprint('before', flush=True)\ntime.sleep(5)"),
         py(long_output, expected_output="7" * 1500),
@@ -141,15 +143,17 @@ def test_code_judge_semantics(server):
         {"type": "cpp", "solution": "int main(){return 0}"},
         {"type": "math", "solution": "1+1", "expected_output": "2"},
         py("print(1)", expected_output="1"),
+        {"type": "cpp", "solution": sleeps_its_limit, "expected_output": "a"},
     ]}
     status, answer = asyncio.run(request("POST", server.url + "/run/long-batch", json=body))
     assert status == 200
-    timed_out, long, compiled, broken, math, plain = answer["results"]
+    timed_out, long, compiled, broken, math, plain, late = answer["results"]
     assert timed_out["stdout"] == "before\nSuicide from timeout.\n" and timed_out["reason"] == "worker_timeout"
     assert (long["run_success"], long["success"], long["stdout"], long["reason"]) == (True, True, "7" * 1000, "")
     if shutil.which("g++"):
         assert (compiled["success"], compiled["stdout"], compiled["reason"]) == (True, "<abc>", "")
         assert broken["run_success"] is False and broken["reason"] == "" and "error" in broken["stderr"]
+        assert (late["stdout"], late["reason"], late["success"]) == ("Suicide from timeout.\n", "worker_timeout", False)
     assert (math["run_success"], math["reason"], math["stdout"]) == (False, "internal_error", None)
     assert "type 'math' cannot run" in math["stderr"]
     assert plain["success"] is True

@@ -134,6 +134,52 @@ def test_deadline_counts_from_before_the_program(box):
     assert (joined.reason, joined.stdout) == ("timeout", "started\n") and joined.wall_time < 1.5
 
 
+# Prints its clock after `quiet` seconds, every `pause` seconds; named so that the test can find it.
+STAMPS = ("import ctypes, time\nctypes.CDLL(None).prctl(15, b'rl2-stamps', 0, 0, 0)\n"  # 15: PR_SET_NAME
+          "print(time.monotonic(), flush=True)\ntime.sleep({quiet})\n"
+          "while True:\n    print(time.monotonic(), flush=True)\n    time.sleep({pause})\n")
+
+
+def assert_before_deadline(result: RunResult, limit: float) -> None:
+    """Every clock reading a timed-out STAMPS program printed is before its deadline, which is at
+    most its first reading plus `limit` (the deadline is counted from before the program started)."""
+    stamps = [float(line) for line in result.stdout.split("\n")[:-1]]  # the cut may split the last line
+    assert result.reason == "timeout" and not result.truncated, result
+    assert all(stamp < stamps[0] + limit for stamp in stamps), result
+
+
+def named_process(box: Sandbox, name: str) -> int | None:
+    """A process below the sandbox's busy workers that has set its name to `name`."""
+    for worker in box._pool.busy_pids():
+        for pid in descendants(worker):
+            if comm(pid) == name:
+                return pid
+    return None
+
+
+def test_nothing_written_after_the_deadline_is_kept(box):
+    """What a program writes after its deadline is not in its result, however close the write and
+    the kill (code-judge's suite: a program that sleeps exactly its limit, then prints): nothing
+    after sleeping the limit, no clock reading past it, and none either when the worker is held up
+    across the deadline (a loaded machine) while the program writes on."""
+    for _ in range(3):
+        late = box.run("import time\ntime.sleep(0.3)\nprint('late')", timeout=0.3)
+        assert (late.reason, late.stdout) == ("timeout", ""), late
+        assert_before_deadline(box.run(STAMPS.format(quiet=0.29, pause=0.0002), timeout=0.3), 0.3)
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        called = time.monotonic()  # the deadline comes after called + 0.5
+        run = thread.submit(box.run, STAMPS.format(quiet=0, pause=0.005), timeout=0.5)
+        assert wait_until(lambda: named_process(box, "rl2-stamps"))
+        worker = parent(named_process(box, "rl2-stamps"))
+        time.sleep(max(0.0, called + 0.4 - time.monotonic()))
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            time.sleep(max(0.0, called + 0.7 - time.monotonic()))
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        assert_before_deadline(run.result(timeout=30), 0.5)
+
+
 def test_output_limit_counts_characters():
     """`output_limit` is in characters (not bytes); invalid UTF-8 is replaced, not an error."""
     with Sandbox(workers=1, output_limit=10) as box:
@@ -155,8 +201,10 @@ def test_cpp_compiles_and_runs(box):
     assert (ok.stdout, ok.reason, ok.exit_code) == ("abab\n", "ok", 0)
     broken = box.run("int main(){return 0}", language="cpp")
     assert broken.reason == "compile_error" and "error:" in broken.stderr and broken.stdout == ""
-    slow = box.run("#include <unistd.h>\nint main(){sleep(60); return 0;}", timeout=0.5, language="cpp")
-    assert slow.reason == "timeout" and slow.wall_time < 1.5  # the time limit is the run's, after compiling
+    # code-judge's case: sleeping exactly the limit, then printing, prints nothing
+    slow = box.run("#include <cstdio>\n#include <unistd.h>\nint main(){usleep(500000); printf(\"a\"); return 0;}",
+                   timeout=0.5, language="cpp")
+    assert (slow.reason, slow.stdout) == ("timeout", "") and slow.wall_time < 1.5  # the limit is the run's alone
     failing = box.run("int main(){return 3;}", language="cpp")
     assert (failing.reason, failing.exit_code) == ("error", 3)
     greedy = box.run("#include <vector>\nint main(){std::vector<char> v(1ul << 34); return v[5];}", language="cpp")
@@ -343,6 +391,20 @@ def exited(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return stat[stat.rindex(")") + 2] in "ZX"
+
+
+def comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
 def wait_until(condition, timeout: float = 20.0) -> bool:

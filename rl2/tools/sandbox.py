@@ -4,9 +4,10 @@ Generated code is hostile. `Sandbox` keeps a bounded pool of warm worker process
 (`sandbox_worker.py`); each program runs in a child forked from a worker, in its own session and
 process group, in a fresh temporary directory, with CPU, address-space, file-size and process-count
 limits and an environment that holds nothing of ours. A run ends when the program and every process
-it started have ended; its wall-clock deadline is counted from before the fork, and whatever still
-runs then is killed (reason "timeout"). A Python program ends as under `python solution.py`: its
-non-daemon threads are joined and its atexit handlers run, and `os._exit` keeps what it printed.
+it started have ended; its wall-clock deadline is counted from before the fork, whatever still runs
+then is killed (reason "timeout"), and what was written after the deadline is not in the result. A
+Python program ends as under `python solution.py`: its non-daemon threads are joined and its atexit
+handlers run, and `os._exit` keeps what it printed.
 C++ is compiled with g++ (`-O2`, as code-judge does; within `compile_timeout`) and then run the same way.
 Isolation, strongest first (`isolation="auto"` picks the first that works):
 

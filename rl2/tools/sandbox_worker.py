@@ -14,6 +14,7 @@ worker sends is {"ready": ...}; each request gets one response.
 """
 
 import builtins
+import codecs
 import ctypes
 import json
 import os
@@ -32,6 +33,8 @@ PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 CLONE_NEWNET = 0x40000000
 SETUP_FAILED = 125  # the child's exit status when it could not set itself up (never user code)
+CUT_POLL = 0.001  # seconds: the shortest wait between looks at a running program (near its deadline)
+ORPHAN_POLL = 0.01  # seconds between looks for the end of processes a program left running
 
 
 def read_frame(fd: int) -> dict | None:
@@ -272,12 +275,15 @@ def clear_owned(before: dict[str, int], uid: int) -> None:
                 pass
 
 
-def read_capped(path: str, limit: int) -> tuple[str, bool]:
-    """The first `limit` characters of a file (UTF-8, invalid bytes replaced) and whether it had more."""
+def read_capped(path: str, limit: int, size: int | None = None) -> tuple[str, bool]:
+    """The first `limit` characters (UTF-8, invalid bytes replaced) of a file, or of its first `size`
+    bytes, and whether it had more."""
+    wanted = 4 * limit + 4  # a character takes at most 4 bytes
     with open(path, "rb") as f:
-        data = f.read(4 * limit + 4)  # a character takes at most 4 bytes
-        more = f.read(1) != b""
-    text = data.decode("utf-8", errors="replace")
+        data = f.read(wanted if size is None else min(size, wanted))
+        more = f.read(1) != b"" if size is None else size > wanted
+    # A cut at `size` may split a character: leave its first bytes out rather than replace them.
+    text = codecs.getincrementaldecoder("utf-8")("replace").decode(data, final=size is None)
     return text[:limit], more or len(text) > limit
 
 
@@ -295,25 +301,57 @@ def classify(status: int, timed_out: bool, cpu_limited: bool, stderr: str, trunc
     return "ok" if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else "error"
 
 
-def wait_for_orphans(deadline: float) -> bool:
-    """Wait until every process the program started has ended (they are re-parented to us, a child
-    subreaper, when their parents exit); False if some still run at `deadline`."""
+def orphans_ended() -> bool:
+    """Reap the program's processes that have ended (they are re-parented to us, a child subreaper,
+    when their parents exit); whether none is left."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return True
         if pid == 0:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
+            return False
+
+
+def watch(pid: int, deadline: float, outputs: list[int]) -> tuple[tuple | None, list[int] | None]:
+    """Wait until the program `pid` and every process it started have ended, or until `deadline`.
+    Returns the program's (status, usage) from `wait4` (None while it runs) and, if the deadline came
+    first, the sizes of the `outputs` (fds) at the last moment known to be before it (else None)."""
+    pidfd = os.pidfd_open(pid)
+    ended, kept = None, [0] * len(outputs)
+    try:
+        while True:
+            sizes = [os.fstat(fd).st_size for fd in outputs]
+            if ended is None and select.select([pidfd], [], [], 0)[0]:
+                ended = os.wait4(pid, 0)[1:]
+            finished = ended is not None and orphans_ended()
+            # A look counts only if this clock reading puts it before the deadline: the program can
+            # write (or end) between any look and the kill, in the same millisecond or, after a late
+            # wake-up (timer slack, a loaded machine), much later. So a timed-out program's output
+            # is cut where our last look before the deadline found it.
+            now = time.monotonic()
+            if now >= deadline:
+                return ended, kept
+            if finished:
+                return ended, None
+            kept = sizes
+            # Look again halfway to the deadline (down to CUT_POLL), so a worker held up near it (a
+            # loaded machine) still has a recent look from before it; a program that ends wakes us.
+            wait = max(CUT_POLL, (deadline - now) / 2)
+            if ended is None:
+                select.select([pidfd], [], [], wait)
+            else:
+                time.sleep(min(wait, ORPHAN_POLL))
+    finally:
+        os.close(pidfd)
 
 
 def execute(program: dict, limits: dict, run_dir: str, paths: tuple[str, str, str], uid: int | None,
             output_limit: int) -> dict:
     """Run `program` (see `run_child`) with stdin, stdout and stderr on `paths` (stdout and stderr may
     be one file) and describe what happened. The run ends when the program and every process it
-    started have ended, or at its deadline, counted from before the fork."""
+    started have ended, or at its deadline, counted from before the fork: then what still runs is
+    killed, and the output is what was written before the deadline."""
     stdin = os.open(paths[0], os.O_RDONLY)
     outputs = {path: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) for path in paths[1:]}
     fds = (stdin, outputs[paths[1]], outputs[paths[2]])
@@ -323,25 +361,21 @@ def execute(program: dict, limits: dict, run_dir: str, paths: tuple[str, str, st
     pid = os.fork()
     if pid == 0:
         run_child(program, limits, run_dir, fds, uid, worker_pid)
-    for fd in {*fds}:
-        os.close(fd)
-    pidfd = os.pidfd_open(pid)
-    ended = select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))[0]
-    os.close(pidfd)
-    # select may wake up to 0.1% late (the kernel's timer slack), so an end seen after the deadline
-    # happened after it: a program that sleeps exactly its timeout times out.
-    timed_out = not ended or time.monotonic() >= deadline
-    if timed_out:
-        kill_group(pid)  # the program's group (it called setsid), forks included
+    os.close(stdin)
+    ended, cut = watch(pid, deadline, list(outputs.values()))
+    timed_out = cut is not None
+    kill_group(pid)  # the program's group (it called setsid), forks included
+    if ended is None:
         os.kill(pid, signal.SIGKILL)
-    _, status, usage = os.wait4(pid, 0)
-    if not timed_out:
-        timed_out = not wait_for_orphans(deadline)
+        ended = os.wait4(pid, 0)[1:]
     wall = time.monotonic() - start
-    kill_group(pid)
     kill_descendants()
-    stdout, out_cut = read_capped(paths[1], output_limit)
-    stderr, err_cut = read_capped(paths[2], output_limit)
+    for fd in outputs.values():
+        os.close(fd)
+    sizes = dict(zip(outputs, cut)) if timed_out else {}
+    stdout, out_cut = read_capped(paths[1], output_limit, sizes.get(paths[1]))
+    stderr, err_cut = read_capped(paths[2], output_limit, sizes.get(paths[2]))
+    status, usage = ended
     cpu_limited = os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGXCPU, signal.SIGKILL) and (
         usage.ru_utime + usage.ru_stime >= int(limits["timeout"] + 0.999) - 0.05
     )
