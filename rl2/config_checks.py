@@ -136,6 +136,18 @@ def check_rl_config(config: Config) -> None:
             "trainer.eval_only evaluates actor.model_name: pass actor.model_name=<checkpoint folder> "
             "(e.g. ckpts/step100), not trainer.load_ckpt_from"
         )
+    if config.rollout.server_args:
+        if config.rollout.engine != "sglang":
+            raise ConfigError(
+                f"rollout.server_args ({', '.join(config.rollout.server_args)}) are SGLang's arguments: "
+                "set rollout.engine=sglang, or leave them out for the embedded engine"
+            )
+        from rl2.engines.sglang import check_server_args
+
+        try:
+            check_server_args(config.rollout.server_args)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     if config.rollout.test_responses_per_prompt < 1:
         raise ConfigError(f"rollout.test_responses_per_prompt must be >= 1, got {config.rollout.test_responses_per_prompt}")
 

@@ -15,14 +15,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from unittest.mock import patch
+
 from conftest import REPO, run_python, run_torchrun
-from rl2.engines import HFEngine, SamplingParams
+from rl2.config import ConfigError, load_config
+from rl2.config_checks import check_rl_config
+from rl2.engines import HFEngine, SamplingParams, build_engine_from_config
 from rl2.engines.base import Generation
 from rl2.engines.sglang import (
     SGLANG_REQUIREMENT,
     SGLangEngine,
     check_result,
     cut_at_stop_string,
+    OWN_SERVER_ARGS,
     engine_args,
     load_sglang,
     sampling_params_dict,
@@ -130,6 +135,38 @@ def test_sampling_params_and_engine_args():
     assert args["mem_fraction_static"] == 0.6 and args["random_seed"] == 7 and args["nccl_port"] == 12345
     other = engine_args("/models/qwen", plan_tp_group(2, 8, 2, 8, 2), "bfloat16", 0.6, 7, nccl_port=1)
     assert other["port"] != args["port"]  # engines on one node need their own ports
+
+
+def test_server_args_pass_through_except_the_ones_rl2_sets():
+    """rollout.server_args reach sglang.Engine as given (log_level too); an argument rl2 sets itself
+    is refused with the rl2 key to use, or as rl2's own; every argument rl2 sets is in that list."""
+    layout = plan_tp_group(rank=0, world_size=1, local_rank=0, local_world_size=1, tp_size=1)
+    args = engine_args("/m", layout, "bfloat16", 0.6, 7, nccl_port=1,
+                       server_args={"attention_backend": "fa3", "log_level": "info", "chunked_prefill_size": 4096})
+    assert args["attention_backend"] == "fa3" and args["log_level"] == "info" and args["chunked_prefill_size"] == 4096
+    assert set(engine_args("/m", layout, "bfloat16", 0.6, 7, nccl_port=1)) == set(OWN_SERVER_ARGS) | {"log_level"}
+    with pytest.raises(ValueError, match="rollout.server_args.tp_size: set rollout.tp_size instead"):
+        engine_args("/m", layout, "bfloat16", 0.6, 7, nccl_port=1, server_args={"tp_size": 4})
+    with pytest.raises(ValueError, match="rollout.server_args.port: rl2 sets this SGLang argument itself"):
+        engine_args("/m", layout, "bfloat16", 0.6, 7, nccl_port=1, server_args={"port": 1})
+
+
+def test_server_args_from_the_config_reach_the_engine(stand_in, tiny_model_dir, tokenizer):
+    config = load_config(["rollout.engine=sglang", f"actor.model_name={tiny_model_dir}", "actor.dtype=float32",
+                          "rollout.server_args.attention_backend=torch_native", "rollout.server_args.mem_fraction_static=0.3"])
+    assert config.rollout.gpu_memory_utilization == 0.3  # RL2's name for it, mapped
+    with patch("rl2.engines.sglang.load_sglang", return_value=stand_in):
+        engine = build_engine_from_config(config.rollout, config.actor, tokenizer, seed=1)
+    assert engine.engine.args["attention_backend"] == "torch_native"
+    assert engine.engine.args["mem_fraction_static"] == 0.3
+    engine.shutdown()
+
+
+def test_server_args_are_checked_with_the_config(tiny_model_dir):
+    with pytest.raises(ConfigError, match="are SGLang's arguments: set rollout.engine=sglang"):
+        check_rl_config(load_config(["rollout.server_args.attention_backend=fa3"]))
+    with pytest.raises(ConfigError, match="rollout.server_args.random_seed: set trainer.seed instead"):
+        check_rl_config(load_config(["rollout.engine=sglang", "rollout.server_args.random_seed=3"]))
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ def build_engine_from_config(rollout: RolloutConfig, policy: ModelConfig, tokeni
                "attn_implementation": rollout.attn_implementation}
     if rollout.engine == "sglang":
         options = {"tp_size": rollout.tp_size, "memory_fraction": rollout.gpu_memory_utilization,
-                   "bucket_mb": rollout.sync_bucket_mb}
+                   "bucket_mb": rollout.sync_bucket_mb, "server_args": dict(rollout.server_args)}
     return build_engine(rollout.engine, policy.model_name, tokenizer, device(), policy.dtype, seed=seed, **options)
 
 

@@ -95,9 +95,36 @@ def load_sglang() -> SGLangAPI:
 # ---- pure conversions (tested on CPU) ---------------------------------------------------------
 
 
-def engine_args(model_path: str, layout: TPGroupLayout, dtype: str, memory_fraction: float, seed: int, nccl_port: int) -> dict:
-    """`sglang.Engine` keyword arguments for the engine of `layout`'s group."""
+# The SGLang arguments rl2 sets itself, and the rl2 key that decides each (None: rl2 needs its value).
+OWN_SERVER_ARGS = {
+    "model_path": "actor.model_name", "tp_size": "rollout.tp_size", "dtype": "actor.dtype",
+    "mem_fraction_static": "rollout.gpu_memory_utilization", "random_seed": "trainer.seed",
+    "enable_memory_saver": None, "base_gpu_id": None, "gpu_id_step": None, "port": None, "nccl_port": None,
+    "skip_tokenizer_init": None, "nnodes": None, "node_rank": None,
+}
+
+
+def check_server_args(server_args: dict) -> None:
+    """ValueError naming the rl2 key to use for a `rollout.server_args` entry that rl2 sets itself."""
+    for name in server_args:
+        if name in OWN_SERVER_ARGS:
+            instead = OWN_SERVER_ARGS[name]
+            raise ValueError(
+                f"rollout.server_args.{name}: " + (f"set {instead} instead" if instead else
+                                                   "rl2 sets this SGLang argument itself (placement, ports, weight sync)")
+            )
+
+
+def engine_args(
+    model_path: str, layout: TPGroupLayout, dtype: str, memory_fraction: float, seed: int, nccl_port: int,
+    server_args: dict | None = None,
+) -> dict:
+    """`sglang.Engine` keyword arguments for the engine of `layout`'s group; `server_args` are the
+    user's further SGLang arguments (`rollout.server_args`), none of them one that rl2 sets."""
+    check_server_args(server_args or {})
     return {
+        "log_level": "error",
+        **(server_args or {}),
         "model_path": model_path,
         "tp_size": layout.tp_size,
         "dtype": dtype,
@@ -112,7 +139,6 @@ def engine_args(model_path: str, layout: TPGroupLayout, dtype: str, memory_fract
         "random_seed": seed,
         "nnodes": 1,
         "node_rank": 0,
-        "log_level": "error",
     }
 
 
@@ -252,6 +278,7 @@ class SGLangEngine(Engine):
         tp_size: int = 1,
         memory_fraction: float = 0.5,
         bucket_mb: int = 512,
+        server_args: dict | None = None,
         api: SGLangAPI | None = None,
     ):
         self.api = api or load_sglang()
@@ -267,7 +294,7 @@ class SGLangEngine(Engine):
         def start() -> None:
             with sglang_process_state():
                 self.engine = self.api.Engine(
-                    **engine_args(model_path, self.layout, dtype, memory_fraction, seed, _free_port())
+                    **engine_args(model_path, self.layout, dtype, memory_fraction, seed, _free_port(), server_args)
                 )
             logger.info(
                 f"SGLang {self.api.version} engine {self.layout.group_index}: TP {tp_size} on GPUs "

@@ -4,6 +4,7 @@
 """
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
@@ -11,9 +12,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
-
-class ConfigError(ValueError):
-    """A bad command-line argument or config file; the message says what to fix."""
+from rl2.config.errors import ConfigError
+from rl2.config.rl2_keys import rl2_keys_help, translate_rl2_keys
 
 
 def _f(default: Any, help: str, choices: Optional[list[str]] = None) -> Any:
@@ -286,10 +286,18 @@ def _load_yaml(path: str) -> dict:
     return raw
 
 
+def _report(lines: list[str]) -> None:
+    """Config notes go to stderr from the first process only (load_config runs before logging is set up)."""
+    if os.environ.get("RANK", "0") == "0":
+        for line in lines:
+            print(f"rl2: {line}", file=sys.stderr)
+
+
 def load_config(args: Optional[list[str]] = None) -> Config:
     """Build a Config from defaults, then an optional `config=file.yaml`, then `key=value` overrides.
 
     `args` is like sys.argv[1:]; None means no overrides. `-h`/`--help` prints the help and exits.
+    RL2's key names are accepted (`rl2.config.rl2_keys`), each reported in one line on stderr.
     """
     args = list(args or [])
     if "-h" in args or "--help" in args:
@@ -307,20 +315,28 @@ def load_config(args: Optional[list[str]] = None) -> Config:
     layers = []
     for arg in yaml_paths:
         path = arg.partition("=")[2]
-        raw = _load_yaml(path)
         try:
+            raw, notes = translate_rl2_keys(_load_yaml(path))
             _check_keys(raw, Config)
         except ConfigError as e:
             raise ConfigError(f"{e} (in {path})") from None
+        _report([f"{note} (in {path})" for note in notes])
         layers.append(OmegaConf.create(raw))
     cli = OmegaConf.create()
+    given: dict[str, str] = {}
     for arg in overrides:
+        key, _, value = arg.partition("=")
+        if key in given and given[key] != value:
+            _report([f"{key} is given twice ({given[key]}, then {value}); the last one holds"])
+        given[key] = value
         try:
             cli.merge_with_dotlist([arg])
         except Exception as e:  # yaml or grammar errors from the value
             raise ConfigError(f"cannot parse {arg!r}: {str(e).splitlines()[0]}") from None
-    _check_keys(OmegaConf.to_container(cli, resolve=False), Config)
-    layers.append(cli)
+    raw, notes = translate_rl2_keys(OmegaConf.to_container(cli, resolve=False))
+    _check_keys(raw, Config)
+    _report(notes)
+    layers.append(OmegaConf.create(raw))
 
     try:
         config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *layers))
@@ -355,7 +371,8 @@ def _help_lines(cls: type, prefix: str = "") -> list[str]:
 def config_help(config_cls: type = Config) -> str:
     """Every config key, dotted, with its type, default, meaning and choices, grouped by section."""
     usage = "usage: [config=file.yaml] [section.key=value ...]   (values use YAML syntax; null = None)"
-    return "\n".join([usage] + _help_lines(config_cls))
+    lines = [usage] + _help_lines(config_cls)
+    return "\n".join(lines + rl2_keys_help() if config_cls is Config else lines)
 
 
 def config_to_dict(config: Config) -> dict:
