@@ -10,6 +10,7 @@ from rl2.data.chat_template import render_chat
 from rl2.engines import Generation, SamplingParams
 from rl2.rollout.env import Env
 from rl2.rollout.multi_turn import assign_rewards, observation_tokens, rollout
+from rl2.rollout.rollout_metrics import rollout_metrics, unscored_report
 from scripted_engine import ScriptedEngine
 
 
@@ -169,6 +170,22 @@ def test_reward_errors_leave_the_trajectory_unscored_and_excluded(tokenizer, env
     assert [t.reward for t in trajectories] == [None, None]
     assert all(t.excluded and "expected a number" in t.errors[0] for t in trajectories)
     assert all(t.to_json()["reward"] is None for t in trajectories)
+
+
+def test_a_trajectory_whose_interact_failed_is_not_scored(tokenizer, env):
+    """An episode cut short by a failed tool is no outcome of the policy's: reward_fn is not called for
+    it, its reward stays null, and a rollout of nothing else has no reward statistics (not the reward
+    its cut conversation would have had: this one ends with "42", which reward_fn scores 1.0)."""
+    engine = ScriptedEngine(tokenizer, lambda text: "42 <tool_call>fail</tool_call>")
+    trajectories = rollout(engine, env, tokenizer, [prompt(tokenizer, answer="</tool_call>")], 2, SamplingParams(),
+                           max_turns=3)
+    assign_rewards(env, trajectories)
+    assert [t.reward for t in trajectories] == [None, None] and all(t.excluded for t in trajectories)
+    assert all(len(t.errors) == 1 and "raised RuntimeError" in t.errors[0] for t in trajectories)  # no reward error
+    metrics = rollout_metrics(trajectories)
+    assert "reward/mean" not in metrics and metrics["excluded"] == 2 == metrics["env_errors"]
+    assert "no trajectory could be scored" in unscored_report(trajectories, "env.py")
+    assert "tool crashed" in unscored_report(trajectories, "env.py")
 
 
 def test_lockstep_engine_is_called_every_turn(tokenizer, env):

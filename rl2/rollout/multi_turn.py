@@ -199,10 +199,12 @@ def _observation_text_by_template(tokenizer, last_token: int, messages: list[dic
 
 
 def assign_rewards(env: Env, trajectories: list[Trajectory]) -> None:
-    """Score every trajectory with the env's `reward_fn` (concurrently); a failed call leaves the
-    reward None and its error is kept on the trajectory."""
-    results = env.rewards([t.messages for t in trajectories], [t.answer for t in trajectories])
-    for trajectory, result in zip(trajectories, results):
+    """Score the trajectories with the env's `reward_fn` (concurrently); a failed call leaves the
+    reward None and its error is kept on the trajectory. A trajectory that already failed (an
+    `interact` error, an aborted generation) is not scored: its outcome is not the policy's."""
+    to_score = [t for t in trajectories if not t.errors]
+    results = env.rewards([t.messages for t in to_score], [t.answer for t in to_score]) if to_score else []
+    for trajectory, result in zip(to_score, results):
         trajectory.reward = result.value
         if result.error is not None:
             trajectory.errors.append(result.error)

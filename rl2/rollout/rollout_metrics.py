@@ -64,13 +64,13 @@ def eval_metrics(trajectories: list[Trajectory], k: int) -> dict[str, float]:
 
 
 def unscored_report(trajectories: list[Trajectory], env_path: str) -> str | None:
-    """None when some `reward_fn` call succeeded; else what failed: the env file, how many calls,
+    """None when some trajectory was scored; else what failed: the env file, how many trajectories,
     the first error and its sample."""
     if not trajectories or any(t.reward is not None for t in trajectories):
         return None
     first = next((t for t in trajectories if t.errors), trajectories[0])
     error = first.errors[-1] if first.errors else "no reward"
     last = first.messages[-1].get("content", "") if first.messages else ""
-    return (f"every reward_fn call of env file {env_path} failed ({len(trajectories)} of {len(trajectories)}); "
-            f"first error: {error}; its sample: answer={shorten(repr(first.answer))}, "
-            f"last message {shorten(repr(last))}")
+    return (f"no trajectory could be scored with env file {env_path} ({len(trajectories)} of {len(trajectories)} "
+            f"failed in reward_fn or before it); first error: {error}; its sample: "
+            f"answer={shorten(repr(first.answer))}, last message {shorten(repr(last))}")
