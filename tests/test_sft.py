@@ -15,6 +15,7 @@ import rank_launcher
 from conftest import REPO, assert_same_gradients, forked_or_real, kill_tree, run_python, run_torchrun
 from rl2.workers.policy import token_logps
 from rl2.data.conversations import SFTDataset
+from rl2.data.sampler import BatchSampler
 from rl2.metrics import read_metrics
 
 TIMING_KEYS = {"step_time", "tokens_per_second"}
@@ -175,6 +176,24 @@ def test_command_line_errors_are_one_clear_line(tiny_model_dir, tmp_path):
                              "actor.sp_size=2", "trainer.disable_wandb=true"])
     assert bad_sp.returncode == 2 and "Traceback" not in bad_sp.stderr
     assert "actor.sp_size=2 must divide the number of ranks (1)" in bad_sp.stderr
+
+
+def test_a_batch_with_nothing_to_train_stops_the_run(tiny_model_dir, sft_data, tmp_path):
+    """data.max_length shorter than every prompt: each row is cut before its reply, so no token is in the
+    loss. The run stops at its first step with one line naming data.max_length (it used to log loss 0.0)."""
+    result = run_python_raw(sft_args(tiny_model_dir, sft_data, str(tmp_path / "out"), 3, "data.max_length=10"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    error = [line for line in result.stderr.splitlines() if line.startswith("rl2: error:")]
+    assert len(error) == 1 and "SFT step 1: the batch's 8 sequences have no token to train on" in error[0]
+    assert "8 of them were cut at data.max_length=10 tokens" in error[0] and "raise data.max_length" in error[0]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or "loss" not in (tmp_path / "out" / "metrics.jsonl").read_text()
+
+
+def test_rows_left_over_each_epoch_are_reported():
+    assert BatchSampler(64, 32).left_over_note() == ""
+    assert BatchSampler(61, 32).left_over_note() == (
+        "; 29 rows an epoch do not fill a batch and are left out (other rows each epoch: the order is reshuffled)")
+    assert "the last rows of the file" in BatchSampler(61, 32, shuffle=False).left_over_note()
 
 
 def run_python_raw(args):

@@ -25,6 +25,14 @@ class BatchSampler:
     def batches_per_epoch(self) -> int:
         return self.num_rows // self.batch_size
 
+    def left_over_note(self) -> str:
+        """"" when the batches use every row; else a note on the rows each epoch leaves out."""
+        left = self.num_rows % self.batch_size
+        if not left:
+            return ""
+        which = "other rows each epoch: the order is reshuffled" if self.shuffle else "the last rows of the file"
+        return f"; {left} rows an epoch do not fill a batch and are left out ({which})"
+
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.num_rows))

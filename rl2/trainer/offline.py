@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from rl2.config import Config
 from rl2.config_checks import check_config
+from rl2.data.rows import DataError
 from rl2.data.sampler import BatchSampler
 from rl2.distributed.process_group import is_rank0
 from rl2.trainer.base import Trainer
@@ -46,7 +47,7 @@ class OfflineTrainer(Trainer):
         # The subclass's logger, e.g. "rl2.trainer.sft" (not __name__, "__main__" under `python -m`).
         logging.getLogger(f"rl2.trainer.{self.name.lower()}").info(
             f"{self.name}: {len(self.train_data)} training rows, {len(self.test_data) if self.test_data else 0} "
-            f"test rows, {self.total_steps} steps of {config.data.batch_size} rows"
+            f"test rows, {self.total_steps} steps of {config.data.batch_size} rows{self.sampler.left_over_note()}"
         )
 
     # ---- what subclasses define --------------------------------------------------------------
@@ -93,6 +94,18 @@ class OfflineTrainer(Trainer):
 
     # ---- the loop ------------------------------------------------------------------------------
 
+    def require_trained_tokens(self, sequences: list[dict[str, torch.Tensor]], truncated: int) -> None:
+        """A batch without a single token in its loss trains nothing (its step would only decay the
+        weights): a `DataError` naming the likely cause, before the optimizer steps. Every rank holds
+        the whole batch, so every rank raises."""
+        if any(bool(seq["loss_mask"].any()) for seq in sequences):
+            return
+        max_length = self.config.data.max_length
+        cause = (f"{truncated} of them were cut at data.max_length={max_length} tokens before any reply began; "
+                 f"raise data.max_length" if truncated else "their rows have no assistant reply to train on")
+        raise DataError(f"{self.name} step {self.step}: the batch's {len(sequences)} sequences have no token to "
+                        f"train on ({cause}); checkpoints saved so far are kept")
+
     def test_metrics(self) -> dict[str, float]:
         return {f"test/{key}": value for key, value in self.evaluate().items()}
 
@@ -100,22 +113,23 @@ class OfflineTrainer(Trainer):
         testing = self.test_data is not None
         if testing and self.evaluate_before_training and self.step == 0 and self.config.trainer.test_freq is not None:
             self.metrics.log(self.test_metrics(), 0)
-        progress = tqdm(total=self.total_steps, initial=self.step, desc=self.name, disable=not is_rank0())
-        while self.step < self.total_steps:
-            self.step += 1
-            start = time.perf_counter()
-            truncated_before = self.train_data.num_truncated
-            sequences = self.sequences([self.train_data[i] for i in self.sampler.next_batch()])
-            metrics = self.train_batch(sequences)
-            metrics["truncated"] = self.train_data.num_truncated - truncated_before
-            metrics["step_time"] = time.perf_counter() - start
-            metrics["tokens_per_second"] = sum(len(s["input_ids"]) for s in sequences) / metrics["step_time"]
-            if testing and self.is_test_step(self.step):
-                metrics.update(self.test_metrics())
-            self.metrics.log(metrics, self.step)
-            progress.update(1)
-            progress.set_postfix(loss=f"{metrics['loss']:.4f}")
-            if self.should_save(self.step):
-                self.save(self.step)
-        progress.close()
+        # closed also on an error, so that an error's line starts on a line of its own
+        with tqdm(total=self.total_steps, initial=self.step, desc=self.name, disable=not is_rank0()) as progress:
+            while self.step < self.total_steps:
+                self.step += 1
+                start = time.perf_counter()
+                truncated_before = self.train_data.num_truncated
+                sequences = self.sequences([self.train_data[i] for i in self.sampler.next_batch()])
+                self.require_trained_tokens(sequences, self.train_data.num_truncated - truncated_before)
+                metrics = self.train_batch(sequences)
+                metrics["truncated"] = self.train_data.num_truncated - truncated_before
+                metrics["step_time"] = time.perf_counter() - start
+                metrics["tokens_per_second"] = sum(len(s["input_ids"]) for s in sequences) / metrics["step_time"]
+                if testing and self.is_test_step(self.step):
+                    metrics.update(self.test_metrics())
+                self.metrics.log(metrics, self.step)
+                progress.update(1)
+                progress.set_postfix(loss=f"{metrics['loss']:.4f}")
+                if self.should_save(self.step):
+                    self.save(self.step)
         self.metrics.finish()

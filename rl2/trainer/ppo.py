@@ -85,7 +85,7 @@ class PPOTrainer(Trainer):
         logger.info(
             f"PPO: {len(self.train_data)} prompts, {self.total_steps} steps of {prompts_per_rollout} prompts x "
             f"{config.data.responses_per_prompt} responses, up to {config.rollout.max_turns} turns, "
-            f"estimator={config.adv.estimator}, env={config.rollout.env_path}"
+            f"estimator={config.adv.estimator}, env={config.rollout.env_path}{self.sampler.left_over_note()}"
         )
 
     # ---- checkpointing ----------------------------------------------------------------------
