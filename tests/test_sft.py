@@ -2,6 +2,7 @@
 
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from conftest import REPO, assert_same_gradients, forked_or_real, kill_tree, run
 from rl2.workers.policy import token_logps
 from rl2.data.conversations import SFTDataset
 from rl2.data.sampler import BatchSampler
+from rl2.workers.optim import build_optimizer
 from rl2.metrics import read_metrics
 
 TIMING_KEYS = {"step_time", "tokens_per_second"}
@@ -187,6 +189,23 @@ def test_a_batch_with_nothing_to_train_stops_the_run(tiny_model_dir, sft_data, t
     assert len(error) == 1 and "SFT step 1: the batch's 8 sequences have no token to train on" in error[0]
     assert "8 of them were cut at data.max_length=10 tokens" in error[0] and "raise data.max_length" in error[0]
     assert not (tmp_path / "out" / "metrics.jsonl").exists() or "loss" not in (tmp_path / "out" / "metrics.jsonl").read_text()
+
+
+def test_a_longer_resumed_run_continues_on_its_own_schedule(tiny_model_dir, sft_data, tmp_path):
+    """A 2-step run resumed with total_steps=4: step 3 trains at the 4-step schedule's rate for step 3
+    (it used to train at 0.0, the 2-step schedule's end, restored with the optimizer)."""
+    save_dir = str(tmp_path / "run")
+    run_python(sft_args(tiny_model_dir, sft_data, save_dir, 2, "trainer.test_freq=null"))
+    run_python(sft_args(tiny_model_dir, sft_data, save_dir, 4, "trainer.test_freq=null", "trainer.load_ckpt_from=latest"))
+    rates = {row["step"]: row["lr"] for row in read_metrics(os.path.join(save_dir, "metrics.jsonl"))}
+    optimizer, scheduler = build_optimizer(torch.nn.Linear(1, 1), 1e-2, 0.0, total_steps=4, warmup_ratio=0.03)
+    expected = []
+    for _ in range(4):
+        expected.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert rates[1] == pytest.approx(1e-2) and rates[2] == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert [rates[3], rates[4]] == pytest.approx(expected[2:]) and rates[3] > 0
 
 
 def test_rows_left_over_each_epoch_are_reported():

@@ -69,7 +69,7 @@ class ModelConfig:
     lr: float = _f(1e-6, "learning rate of the optimizer")
     weight_decay: float = _f(1e-2, "AdamW weight decay")
     max_grad_norm: float = _f(1.0, "gradient norm clipping threshold")
-    warmup_ratio: float = _f(0.03, "fraction of total steps spent in linear lr warmup")
+    warmup_ratio: float = _f(0.03, "fraction of total steps spent in linear lr warmup; then a cosine decay to 0 at the last step")
     freeze_steps: int = _f(0, "initial steps without updating this model")
     offload_model: bool = _f(False, "keep parameters on CPU between uses")
     offload_optimizer: bool = _f(False, "keep optimizer state on CPU between uses")

@@ -13,6 +13,7 @@ from rl2.data.sampler import BatchSampler
 from rl2.distributed.process_group import is_rank0
 from rl2.trainer.base import Trainer
 from rl2.workers.base import LossFn, ModelWorker
+from rl2.workers.optim import resume_schedule
 
 
 class OfflineTrainer(Trainer):
@@ -90,7 +91,7 @@ class OfflineTrainer(Trainer):
 
     def load_extra_state(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
-        self.trained.scheduler.load_state_dict(state["scheduler"])
+        resume_schedule(self.trained.scheduler, state["scheduler"])
 
     # ---- the loop ------------------------------------------------------------------------------
 

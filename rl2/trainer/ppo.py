@@ -30,6 +30,7 @@ from rl2.rollout.trajectory import Trajectory
 from rl2.tools.roc_penalty import roc_error_rates
 from rl2.trainer.base import Trainer, run_main
 from rl2.workers.critic import Critic
+from rl2.workers.optim import resume_schedule
 from rl2.workers.policy import Policy
 
 # Not __name__: under `python -m rl2.trainer.ppo` that is "__main__", outside the rl2 logger.
@@ -104,9 +105,9 @@ class PPOTrainer(Trainer):
 
     def load_extra_state(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
-        self.actor.scheduler.load_state_dict(state["scheduler"])
+        resume_schedule(self.actor.scheduler, state["scheduler"])
         if self.critic is not None:
-            self.critic.scheduler.load_state_dict(state["critic_scheduler"])
+            resume_schedule(self.critic.scheduler, state["critic_scheduler"])
 
     # ---- the phases of a step --------------------------------------------------------------
 

@@ -1,5 +1,8 @@
 """AdamW with linear warm-up and cosine decay."""
 
+import re
+import warnings
+
 import torch
 from torch import nn
 from transformers import get_cosine_schedule_with_warmup
@@ -15,3 +18,15 @@ def build_optimizer(
         optimizer, num_warmup_steps=int(warmup_ratio * total_steps), num_training_steps=max(total_steps, 1)
     )
     return optimizer, scheduler
+
+
+def resume_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict) -> None:
+    """Continue `scheduler`, built from this run's config, at the step saved in `state` (a scheduler's
+    `state_dict`). The rate is this run's schedule at that step: the interrupted run's rate when the
+    config is unchanged (an exact resume); when a resumed run is longer (more epochs or total_steps)
+    or has another lr, its own warm-up and cosine at that step, not the old schedule's end at 0."""
+    scheduler.last_epoch = state["last_epoch"] - 1
+    with warnings.catch_warnings():
+        # torch warns of a scheduler step before any optimizer step; this one only sets the position.
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+        scheduler.step()  # sets the optimizer's rate for the step at `last_epoch`
