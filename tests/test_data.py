@@ -236,7 +236,7 @@ def test_bad_rows(tmp_path, kind, bad_row, field, words):
     assert words in str(error.value)
 
 
-@pytest.mark.parametrize("kind, missing", [("rl", "answer"), ("sft", "messages"), ("pair", "rejected")])
+@pytest.mark.parametrize("kind, missing", [("sft", "messages"), ("pair", "rejected"), ("rl", "messages")])
 def test_missing_column(tmp_path, kind, missing):
     rows = [{key: value for key, value in GOOD_ROWS[kind].items() if key != missing} | {"extra": 1}] * 2
     path = write_jsonl(tmp_path / "train.jsonl", rows)
@@ -244,6 +244,17 @@ def test_missing_column(tmp_path, kind, missing):
         validate_rows(load_rows(path), kind, path)
     assert f"train.jsonl: missing column '{missing}'" in str(error.value)
     assert "columns present: [" in str(error.value) and "'extra'" in str(error.value)
+
+
+def test_rl_rows_without_an_answer_column(tmp_path, tokenizer):
+    """An env that ignores answers (a reward model) takes prompt-only rows: answer None. Where the column
+    exists, a row without a value is still an error."""
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"messages": [USER]}] * 3)
+    dataset = RLDataset(path, tokenizer, max_length=64)
+    assert len(dataset) == 3 and dataset[0]["answer"] is None and dataset[0]["messages"] == [USER]
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"messages": [USER], "answer": "a"}, {"messages": [USER]}])
+    with pytest.raises(DataError, match=r"mixed\.jsonl, row 2, field 'answer': missing \(null\); in a file with an"):
+        RLDataset(mixed, tokenizer, max_length=64)
 
 
 def test_datasets_validate_at_construction(tmp_path, tokenizer):

@@ -108,10 +108,9 @@ def test_custom_messages_key(tmp_path, tokenizer):
          "train.jsonl: missing column 'messages' (data.messages_key) needed for rl data; columns present: "
          "['prompt', 'answer']; to use the 'prompt' column as raw prompt text (no chat template), "
          "set data.apply_chat_template=false"),
-        (RAW, [{"prompt": "a"}], "train.jsonl: missing column 'answer' needed for rl data"),
     ],
     ids=["row-without-prompt", "custom-prompt-key", "row-without-messages", "empty-prompt", "messages-in-prompt",
-         "null-answer", "no-prompt-column", "no-messages-column", "no-answer-column"],
+         "null-answer", "no-prompt-column", "no-messages-column"],
 )
 def test_column_errors_name_the_row_and_key(tmp_path, tokenizer, columns, rows, message):
     path = write_jsonl(tmp_path / "train.jsonl", rows)

@@ -119,6 +119,9 @@ class RLDataset(_ConversationDataset):
             )
         if not self.indices:
             raise DataError(f"{self.source}: every prompt is longer than max_length={max_length} tokens")
+        self.has_answers = "answer" in self.rows.column_names
+        if not self.has_answers:
+            logger.info("%s has no 'answer' column: the env file's functions get answer=None", self.source)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -137,5 +140,5 @@ class RLDataset(_ConversationDataset):
         return {
             "prompt_ids": self.prompt_ids[i],
             "messages": self._prompt_messages(row_index),
-            "answer": self.rows[row_index]["answer"],
+            "answer": self.rows[row_index]["answer"] if self.has_answers else None,
         }

@@ -3,12 +3,14 @@ splitting and writing.
 
 Row formats (one JSON object per row, or the same columns in CSV / parquet / arrow / a saved dataset):
 
-    RL:   {"messages": [{"role": ..., "content": ...}, ...], "answer": <any JSON value>}
+    RL:   {"messages": [{"role": ..., "content": ...}, ...], "answer": <any JSON value>}  (answer optional)
     RL, raw prompt (apply_chat_template=False): {"prompt": str, "answer": <any JSON value>}
     SFT:  {"messages": [...]}                                  (at least one assistant message)
     pair: {"messages": [...], "chosen": str, "rejected": str}  (messages are the prompt)
 
 The "messages" and "prompt" columns are named by `Columns` (`data.messages_key`, `data.prompt_key`).
+An RL file without an "answer" column gives every row the answer None (an env that does not read it);
+where the column exists, every row needs a value.
 
 Rows are loaded with `datasets` and validated eagerly, so bad data fails before training starts, with
 the file, row and field in the message (`rl2.data.conversations` tokenizes them lazily).
@@ -29,8 +31,8 @@ from rl2.config import DataConfig
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
-# The columns each kind needs besides the prompt / conversation column (`Columns`).
-OTHER_COLUMNS = {"rl": ("answer",), "sft": (), "pair": ("chosen", "rejected")}
+# The columns each kind needs besides the prompt / conversation column (`Columns`); RL's "answer" is optional.
+OTHER_COLUMNS = {"rl": (), "sft": (), "pair": ("chosen", "rejected")}
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
 
@@ -278,10 +280,11 @@ def _validate_row(row: dict, kind: str, where: str, columns: Columns) -> None:
         messages = []
     if kind == "sft" and not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}, field {key!r}: SFT rows need at least one assistant message")
-    if kind == "rl":
+    if kind == "rl" and "answer" in row:
         answer = row["answer"]
         if answer is None or (isinstance(answer, float) and math.isnan(answer)):
-            raise DataError(f"{where}, field 'answer': missing (null); RL rows need an answer for the reward")
+            raise DataError(f"{where}, field 'answer': missing (null); in a file with an 'answer' column every "
+                            "RL row needs one (leave the column out if the env file does not read answers)")
     if kind == "pair":
         for field in ("chosen", "rejected"):
             value = row[field]
