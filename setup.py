@@ -9,6 +9,8 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["rl2", "rl2.*"]),
     python_requires=">=3.10",
+    # torchrun's arguments and launcher, without its failure report after rl2's own one-line errors.
+    entry_points={"console_scripts": ["rl2run=rl2.launch:main"]},
     install_requires=[
         "torch>=2.6",
         "transformers>=5.0",

@@ -10,7 +10,7 @@ The model calls the tool Hermes-style, any number of times in one turn:
 `interact` runs every call of the assistant's last message, concurrently, and returns one tool
 message per call (stdout; stderr or the timeout when the program failed; cut to a length limit),
 or nothing when the message has no call (the trajectory ends). A malformed call gets a tool message
-saying what is wrong. `reward_fn` is the math reward (`envs/math.py`) on the last message.
+saying what is wrong. `reward_fn` is the math reward (`envs/math_reward.py`) on the last message.
 
 Programs run in rl2's local sandbox (`rl2.tools.sandbox`) or, when `CODE_SERVER_URL` is set, on a
 code-judge-compatible service (`python -m rl2.tools.code_server`, or code-judge itself) through one

@@ -28,8 +28,8 @@ class RowError(ValueError):
 
 
 def load_env(name: str) -> ModuleType:
-    """envs/<name>.py as a module, loaded from its path (putting envs/ on sys.path would let
-    envs/math.py shadow the standard math module)."""
+    """envs/<name>.py as a module, loaded from its path (envs/ is not put on sys.path, where its files
+    would shadow any module of the same name)."""
     spec = importlib.util.spec_from_file_location(f"recipe_env_{name}", os.path.join(REPO, "envs", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -23,3 +23,8 @@ def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'rl2' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The exports too (imported on first use), so that tab completion and `dir(rl2)` show them."""
+    return sorted({*globals(), *_EXPORTS})

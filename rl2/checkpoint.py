@@ -15,6 +15,7 @@ import re
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -29,6 +30,11 @@ from rl2.distributed.process_group import barrier, is_rank0
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from (missing, incomplete, or of another model); the message
+    names the folder and the key that pointed there."""
 
 
 def checkpoint_dir(save_dir: str, step: int) -> str:
@@ -54,7 +60,12 @@ def resolve_checkpoint(load_ckpt_from: str | None, save_dir: str) -> str | None:
     if load_ckpt_from == "latest":
         return find_latest_checkpoint(save_dir)
     if not os.path.exists(os.path.join(load_ckpt_from, STATE_FILE)):
-        raise FileNotFoundError(f"trainer.load_ckpt_from={load_ckpt_from}: no complete checkpoint there ({STATE_FILE} missing)")
+        if not os.path.isdir(load_ckpt_from):
+            raise CheckpointError(f"trainer.load_ckpt_from={load_ckpt_from}: no such folder")
+        complete = find_latest_checkpoint(load_ckpt_from)
+        hint = f" (it holds checkpoints: the last complete one is {complete})" if complete else ""
+        raise CheckpointError(f"trainer.load_ckpt_from={load_ckpt_from} is not a complete checkpoint: {STATE_FILE}, "
+                              f"written last when a save completes, is missing{hint}")
     return load_ckpt_from
 
 
@@ -94,7 +105,7 @@ def load_checkpoint(path: str, models: dict[str, tuple[nn.Module, torch.optim.Op
 
     An optimizer whose state was not saved (`save_optimizer=false`) starts fresh, with a warning.
     """
-    saved_keys = set(dcp.FileSystemReader(os.path.join(path, "dcp")).read_metadata().state_dict_metadata)
+    saved_keys = set(_read_saved_keys(path))
     state = {}
     for name, (model, optimizer) in models.items():
         state[f"{name}.model"] = get_model_state_dict(model)
@@ -102,7 +113,11 @@ def load_checkpoint(path: str, models: dict[str, tuple[nn.Module, torch.optim.Op
             state[f"{name}.optimizer"] = get_optimizer_state_dict(model, optimizer)
         elif optimizer is not None:
             logger.warning(f"{path} holds no optimizer state for {name}: its optimizer starts fresh")
-    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+    try:
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+    except (Exception, CheckpointException) as error:  # a rank's failure (a missing shard, a shape that differs)
+        raise CheckpointError(f"cannot resume from {path}: {_first_line(error)} (is it a checkpoint of this "
+                              f"model, saved completely?)") from error
     for name, (model, optimizer) in models.items():
         set_model_state_dict(model, state[f"{name}.model"])
         if f"{name}.optimizer" in state:
@@ -115,10 +130,32 @@ def load_optimizer_state(path: str, name: str, model: nn.Module, optimizer: torc
     """Load only `name`'s optimizer state from the checkpoint folder `path` (`actor.optimizer_dir`)."""
     dcp_dir = os.path.join(path, "dcp")
     if not os.path.isdir(dcp_dir):
-        raise FileNotFoundError(f"optimizer_dir={path}: no dcp/ folder (expected an rl2 checkpoint step folder)")
-    saved_keys = dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata
-    if not any(k.startswith(f"{name}.optimizer.") for k in saved_keys):
-        raise ValueError(f"optimizer_dir={path} holds no optimizer state for {name} (saved with save_optimizer=false?)")
+        raise CheckpointError(f"{name}.optimizer_dir={path}: no dcp/ folder (expected an rl2 checkpoint step folder)")
+    if not any(k.startswith(f"{name}.optimizer.") for k in _read_saved_keys(path)):
+        raise CheckpointError(f"{name}.optimizer_dir={path} holds no optimizer state for {name} "
+                              "(saved with save_optimizer=false?)")
     state = {f"{name}.optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=dcp_dir)
+    try:
+        dcp.load(state, checkpoint_id=dcp_dir)
+    except (Exception, CheckpointException) as error:
+        raise CheckpointError(f"cannot load {name}.optimizer_dir={path}: {_first_line(error)}") from error
     set_optimizer_state_dict(model, optimizer, state[f"{name}.optimizer"])
+
+
+def _read_saved_keys(path: str) -> list[str]:
+    """The state keys a checkpoint folder's `dcp/` metadata lists."""
+    try:
+        return list(dcp.FileSystemReader(os.path.join(path, "dcp")).read_metadata().state_dict_metadata)
+    except (OSError, ValueError, EOFError) as error:
+        raise CheckpointError(f"cannot read the checkpoint in {path}: {_first_line(error)}") from error
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message in one line; for dcp's CheckpointException, the first rank's own error."""
+    if isinstance(error, CheckpointException) and error.failures:
+        failure = next(iter(error.failures.values()))  # (exception, its stack)
+        error = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(error, OSError) and error.filename is None:
+            return f"a file of it cannot be read ({error.strerror or error})"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__

@@ -99,8 +99,20 @@ def check_chat_template(config: Config, command: str) -> None:
     )
 
 
+def check_sampling_params(config: Config) -> None:
+    """Both sampling sections hold only sampling parameters, each with a value the engines take."""
+    from rl2.engines.base import SamplingParams
+
+    for key in ("train_sampling_params", "test_sampling_params"):
+        try:
+            SamplingParams.from_dict(getattr(config.rollout, key))
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"rollout.{key}: {error}") from None
+
+
 def check_rl_config(config: Config) -> None:
     """Values an RL run (training, evaluation or the difficulty filter) cannot run with."""
+    check_sampling_params(config)
     if config.rollout.max_turns < 1:
         raise ConfigError(f"rollout.max_turns must be >= 1, got {config.rollout.max_turns}")
     if config.rollout.env_workers is not None and config.rollout.env_workers < 0:
@@ -190,6 +202,7 @@ def check_filter_config(config: Config) -> None:
 
 
 def check_search_config(config: Config) -> None:
+    check_sampling_params(config)
     search = config.search
     unknown = [mode for mode in search.modes if mode not in SEARCH_MODES]
     if unknown or not search.modes:

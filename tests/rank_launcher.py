@@ -9,7 +9,7 @@ modules and gives each rank what
 torchrun gives it: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in
 an environment of the caller's choosing, `python -m module` or `python script.py` semantics for
 `__main__` and `sys.argv`, every rank's output on one stdout and one stderr, and the other ranks
-stopped when one fails. The recipe and demo tests still launch through the real torchrun.
+stopped (SIGTERM, as torchrun does) when one fails. The recipe and demo tests still launch through the real torchrun.
 
 Forking is safe only from a single-threaded process: a thread running in the server when it forks
 leaves the child with that thread's locks held and its state half-updated. The server imports, and
@@ -33,7 +33,7 @@ from server_process import free_port
 
 PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "datasets", "rl2.trainer.ppo", "rl2.trainer.sft",
            "rl2.trainer.rm", "rl2.trainer.dpo", "rl2.trainer.difficulty_filter"]
-STOP_GRACE = 5.0  # seconds the other ranks get to end after one failed, before they are killed
+STOP_GRACE = 5.0  # seconds the other ranks get to end on SIGTERM after one failed, before they are killed
 
 
 # The environment the forkserver starts with (it inherits the caller's): arrow's jemalloc without
@@ -127,8 +127,11 @@ def _wait(ranks: list, timeout: float) -> int | None:
             codes = [process.exitcode for process in ranks]
             if failed is None:
                 failed = next((code for code in codes if code not in (None, 0)), None)
-                if failed is not None:
+                if failed is not None:  # as torchrun does: the others are stopped at once
                     deadline = min(deadline, time.monotonic() + STOP_GRACE)
+                    for process, code in zip(ranks, codes):
+                        if code is None:
+                            _signal_group(process.pid, signal.SIGTERM)
             if all(code is not None for code in codes):
                 return failed or 0
             if time.monotonic() > deadline:
@@ -136,8 +139,12 @@ def _wait(ranks: list, timeout: float) -> int | None:
             time.sleep(0.02)
     finally:
         for process in ranks:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _signal_group(process.pid, signal.SIGKILL)
             process.join()
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

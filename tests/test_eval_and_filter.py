@@ -48,11 +48,12 @@ def problems(tmp_path):
 
 
 def common(model: str, env: str) -> list[str]:
+    """The keys both the evaluation (rl2.trainer.ppo) and the difficulty filter read."""
     return [
         f"actor.model_name={model}", "actor.dtype=float32", f"rollout.env_path={env}",
         "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 4}",
         "rollout.test_sampling_params={temperature: 1.0, max_new_tokens: 4}",
-        "data.prompts_per_rollout=4", "trainer.disable_wandb=true", "rollout.env_workers=0",
+        "data.prompts_per_rollout=4", "rollout.env_workers=0",
     ]
 
 
@@ -110,8 +111,7 @@ def test_difficulty_filter_keeps_rows_below_the_pass_rate(tiny_model_dir, proble
     env, rows = problems
     output = tmp_path / "hard" / "kept.jsonl"
     result = run_torchrun(["-m", "rl2.trainer.difficulty_filter", *common(tiny_model_dir, env), f"data.path={rows}",
-                           "filter.responses_per_prompt=4", f"filter.output={output}",
-                           f"actor.save_dir={tmp_path / 'filter'}"])
+                           "filter.responses_per_prompt=4", f"filter.output={output}"])
     originals = [json.loads(line) for line in open(rows)]
     kept = [json.loads(line) for line in open(output)]
     assert kept == [row for row in originals if not row["answer"].startswith("always")]
@@ -126,7 +126,7 @@ def test_difficulty_filter_keeps_rows_below_the_pass_rate(tiny_model_dir, proble
     band = tmp_path / "band.jsonl"
     run_python(["-m", "rl2.trainer.difficulty_filter", *common(tiny_model_dir, env), f"data.path={rows}",
                 "filter.responses_per_prompt=4", "filter.pass_rate_min=0.1", "filter.pass_rate_below=0.9",
-                f"filter.output={band}", f"actor.save_dir={tmp_path / 'filter2'}"])
+                f"filter.output={band}"])
     assert [json.loads(line)["answer"] for line in open(band)] == ["half-3", "half-5"]
 
 

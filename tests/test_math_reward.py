@@ -1,5 +1,5 @@
 """Math answer grading: extraction, a table of graded cases, timeouts and dead workers (an answer that
-could not be graded raises GradingError, never scores 0), any kind of caller, and the envs/math.py env file."""
+could not be graded raises GradingError, never scores 0), any kind of caller, and the envs/math_reward.py env file."""
 
 import importlib.util
 import os
@@ -312,7 +312,7 @@ def load_env_file(path: str):
 
 
 def test_env_file_reward_survives_a_kill_and_raises_when_it_cannot_grade():
-    env = load_env_file(os.path.join(REPO, "envs", "math.py"))
+    env = load_env_file(os.path.join(REPO, "envs", "math_reward.py"))
     env.WORKERS, env.TIMEOUT = 1, 1.0
     reply = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "So \\boxed{3}."}]
     try:
@@ -354,7 +354,7 @@ def test_env_file_scores_conversations_concurrently():
     conversations.append([{"role": "user", "content": "Half?"}, {"role": "assistant", "content": "\\boxed{\\dfrac{1}{2}}"}])
     answers.append("0.5")
     expected.append(1.0)
-    with Env(os.path.join(REPO, "envs", "math.py"), timeout=30.0, need_interact=False) as env:
+    with Env(os.path.join(REPO, "envs", "math_reward.py"), timeout=30.0, need_interact=False) as env:
         # Several batches from several threads at once share the env's one grader.
         with ThreadPoolExecutor(max_workers=3) as threads:
             batches = list(threads.map(lambda _: env.rewards(conversations, answers), range(3)))

@@ -126,7 +126,7 @@ def test_raw_prompts_are_for_rl_only(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="for RL data only"):
         SFTDataset(path, tokenizer, None, columns=RAW)
     base = ["data.path=rows.jsonl", "actor.model_name=Qwen/Qwen2.5-0.5B", "critic.model_name=Qwen/Qwen2.5-0.5B",
-            "rollout.env_path=envs/math.py", "data.apply_chat_template=false"]
+            "rollout.env_path=envs/math_reward.py", "data.apply_chat_template=false"]
     for command in ("sft", "rm", "dpo", "search"):
         with pytest.raises(ConfigError, match="data.apply_chat_template=false is not supported") as error:
             check_config(load_config(base), command)

@@ -161,7 +161,7 @@ def test_math_answers_are_gradeable(outputs):
     rows = outputs["math_grpo"][1] + outputs["rstar2_agent"][1]
     replies = [{"role": "assistant", "content": f"\\boxed{{{row['answer']}}}"} for row in rows]
     conversations = [row["messages"] + [reply] for row, reply in zip(rows, replies)]
-    with Env(os.path.join(REPO, "envs", "math.py"), timeout=30.0) as env:
+    with Env(os.path.join(REPO, "envs", "math_reward.py"), timeout=30.0) as env:
         results = env.rewards(conversations, [row["answer"] for row in rows])
     assert [(r.value, r.error) for r in results] == [(1.0, None)] * len(rows)
 

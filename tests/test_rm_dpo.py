@@ -313,8 +313,8 @@ def test_command_line_errors_are_one_clear_line(tiny_model_dir, tmp_path):
 
     misplaced = run_python_raw(["-m", "rl2.trainer.rm", "data.path=x.jsonl", "actor.model_name=M"])
     assert misplaced.returncode == 2 and "Traceback" not in misplaced.stderr, misplaced.stderr
-    assert "critic.model_name is required: rl2.trainer.rm trains the reward model in the critic section" in misplaced.stderr
-    assert "did you mean critic.model_name?" in misplaced.stderr
+    assert "rl2.trainer.rm does not read actor.model_name; did you mean critic.model_name?" in misplaced.stderr
+    assert "rl2.trainer.rm trains the reward model in the critic section" in misplaced.stderr
 
     rows = tmp_path / "sft.jsonl"
     rows.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')

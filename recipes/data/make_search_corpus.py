@@ -399,8 +399,8 @@ def passages() -> list[tuple[str, str]]:
 
 
 def load_env():
-    """envs/search.py as a module (for its prompt), without putting envs/ on sys.path (envs/math.py
-    would shadow the math module); the repository root is, so the env finds rl2 uninstalled."""
+    """envs/search.py as a module (for its prompt), without putting envs/ on sys.path (its files would
+    shadow modules of the same name); the repository root is, so the env finds rl2 uninstalled."""
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
     spec = importlib.util.spec_from_file_location("search_env", ENV_FILE)

@@ -1,4 +1,4 @@
-"""Convert GSM8K and MATH problems into single-turn math RL rows for envs/math.py: the user message is
+"""Convert GSM8K and MATH problems into single-turn math RL rows for envs/math_reward.py: the user message is
 the problem with an instruction to box the final answer, the answer the gold final answer.
 
 Input rows (JSON / JSON lines / CSV / parquet / arrow files or save_to_disk folders, any mix):

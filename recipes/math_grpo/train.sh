@@ -5,7 +5,7 @@
 #   TINY=1 bash recipes/math_grpo/train.sh     # CPU: tiny model, shipped samples, tiny.yaml
 #
 # 1. data: prepare_data.py turns GSM8K / MATH-style files into rows asking for a \boxed{} answer
-# 2. GRPO with envs/math.py's reward, resuming from its latest checkpoint
+# 2. GRPO with envs/math_reward.py's reward, resuming from its latest checkpoint
 # 3. evaluation: trainer.eval_only=true on the test rows -> $OUT/eval/eval.json
 # Extra key=value arguments go to the training run.
 set -euo pipefail

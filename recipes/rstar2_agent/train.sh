@@ -93,8 +93,7 @@ echo "== difficulty filter: $FILTER_SAMPLES answers per problem from $MODEL"
 torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.difficulty_filter config="$CONFIG" \
   actor.model_name="$MODEL" data.path="$OUT/data/train.jsonl" data.max_length=$((PROMPT_TOKENS + STAGE3_TOKENS)) \
   "rollout.train_sampling_params.max_new_tokens=$STAGE3_TOKENS" \
-  filter.responses_per_prompt="$FILTER_SAMPLES" filter.output="$OUT/data/train_hard.jsonl" \
-  actor.save_dir="$OUT/filter"
+  filter.responses_per_prompt="$FILTER_SAMPLES" filter.output="$OUT/data/train_hard.jsonl"
 if [ ! -s "$OUT/data/train_hard.jsonl" ]; then
   echo "the difficulty filter kept no problems (see $OUT/data/train_hard.jsonl.pass_rates.jsonl); stopping" >&2
   exit 1

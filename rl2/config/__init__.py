@@ -12,6 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
+from rl2.config.commands import Command, command_named
 from rl2.config.errors import ConfigError
 from rl2.config.rl2_keys import rl2_keys_help, translate_rl2_keys
 
@@ -105,11 +106,11 @@ class RolloutConfig:
     max_batch_size: int = _f(64, "hf engine: sequences generated at once (its KV slots; memory grows with it)")
     cuda_graphs: bool = _f(True, "hf engine: replay decode steps from captured CUDA graphs (on CUDA)")
     attn_implementation: str = _f("auto", "hf engine: prefill attention; auto = flash-attn, else torch's varlen kernel on CUDA; sdpa_loop on CPU", ATTENTION_CHOICES)
-    train_sampling_params: dict[str, Any] = _f({"temperature": 1.0, "max_new_tokens": 512}, "sampling params for training (any keys)")
+    train_sampling_params: dict[str, Any] = _f({"temperature": 1.0, "max_new_tokens": 512}, "sampling params for training: temperature, top_p, top_k (-1 = off), max_new_tokens, stop (strings), stop_token_ids, ignore_eos; another key is an error")
     test_sampling_params: dict[str, Any] = _f({"temperature": 0.0}, "sampling params for testing; a key not set here is train_sampling_params' (max_new_tokens, stop, ...)")
     max_turns: int = _f(1, "max assistant turns per episode")
     env_path: Optional[str] = _f(None, "python file defining the environment (reward / tool steps)")
-    env_timeout: float = _f(60.0, "seconds one reward_fn / interact call may take; then reward 0 / trajectory ends")
+    env_timeout: float = _f(60.0, "seconds one reward_fn / interact call may take; a call past it fails like one that raised: the trajectory gets no reward (null), is left out of the update and counted in env_errors")
     env_concurrency: int = _f(64, "env calls running at once (threads for sync functions)")
     env_workers: Optional[int] = _f(None, "processes per rank that run the env file's sync functions in their main thread (signals, crashes and hangs cost one call); None = one per core of this rank's share, at most 8; 0 = threads in the trainer process instead (shared in-process state)")
     env_worker_memory_mb: int = _f(8192, "memory limit of one env worker process (a call that exceeds it fails alone); 0 = no limit")
@@ -293,15 +294,19 @@ def _report(lines: list[str]) -> None:
             print(f"rl2: {line}", file=sys.stderr)
 
 
-def load_config(args: Optional[list[str]] = None) -> Config:
+def load_config(args: Optional[list[str]] = None, command: Optional[str] = None) -> Config:
     """Build a Config from defaults, then an optional `config=file.yaml`, then `key=value` overrides.
 
     `args` is like sys.argv[1:]; None means no overrides. `-h`/`--help` prints the help and exits.
     RL2's key names are accepted (`rl2.config.rl2_keys`), each reported in one line on stderr.
+    With `command` (a name in `rl2.config.commands.COMMANDS`, as its entry point passes), a key given
+    on the command line that the command does not read is a ConfigError; keys a YAML file sets that
+    it does not read are named in one note; `--help` lists only the command's keys.
     """
     args = list(args or [])
+    reader = command_named(command) if command is not None else None
     if "-h" in args or "--help" in args:
-        print(config_help())
+        print(config_help(command=command))
         raise SystemExit(0)
     yaml_paths, overrides = [], []
     for arg in args:
@@ -316,11 +321,15 @@ def load_config(args: Optional[list[str]] = None) -> Config:
     for arg in yaml_paths:
         path = arg.partition("=")[2]
         try:
-            raw, notes = translate_rl2_keys(_load_yaml(path))
+            raw, notes, sets = translate_rl2_keys(_load_yaml(path))
             _check_keys(raw, Config)
         except ConfigError as e:
             raise ConfigError(f"{e} (in {path})") from None
         _report([f"{note} (in {path})" for note in notes])
+        unread = _unread_keys(reader, sets)
+        if unread:
+            _report([f"{path} sets keys that {reader.module} does not read (they change nothing here): "
+                     f"{', '.join(unread)}"])
         layers.append(OmegaConf.create(raw))
     cli = OmegaConf.create()
     given: dict[str, str] = {}
@@ -333,8 +342,11 @@ def load_config(args: Optional[list[str]] = None) -> Config:
             cli.merge_with_dotlist([arg])
         except Exception as e:  # yaml or grammar errors from the value
             raise ConfigError(f"cannot parse {arg!r}: {str(e).splitlines()[0]}") from None
-    raw, notes = translate_rl2_keys(OmegaConf.to_container(cli, resolve=False))
+    raw, notes, sets = translate_rl2_keys(OmegaConf.to_container(cli, resolve=False))
     _check_keys(raw, Config)
+    unread = _unread_keys(reader, sets)
+    if unread:
+        raise ConfigError(_unread_message(reader, unread))
     _report(notes)
     layers.append(OmegaConf.create(raw))
 
@@ -353,12 +365,44 @@ def load_config(args: Optional[list[str]] = None) -> Config:
     return config
 
 
-def _help_lines(cls: type, prefix: str = "") -> list[str]:
+def _unread_keys(reader: Optional[Command], sets: dict[str, list[str]]) -> list[str]:
+    """The given keys (with the rl2 keys an RL2 name set, where they differ) that `reader` reads none of."""
+    if reader is None:
+        return []
+    unread = []
+    for given, targets in sets.items():
+        if targets and not any(reader.reads_key(target) for target in targets):
+            meaning = "" if targets == [given] else f" (rl2's {' and '.join(targets)})"
+            unread.append(given + meaning)
+    return unread
+
+
+def _unread_message(reader: Command, unread: list[str]) -> str:
+    """What a command does not read, the same key in a section it does read where there is one, and
+    the sections it reads."""
+    hints = []
+    for key in unread:
+        section, _, rest = key.split(" ")[0].partition(".")
+        for other in ("actor", "critic"):
+            if (other != section and section in ("actor", "critic") and _lookup_type(Config, f"{other}.{rest}")
+                    and reader.reads_key(f"{other}.{rest}")):
+                hints.append(f"{other}.{rest}")
+    hint = f"; did you mean {', '.join(hints)}?" if hints else ""
+    sections = ", ".join(f.name for f in fields(Config) if reader.reads_section(f.name))
+    note = f": {reader.note}" if reader.note else ""
+    return (f"{reader.module} does not read {', '.join(unread)}{hint} (it reads keys of: {sections}; "
+            f"python -m {reader.module} --help lists them){note}")
+
+
+def _help_lines(cls: type, prefix: str = "", reader: Optional[Command] = None) -> list[str]:
     lines = []
     for f, tp in zip(fields(cls), _hints(cls).values()):
         name = f"{prefix}{f.name}"
         if is_dataclass(tp):
-            lines += ["", f"{name}: {f.metadata['help']}"] + _help_lines(tp, name + ".")
+            if reader is None or reader.reads_section(name):
+                lines += ["", f"{name}: {f.metadata['help']}"] + _help_lines(tp, name + ".", reader)
+            continue
+        if reader is not None and not reader.reads_key(name):
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         line = f"  {name}: {_type_name(tp)} = {default!r}  — {f.metadata['help']}"
@@ -368,11 +412,14 @@ def _help_lines(cls: type, prefix: str = "") -> list[str]:
     return lines
 
 
-def config_help(config_cls: type = Config) -> str:
-    """Every config key, dotted, with its type, default, meaning and choices, grouped by section."""
-    usage = "usage: [config=file.yaml] [section.key=value ...]   (values use YAML syntax; null = None)"
-    lines = [usage] + _help_lines(config_cls)
-    return "\n".join(lines + rl2_keys_help() if config_cls is Config else lines)
+def config_help(config_cls: type = Config, command: Optional[str] = None) -> str:
+    """Every config key, dotted, with its type, default, meaning and choices, grouped by section;
+    with `command`, only the keys that command reads."""
+    reader = command_named(command) if command is not None else None
+    launch = f"{reader.launch} " if reader else ""
+    usage = f"usage: {launch}[config=file.yaml] [section.key=value ...]   (values use YAML syntax; null = None)"
+    lines = [usage] + _help_lines(config_cls, reader=reader)
+    return "\n".join(lines + rl2_keys_help(reader) if config_cls is Config else lines)
 
 
 def config_to_dict(config: Config) -> dict:

@@ -13,6 +13,7 @@ Every RL2 key met is reported in one line, so a run's log shows where each of it
 from dataclasses import dataclass
 from typing import Any
 
+from rl2.config.commands import Command
 from rl2.config.errors import ConfigError
 
 
@@ -167,15 +168,17 @@ def _dotted(path: tuple) -> str:
     return ".".join(path)
 
 
-def translate_rl2_keys(raw: dict) -> tuple[dict, list[str]]:
+def translate_rl2_keys(raw: dict) -> tuple[dict, list[str], dict[str, list[str]]]:
     """`raw` (nested, as parsed from a YAML file or key=value arguments) with RL2's keys replaced by
-    the rl2 keys they mean, and one line for each RL2 key met saying what became of it.
+    the rl2 keys they mean, one line for each RL2 key met saying what became of it, and each given
+    key (dotted) with the rl2 keys it set (none for an RL2 key that changes nothing in rl2).
 
     A ConfigError for an RL2 key without rl2 meaning set to a value that matters, and for two
     keys that set one rl2 key to different values."""
     out: dict[tuple, Any] = {}
     set_by: dict[tuple, str] = {}
     notes = []
+    sets: dict[str, list[str]] = {}
 
     def put(path: tuple, value: Any, given_as: str) -> None:
         if path in out and out[path] != value:
@@ -187,8 +190,10 @@ def translate_rl2_keys(raw: dict) -> tuple[dict, list[str]]:
     for path, value in _flatten(raw).items():
         key, rest = _match(path)
         given = _dotted(path)
+        sets[given] = []
         if key is None:
             put(path, value, given)
+            sets[given].append(given)
         elif key.rl2_keys:
             if key.invert:
                 if not isinstance(value, bool):
@@ -197,6 +202,7 @@ def translate_rl2_keys(raw: dict) -> tuple[dict, list[str]]:
             targets = [tuple(t.removesuffix(".*").split(".")) + rest for t in key.rl2_keys]
             for target in targets:
                 put(target, value, given)
+                sets[given].append(_dotted(target))
             meaning = " and ".join(_dotted(t) for t in targets)
             notes.append(f"RL2's {given} is rl2's {meaning}" + (f" (={value!r}, inverted)" if key.invert else ""))
         elif key.any_value or value in key.neutral:
@@ -204,13 +210,21 @@ def translate_rl2_keys(raw: dict) -> tuple[dict, list[str]]:
         else:
             accepted = f" (accepted: {', '.join(repr(v) for v in key.neutral)})" if key.neutral else ""
             raise ConfigError(f"RL2's {given}={value!r} has no equivalent in rl2{accepted}: {key.note}")
-    return _unflatten(out), notes
+    return _unflatten(out), notes, sets
 
 
-def rl2_keys_help() -> list[str]:
-    """The help lines listing every RL2 key accepted and what it is in rl2."""
+def rl2_keys_help(reader: Command | None = None) -> list[str]:
+    """The help lines listing every RL2 key accepted and what it is in rl2; with a command, only the
+    keys whose rl2 keys it reads, and those without an rl2 key in the sections it reads."""
     lines = ["", "RL2's key names (its current and 2025 layouts), accepted with a log line:"]
     for key in RL2_KEYS:
+        if reader is not None:
+            if key.rl2_keys:
+                shown = any(reader.reads_key(target.removesuffix(".*")) for target in key.rl2_keys)
+            else:
+                shown = reader.reads_section(key.name.split(".")[0])
+            if not shown:
+                continue
         if key.rl2_keys:
             meaning = " and ".join(key.rl2_keys) + (" (inverted)" if key.invert else "")
         elif key.any_value:

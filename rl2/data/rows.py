@@ -16,6 +16,7 @@ Rows are loaded with `datasets` and validated eagerly, so bad data fails before 
 the file, row and field in the message (`rl2.data.conversations` tokenizes them lazily).
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -27,6 +28,7 @@ from typing import Any
 import datasets
 
 from rl2.config import DataConfig
+from rl2.distributed.process_group import rank
 
 logger = logging.getLogger(__name__)
 
@@ -80,19 +82,33 @@ def load_rows(path: str) -> datasets.Dataset:
         split, location = path.split("@", 1)
     location = os.path.expanduser(location)
 
-    if os.path.isdir(location):
-        rows = _load_saved(location, split)
-    elif os.path.isfile(location):
-        rows = _load_file(location, split)
-    elif _looks_local(location):
-        raise DataError(f"{location}: file not found")
-    else:
-        rows = _load_hub(location, split)
+    with _progress_bars_on_rank0_only():
+        if os.path.isdir(location):
+            rows = _load_saved(location, split)
+        elif os.path.isfile(location):
+            rows = _load_file(location, split)
+        elif _looks_local(location):
+            raise DataError(f"{location}: file not found")
+        else:
+            rows = _load_hub(location, split)
 
     if len(rows) == 0:
         raise DataError(f"no rows in {location}")
     logger.info("loaded %d rows from %s (split %s)", len(rows), location, split)
     return rows
+
+
+@contextlib.contextmanager
+def _progress_bars_on_rank0_only():
+    """datasets draws its progress bars on every rank that reads a file: only rank 0's are shown."""
+    if rank() == 0 or not datasets.is_progress_bar_enabled():
+        yield
+        return
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()
 
 
 def _looks_local(location: str) -> bool:

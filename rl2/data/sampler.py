@@ -2,6 +2,8 @@
 
 import torch
 
+from rl2.config import ConfigError
+
 
 class BatchSampler:
     """Yields global batches of `batch_size` indices, the same on every rank.
@@ -11,9 +13,11 @@ class BatchSampler:
     the batches an uninterrupted run would have seen.
     """
 
-    def __init__(self, num_rows: int, batch_size: int, shuffle: bool = True, seed: int = 0):
+    def __init__(self, num_rows: int, batch_size: int, shuffle: bool = True, seed: int = 0,
+                 key: str = "data.batch_size", source: str = "rows of the dataset"):
         if batch_size > num_rows:
-            raise ValueError(f"data.batch_size={batch_size} is larger than the dataset ({num_rows} rows)")
+            raise ConfigError(f"{key}={batch_size} is larger than the {num_rows} {source}: no batch fills; "
+                              f"lower {key}")
         self.num_rows = num_rows
         self.batch_size = batch_size
         self.shuffle = shuffle

@@ -1,6 +1,7 @@
 """FSDP2 models: meta-device init, weights loaded once and broadcast, full state dicts, offloading."""
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ def load_fsdp_model(
     attention: str = "auto",
     logps_chunk_size: int = 0,
     compile_layers: bool = False,
+    prepare: Callable[[nn.Module], None] | None = None,
     **config_overrides,
 ) -> nn.Module:
     """A transformers model sharded with `fully_shard` per decoder layer and at the root.
@@ -39,7 +41,8 @@ def load_fsdp_model(
     otherwise `attention` picks one for packed rows (`rl2.kernels.attention.choose_attention`). `config_overrides` go to the model config (e.g. `num_labels=1` for a critic). With
     `logps_chunk_size` > 0 a causal LM's `lm_head` becomes a `TokenLogpsHead` (log-probs in chunks of
     that many tokens, see `rl2.kernels.logps_head`) where the model allows it. `compile_layers` compiles each
-    decoder layer (after checkpointing wraps it, before sharding, as torchtitan does).
+    decoder layer (after checkpointing wraps it, before sharding, as torchtitan does). `prepare` runs on
+    the model while it is still on the meta device, before any of that (e.g. to replace a head).
     """
     config = AutoConfig.from_pretrained(model_name)
     for key, value in config_overrides.items():
@@ -53,6 +56,8 @@ def load_fsdp_model(
             dtype=torch.float32,
             attn_implementation=attn_implementation or packed_attention_implementation(device, attention),
         )
+    if prepare is not None:
+        prepare(model)
     if logps_chunk_size > 0:
         if install_logps_head(model, logps_chunk_size) is None:
             logger.info(f"{type(model).__name__}: log-probs from full logits (its head is not a plain linear layer)")

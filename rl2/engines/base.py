@@ -41,10 +41,16 @@ class SamplingParams:
     def from_dict(cls, params: dict) -> "SamplingParams":
         """Sampling parameters from a dict (e.g. a config section); unknown keys are an error."""
         valid = [f.name for f in fields(cls)]
-        for key in params:
+        for key, value in params.items():
             if key not in valid:
                 raise ValueError(f"unknown sampling parameter {key!r}; valid ones: {', '.join(valid)}")
+            expected = _SAMPLING_TYPES.get(key)
+            if expected is not None and (isinstance(value, bool) or not isinstance(value, expected)):
+                raise ValueError(f"sampling parameter {key}={value!r}: expected a number")
         return cls(**params)
+
+
+_SAMPLING_TYPES = {"temperature": (int, float), "top_p": (int, float), "top_k": int, "max_new_tokens": int}
 
 
 @dataclass

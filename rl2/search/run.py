@@ -190,4 +190,4 @@ def write_mode_outputs(folder: str, records: list[dict]) -> None:
 
 
 def main() -> None:
-    run_main(lambda config: SearchRun(config).run())
+    run_main(lambda config: SearchRun(config).run(), "search")

@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(1, f"{parser.prog}: error: {e}\n")
     try:
         asyncio.run(serve(app, args.host, args.port, len(index), index.kind))
+    except OSError as e:  # the port is taken, the address is not this machine's
+        parser.exit(1, f"{parser.prog}: error: cannot serve on {args.host}:{args.port}: {e}\n")
     finally:
         index.close()
 

@@ -267,7 +267,9 @@ class Sandbox:
         # What the workers can run (C++ needs g++ where they run).
         self.languages = tuple(self._pool.ready_frames()[0]["languages"])
         self.isolation = self._describe(kind, privileged, uid_base, workers)
-        log = logger.warning if kind == "none" else logger.info
+        # Weaker than namespaces (shared /tmp, or no isolation at all): a warning, seen where logging is not
+        # configured (a notebook, an env worker process, whose stderr reaches the run's).
+        log = logger.info if kind == "bwrap" else logger.warning
         log("sandbox: %d workers, isolation: %s", workers, self.isolation)
         closed = sorted({a for a in map(closed_ancestor, python_paths()) if a})
         if kind == "uid" and closed:

@@ -1,9 +1,10 @@
 """What every trainer shares: process group, logging, metrics, checkpoint save and resume."""
 
-import contextlib
 import logging
 import os
+import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,9 @@ import torch
 from transformers import AutoTokenizer
 
 from rl2.checkpoint import (
+    CheckpointError,
     checkpoint_dir,
+    find_latest_checkpoint,
     load_checkpoint,
     load_optimizer_state,
     resolve_checkpoint,
@@ -19,8 +22,18 @@ from rl2.checkpoint import (
     save_hf_model,
 )
 from rl2.config import Config, ConfigError, ModelConfig, config_to_dict, load_config
+from rl2.config.commands import command_named
 from rl2.data.rows import Columns, DataError, load_rows, split_rows, validate_rows
-from rl2.distributed.process_group import broadcast_from_rank0, exit_process, init_distributed, is_rank0, world_size
+from rl2.distributed.process_group import (
+    PEER_GONE,
+    broadcast_from_rank0,
+    exit_process,
+    init_distributed,
+    is_rank0,
+    rank,
+    world_size,
+)
+from rl2.launch import INTERRUPTED_EXIT, USER_ERROR_EXIT
 from rl2.metrics import MetricsLogger
 from rl2.rollout.env import EnvError
 from rl2.run_folder import check_run_folder, claim_run_folder
@@ -40,21 +53,62 @@ def setup_logging() -> None:
         rl2_logger.propagate = False
 
 
-@contextlib.contextmanager
-def user_errors_reported():
-    """Command-line entry points: a bad config or data file ends the run with its message, not a traceback."""
-    try:
-        yield
-    except (ConfigError, DataError, EnvError) as error:
-        print(f"rl2: error: {error}", file=sys.stderr)
-        sys.exit(2)
+USER_ERRORS = (ConfigError, DataError, EnvError, CheckpointError)  # mistakes a user can fix
+# A rank other than 0 waits this long before printing its error: when rank 0 has the same one (a config
+# or data error every rank meets), torchrun stops this rank first and only rank 0's line is shown.
+PEER_REPORT_DELAY_S = 10.0
 
 
-def run_main(run: Callable[[Config], Any]) -> None:
+def stop_on_user_error(error: Exception) -> None:
+    """End this rank with one `rl2: error: ...` line and exit code 2, skipping interpreter teardown
+    (a peer may already be gone: no barrier, no process-group shutdown)."""
+    this_rank = rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", "0"))
+    if this_rank != 0:
+        time.sleep(PEER_REPORT_DELAY_S)
+    where = f"[rank {this_rank}] " if this_rank != 0 else ""
+    print(f"rl2: error: {where}{error}", file=sys.stderr, flush=True)
+    os._exit(USER_ERROR_EXIT)
+
+
+def interrupted_line(config: Config | None, command: str) -> str:
+    """What rank 0 says on Ctrl-C: where the run's last complete checkpoint is and how to resume."""
+    section = command_named(command).checkpoints
+    if config is None or section is None or config.trainer.eval_only:
+        return "rl2: interrupted"
+    save_dir = getattr(config, section).save_dir
+    latest = find_latest_checkpoint(save_dir)
+    if latest is None:
+        return (f"rl2: interrupted before the first checkpoint in {save_dir} ({section}.save_freq sets how often); "
+                f"trainer.load_ckpt_from=latest starts it again there")
+    return f"rl2: interrupted; the last checkpoint is {latest}: resume with trainer.load_ckpt_from=latest"
+
+
+def run_main(run: Callable[[Config], Any], command: str) -> None:
     """The command-line entry point of every `python -m rl2...` module: `run` the config parsed from
-    `sys.argv`; a bad config, data or env file ends the process with its one-line message (exit 2)."""
-    with user_errors_reported():
-        run(load_config(sys.argv[1:]))
+    `sys.argv` for `command` (a name in `rl2.config.commands.COMMANDS`).
+
+    A mistake the user can fix (a bad config, data, env file or checkpoint) ends every rank with one
+    `rl2: error:` line from rank 0 and exit code 2; Ctrl-C (or torchrun forwarding it) ends every rank
+    with one line from rank 0 saying where to resume, exit code 130; a rank whose peer exited first
+    stops quietly (the peer said why). Under `rl2run` nothing else is printed."""
+    config: Config | None = None
+
+    def on_interrupt(signum, frame) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second one
+        if rank() == 0:
+            print(f"\n{interrupted_line(config, command)}", file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED_EXIT)
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        config = load_config(sys.argv[1:], command)
+        run(config)
+    except USER_ERRORS as error:
+        stop_on_user_error(error)
+    except RuntimeError as error:
+        if any(sign in str(error) for sign in PEER_GONE):
+            os._exit(1)
+        raise
     exit_process(0)
 
 

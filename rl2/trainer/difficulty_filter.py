@@ -96,7 +96,7 @@ class DifficultyFilter:
 
 
 def main() -> None:
-    run_main(lambda config: DifficultyFilter(config).run())
+    run_main(lambda config: DifficultyFilter(config).run(), "filter")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ class DPOTrainer(OfflineTrainer):
 
 
 def main() -> None:
-    run_main(lambda config: DPOTrainer(config).train())
+    run_main(lambda config: DPOTrainer(config).train(), "dpo")
 
 
 if __name__ == "__main__":

@@ -37,9 +37,8 @@ class OfflineTrainer(Trainer):
         check_config(config, self.name.lower())
         super().__init__(config)
         self.train_data, self.test_data = self.load_datasets(self.dataset_cls, config.data.max_length)
-        self.sampler = BatchSampler(
-            len(self.train_data), config.data.batch_size, config.data.shuffle, config.trainer.seed
-        )
+        self.sampler = BatchSampler(len(self.train_data), config.data.batch_size, config.data.shuffle,
+                                    config.trainer.seed, source=f"training rows of {config.data.path}")
         self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
         self.loss_fn: LossFn | None = None
         self.trained: ModelWorker = self.build_models()

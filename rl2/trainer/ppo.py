@@ -59,7 +59,9 @@ class PPOTrainer(Trainer):
         else:
             self.train_data, self.test_data = self.load_datasets(RLDataset, max_length)
             self.sampler = BatchSampler(
-                len(self.train_data), prompts_per_rollout, config.data.shuffle, config.trainer.seed
+                len(self.train_data), prompts_per_rollout, config.data.shuffle, config.trainer.seed,
+                key="data.prompts_per_rollout" if config.data.prompts_per_rollout else "data.batch_size",
+                source=f"training prompts of {config.data.path}",
             )
             self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
         self.actor = self.reference = self.critic = None
@@ -391,7 +393,7 @@ def env_error_summary(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    run_main(lambda config: PPOTrainer(config).train())
+    run_main(lambda config: PPOTrainer(config).train(), "ppo")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ class RMTrainer(OfflineTrainer):
 
 
 def main() -> None:
-    run_main(lambda config: RMTrainer(config).train())
+    run_main(lambda config: RMTrainer(config).train(), "rm")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ class SFTTrainer(OfflineTrainer):
 
 
 def main() -> None:
-    run_main(lambda config: SFTTrainer(config).train())
+    run_main(lambda config: SFTTrainer(config).train(), "sft")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ class ModelWorker:
     (`rl2.distributed.ring_attention`); a row then holds up to `sp_size × max_length_per_device`
     tokens. With `trainable=False` (a reference model) no optimizer is built, and `offload_model`
     keeps the shards in CPU memory except while `compute` runs (on GPU). `model_cls` and
-    `config_overrides` (set on the model's config) choose the head.
+    `config_overrides` (set on the model's config) choose the head; `prepare` may then change the
+    model before it is sharded.
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class ModelWorker:
         model_cls: type = AutoModelForCausalLM,
         config_overrides: dict | None = None,
         logps_chunk_size: int = 0,
+        prepare: Callable[[torch.nn.Module], None] | None = None,
     ):
         self.config = config
         self.device = device()
@@ -89,6 +91,7 @@ class ModelWorker:
             attention=config.attn_implementation,
             compile_layers=config.compile,
             logps_chunk_size=logps_chunk_size,
+            prepare=prepare,
             **(config_overrides or {}),
         )
         self.optimizer = self.scheduler = None

@@ -1,10 +1,32 @@
 """The critic: a value per token from the causal LM's body with a scalar head."""
 
 import torch
+from torch import nn
 from transformers import AutoModelForTokenClassification
 
 from rl2.config import ModelConfig
 from rl2.workers.base import ModelWorker
+
+
+class ValueHead(nn.Module):
+    """A token-classification head (`score`: weight and bias under the same names) whose output is a
+    tensor of its own. `nn.Linear` on [1, T, H] returns a view of its 2-D result; as the output of the
+    FSDP root that view draws torch's warning that an in-place op on it would skip the pre-backward
+    hook. Nothing here writes to it in place; the output is still made fresh, so the warning is gone."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = hidden @ self.weight.t()
+        return out + self.bias if self.bias is not None else out
+
+
+def install_value_head(model: nn.Module) -> None:
+    if not isinstance(getattr(model, "score", None), nn.Linear):
+        raise ValueError(f"{type(model).__name__} has no linear `score` head for per-token values")
+    model.score = ValueHead(model.score)
 
 
 class Critic(ModelWorker):
@@ -21,6 +43,7 @@ class Critic(ModelWorker):
             total_steps,
             model_cls=AutoModelForTokenClassification,
             config_overrides={"num_labels": 1, "classifier_dropout": 0.0},
+            prepare=install_value_head,
         )
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
