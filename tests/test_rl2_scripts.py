@@ -484,3 +484,24 @@ def test_an_rl2_head_command_line_trains(tiny_model_dir, tmp_path):
     assert "RL2's rollout.train.path is rl2's data.path" in result.stderr
     trajectories = [json.loads(line) for line in open(save_dir / "trajectories" / "step_1.jsonl")]
     assert len(trajectories) == 4 and all(t["messages"][0]["content"].startswith("Using") for t in trajectories)
+
+
+def script_command(script: str) -> str:
+    """The rl2 command an RL2 example script runs (RL2's trainer of the same name)."""
+    name = script.split("/")[1]
+    return "sft" if "_sft" in name else "rm" if "_rm" in name else "dpo" if "_dpo" in name else "ppo"
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_every_script_parses_under_its_command(script):
+    """Each argument of RL2's scripts is read by the command the script runs: none is refused as a key
+    that command does not read (RL2's trainer.save_freq, meaning actor.save_freq and critic.save_freq,
+    is read by whichever model the command trains)."""
+    load_config(SCRIPTS[script], script_command(script))
+
+
+def test_rl2run_is_installed_as_a_command():
+    from importlib.metadata import entry_points
+
+    [entry] = [e for e in entry_points(group="console_scripts") if e.name == "rl2run"]
+    assert entry.value == "rl2.launch:main"
