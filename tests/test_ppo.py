@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from conftest import GRAD_RTOL, REPO, assert_same_gradients, run_python, run_torchrun
 from rl2.metrics import read_metrics
@@ -162,20 +163,68 @@ def _ppo_args(model_dir: str, data: str, save_dir: str, *extra: str) -> list[str
     ]
 
 
+# The parity of an answer's length: rewards that vary within groups for any model. With env_args.crash_after=N
+# the rank's process dies at its N+1th call (env functions in threads: rollout.env_workers=0), as a crash would.
+PARITY_ENV = """import os
+
+calls = 0
+
+
+def reward_fn(messages, answer):
+    global calls
+    calls += 1
+    if calls > int(env_args.get("crash_after", 0)) > 0:
+        os._exit(3)
+    return float(len(messages[-1]["content"]) % 2)
+"""
+
+
+def _dumped_steps(save_dir: str) -> dict[int, list[dict]]:
+    folder = os.path.join(save_dir, "trajectories")
+    return {int(name[5:-6]): [json.loads(line) for line in open(os.path.join(folder, name))]
+            for name in os.listdir(folder) if name.startswith("step_")}
+
+
 def test_resume_is_exact(tiny_model_dir, rl_data, tmp_path):
-    """4 steps straight equal 2 steps, a restart from the checkpoint, and 2 more steps."""
+    """4 steps straight equal a run that crashed in step 3 (its checkpoint: step 2) resumed to step 4, on 2
+    ranks, in what depends on the data order and on the weights: the prompts each step drew and the rewards
+    of its answers (the trajectory dumps), the losses, learning rates and gradient norms, and the final
+    weights. Every step trains (the rewards vary within groups) and the prompts of step 3 are not those of
+    step 1: a resume that restored nothing, or the weights but not the data order or the optimizer, differs."""
+    env_file = tmp_path / "parity_env.py"
+    env_file.write_text(PARITY_ENV)
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    run_torchrun(_ppo_args(tiny_model_dir, rl_data, straight))
-    run_torchrun(_ppo_args(tiny_model_dir, rl_data, resumed, "actor.save_freq=2", "trainer.total_steps=2"))
-    run_torchrun(_ppo_args(tiny_model_dir, rl_data, resumed, "trainer.load_ckpt_from=latest"))
+    common = (f"rollout.env_path={env_file}", "rollout.env_workers=0", "trainer.test_freq=null",
+              "rollout.dynamic_filtering=false", "actor.save_freq=2")
+    run_torchrun(_ppo_args(tiny_model_dir, rl_data, straight, *common))
+    crashed = run_torchrun(_ppo_args(tiny_model_dir, rl_data, resumed, *common, "rollout.env_args.crash_after=16"),
+                           check=False)  # 4 prompts x 4 answers a step, 8 scored on each rank
+    assert crashed.returncode == 3, crashed.stderr[-3000:]
+    assert os.path.exists(f"{resumed}/step2/trainer_state.json") and not os.path.exists(f"{resumed}/step4")
+    run_torchrun(_ppo_args(tiny_model_dir, rl_data, resumed, *common, "trainer.load_ckpt_from=latest"))
+
     a, b = read_metrics(f"{straight}/metrics.jsonl"), read_metrics(f"{resumed}/metrics.jsonl")
-    assert [row["step"] for row in b] == [0, 1, 2, 3, 4]  # step 0: the test set before training
+    assert [row["step"] for row in a] == [row["step"] for row in b] == [1, 2, 3, 4]
     for row_a, row_b in zip(a, b):
-        for key in ("reward/mean", "response_length/mean", "actor/loss", "actor/grad_norm", "test/reward_mean"):
-            if key in row_a:
-                assert row_b[key] == pytest.approx(row_a[key], abs=1e-5), (row_a["step"], key)
-    dump = [json.loads(line) for line in open(f"{straight}/trajectories/step_3.jsonl")]
-    assert len(dump) == 16 and {"messages", "reward", "answer", "turns"} <= set(dump[0])
+        for key in ("reward/mean", "response_length/mean", "actor/loss", "actor/grad_norm", "actor/lr"):
+            assert row_b[key] == pytest.approx(row_a[key], abs=1e-6), (row_a["step"], key)
+    assert all(row["actor/grad_norm"] > 1e-3 for row in a)  # every step trains
+
+    dumps_a, dumps_b = _dumped_steps(straight), _dumped_steps(resumed)
+    assert sorted(dumps_a) == sorted(dumps_b) == [1, 2, 3, 4]
+    prompts = {step: [t["messages"][0]["content"] for t in dump] for step, dump in dumps_a.items()}
+    for step in dumps_a:
+        assert [t["messages"] for t in dumps_b[step]] == [t["messages"] for t in dumps_a[step]], step
+        assert [t["reward"] for t in dumps_b[step]] == [t["reward"] for t in dumps_a[step]], step
+    assert prompts[3] != prompts[1] and prompts[4] != prompts[2]  # the data order shows
+    assert len({t["reward"] for t in dumps_a[3]}) == 2  # the rewards vary
+
+    final_a = AutoModelForCausalLM.from_pretrained(f"{straight}/step4", dtype=torch.float32).state_dict()
+    final_b = AutoModelForCausalLM.from_pretrained(f"{resumed}/step4", dtype=torch.float32).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+    assert max((final_a[k] - v).abs().max().item() for k, v in initial.items()) > 1e-3  # training moved them
+    for name, value in final_a.items():
+        torch.testing.assert_close(final_b[name], value, rtol=0, atol=1e-6, msg=name)
 
 
 def test_notebook_run_in_one_process(tiny_model_dir, rl_data, tmp_path):

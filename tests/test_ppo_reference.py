@@ -1,0 +1,324 @@
+"""The PPO trainer's wiring: one whole `train_step` (the rollout replaced by a fixed batch) against an
+independent reference, for a grid of the settings that change a step's maths.
+
+The reference is written from the algorithms, not from rl2: plain transformers models run one sequence at
+a time; the KL estimators, REINFORCE baselines and GAE written out; PPO's clipped surrogate and value
+loss summed over the tokens the policy generated, weighted per token or per sequence; gradient clipping.
+Each case sets keys away from their defaults, so a trainer that ignores a key, passes it to the wrong
+place or flips a sign computes other gradients: each case's docstring line says which bugs it catches.
+The actor is perturbed away from the reference model where a KL term is tested (at the first update
+the policy equals the reference, and every KL and its gradient vanish), and the engine's log-probs are
+moved off the policy's where clipping is tested (at ratio 1 the clip is inactive).
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+from conftest import run_python
+from test_grpo_reference import make_batch
+from test_ppo import rl_data  # noqa: F401  (the fixture)
+
+WORKER = "tests/workers/ppo_step_capture.py"
+LR, MAX_GRAD_NORM, GROUP_SIZE, EPS = 1e-3, 1.0, 4, 1e-6
+
+
+@dataclass
+class Case:
+    """One setting of the keys a PPO step reads (rl2's defaults unless set)."""
+
+    why: str
+    estimator: str = "reinforce"
+    norm_var: bool = False
+    global_norm: bool = False
+    temperature: float = 1.0
+    kl_type: str = "reward"
+    kl_coef: float = 0.0
+    reward_estimator: str = "k1"
+    loss_estimator: str = "k2"
+    clip: float = 0.2
+    clip_high: float | None = None
+    loss_level: str = "token"
+    recompute_logprobs: bool = True
+    gamma: float = 1.0
+    lamda: float = 1.0
+    critic_clip: float = 0.5
+    critic_loss_level: str = "token"
+    update_per_rollout: int = 1
+    critic_update_per_rollout: int = 1
+    freeze_steps: int = 0
+    dynamic_filtering: bool = True
+    uniform_group: bool = False  # make the second group's rewards all equal
+    roc: bool = False  # GRPO-RoC: groups of 8 generated (roc_batch), 4 kept by penalty (topk)
+    perturb: float = 0.0
+    logprob_noise: float = 0.0
+    extra: list[str] = field(default_factory=list)
+
+    def overrides(self) -> list[str]:
+        clip_high = "null" if self.clip_high is None else self.clip_high
+        return [
+            f"data.responses_per_prompt={GROUP_SIZE}", "data.prompts_per_rollout=2", "trainer.total_steps=60",
+            f"actor.lr={LR}", "actor.warmup_ratio=0.0", "critic.warmup_ratio=0.0", f"critic.lr={LR}",
+            f"adv.estimator={self.estimator}", f"adv.norm_var={str(self.norm_var).lower()}",
+            f"adv.global_norm={str(self.global_norm).lower()}", f"adv.gamma={self.gamma}", f"adv.lamda={self.lamda}",
+            f"rollout.train_sampling_params={{temperature: {self.temperature}, max_new_tokens: 12}}",
+            f"kl.type={self.kl_type}", f"kl.coef={self.kl_coef}", f"kl.reward_estimator={self.reward_estimator}",
+            f"kl.loss_estimator={self.loss_estimator}", f"actor.clip={self.clip}", f"actor.clip_high={clip_high}",
+            f"actor.loss_level={self.loss_level}", f"actor.recompute_logprobs={str(self.recompute_logprobs).lower()}",
+            f"critic.clip={self.critic_clip}", f"critic.loss_level={self.critic_loss_level}",
+            f"actor.update_per_rollout={self.update_per_rollout}", f"actor.freeze_steps={self.freeze_steps}",
+            f"critic.update_per_rollout={self.critic_update_per_rollout}",
+            *([f"adv.resample_on_correct=true", f"rollout.oversample={2 * GROUP_SIZE}", "adv.roc_mode=topk",
+               "adv.roc_min_each=1"] if self.roc else []),
+            f"rollout.dynamic_filtering={str(self.dynamic_filtering).lower()}", *self.extra,
+        ]
+
+
+CASES = {
+    "grpo-temperature": Case("policy log-probs at the sampling temperature (T=1 while sampling at 0.7); GRPO's "
+                             "group std", norm_var=True, temperature=0.7),
+    "global-norm": Case("adv.global_norm ignored (group instead of batch baseline and std)", norm_var=True,
+                        global_norm=True),
+    "kl-reward": Case("the KL penalty's sign in the REINFORCE score; kl.type / kl.coef / kl.reward_estimator "
+                      "ignored", kl_type="reward", kl_coef=0.5, reward_estimator="k3", perturb=0.02),
+    "kl-loss": Case("the KL loss's sign; kl.loss_estimator ignored", kl_type="loss", kl_coef=0.5,
+                    loss_estimator="k3", perturb=0.02),
+    "clip-engine-logprobs": Case("actor.clip / clip_high ignored or swapped; old log-probs not the engine's with "
+                                 "recompute_logprobs=false; loss_level=sequence ignored", clip=0.1, clip_high=0.3,
+                                 recompute_logprobs=False, logprob_noise=0.3, loss_level="sequence"),
+    "gae": Case("the critic trained toward the advantages (not the returns); GAE's gamma / lamda, critic.clip and "
+                "the KL reward on GAE's path ignored", estimator="gae", gamma=0.9, lamda=0.8, critic_clip=0.05,
+                kl_type="reward", kl_coef=0.5, perturb=0.02, logprob_noise=0.0),
+    "freeze-steps": Case("actor.freeze_steps ignored (the actor moves in a frozen step)", estimator="gae",
+                         freeze_steps=1),
+    "dynamic-filtering": Case("rollout.dynamic_filtering ignored (a group of equal rewards still counts in the "
+                              "token mean)", uniform_group=True),
+    "no-dynamic-filtering": Case("dynamic filtering applied though switched off", uniform_group=True,
+                                 dynamic_filtering=False),
+    "gae-critic-minibatches": Case("critic.update_per_rollout / critic.loss_level ignored (the critic's minibatches "
+                                   "and averaging taken from the actor's section or the defaults)", estimator="gae",
+                                   update_per_rollout=2, critic_update_per_rollout=2, critic_loss_level="sequence"),
+    "grpo-roc": Case("GRPO-RoC's oversampled groups not cut to data.responses_per_prompt, adv.roc_mode ignored, or "
+                     "the loss computed on trajectories it dropped", roc=True, norm_var=True),
+    "two-minibatches": Case("actor.update_per_rollout ignored (one step on the whole batch instead of one per "
+                            "minibatch of whole groups)", update_per_rollout=2),
+}
+
+
+def token_logps(model, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(token t | tokens before t) at `temperature`, aligned with `ids`, 0 at the first token."""
+    logits = model(input_ids=ids[None]).logits[0].float() / temperature
+    logps = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
+    return torch.cat([torch.zeros(1), logps])
+
+
+def token_values(critic, ids: torch.Tensor) -> torch.Tensor:
+    """V(state before token t): the head's output at position t - 1, aligned with `ids`, 0 at the first token."""
+    return torch.cat([torch.zeros(1), critic(input_ids=ids[None]).logits[0, :-1, 0].float()])
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Schulman's estimators of KL(pi || ref) from samples of pi, written with r = ref / pi."""
+    log_r = ref_logp - logp
+    return {"k1": -log_r, "k2": log_r**2 / 2, "k3": log_r.exp() - 1 - log_r}[estimator]
+
+
+def baseline_advantages(scores: torch.Tensor, valid: torch.Tensor, group: int, norm_var: bool) -> torch.Tensor:
+    """score - mean of its group's valid scores (divided by their unbiased std + eps with norm_var); 0 for
+    invalid responses and for groups without two different valid scores."""
+    advantages = torch.zeros_like(scores)
+    for start in range(0, len(scores), group):
+        members = [i for i in range(start, start + group) if valid[i]]
+        values = scores[members]
+        if len(members) < 2 or values.max() == values.min():
+            continue
+        centred = values - values.mean()
+        advantages[members] = centred / (values.std() + EPS) if norm_var else centred
+    return advantages
+
+
+def gae_reference(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lamda: float):
+    """GAE over the action tokens only (tool tokens skipped, the episode ends after the last action)."""
+    steps = mask.nonzero().flatten().tolist()
+    advantages, returns = torch.zeros_like(values), torch.zeros_like(values)
+    next_value = next_advantage = 0.0
+    for t in reversed(steps):
+        delta = rewards[t] + gamma * next_value - values[t]
+        next_advantage = delta + gamma * lamda * next_advantage
+        advantages[t], returns[t] = next_advantage, next_advantage + values[t]
+        next_value = values[t]
+    return advantages, returns
+
+
+def weights(masks: list[torch.Tensor], level: str) -> list[torch.Tensor]:
+    if level == "token":
+        total = sum(m.sum() for m in masks)
+        return [m / total for m in masks]
+    counted = sum(1 for m in masks if m.sum() > 0)
+    return [m / (m.sum() * counted) if m.sum() > 0 else m for m in masks]
+
+
+def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str, groups: list[int]) -> dict:
+    """The gradients (after clipping) of one step of the actor, and of the critic with GAE, on the groups
+    `groups` of the batch (a minibatch); the other groups only count in the batch-wide statistics."""
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    policy.load_state_dict(captured["before"]["actor"])
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = [torch.tensor(row["token_ids"]) for row in batch]
+    # The whole batch's statistics: rewards, filtering, the old policy, the reference, the critic.
+    rewards = torch.tensor([row["reward"] for row in batch], dtype=torch.float32)
+    uniform = [g for g in range(len(batch) // GROUP_SIZE)
+               if rewards[g * GROUP_SIZE:(g + 1) * GROUP_SIZE].unique().numel() == 1]
+    valid = torch.tensor([not (case.dynamic_filtering and row["group"] in uniform) for row in batch])
+    masks = [torch.tensor(row["action_mask"], dtype=torch.float32) * v for row, v in zip(batch, valid)]
+    with torch.no_grad():
+        if case.recompute_logprobs:
+            old = [token_logps(policy, x, case.temperature) for x in ids]
+        else:
+            old = [torch.tensor(lp) for lp in captured["logprobs"]]
+        ref = [token_logps(reference, x, case.temperature) for x in ids]
+    kl = [kl_estimate(o, r, case.reward_estimator) * m for o, r, m in zip(old, ref, masks)]
+    reward_kl = case.kl_type == "reward" and case.kl_coef > 0
+    critic, returns = None, None
+    if case.estimator == "reinforce":
+        scores = rewards - (case.kl_coef * torch.stack([k.sum() for k in kl]) if reward_kl else 0)
+        group = len(batch) if case.global_norm else GROUP_SIZE
+        per_sequence = baseline_advantages(scores, valid, group, case.norm_var)
+        advantages = [a * m for a, m in zip(per_sequence, masks)]
+    else:
+        critic = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+        critic.load_state_dict(captured["before"]["critic"])
+        with torch.no_grad():
+            old_values = [token_values(critic, x) for x in ids]
+        advantages, returns = [], []
+        for i, mask in enumerate(masks):
+            token_rewards = -case.kl_coef * kl[i] if reward_kl else torch.zeros_like(mask)
+            if mask.any():
+                token_rewards[int(mask.nonzero().max())] += rewards[i]
+            a, r = gae_reference(token_rewards, old_values[i], mask, case.gamma, case.lamda)
+            advantages.append(a)
+            returns.append(r)
+    chosen = [i for i, row in enumerate(batch) if row["group"] in groups]
+    result = {}
+    if case.freeze_steps == 0:
+        actor_weights = weights([masks[i] for i in chosen], case.loss_level)
+        for i, w in zip(chosen, actor_weights):
+            logp = token_logps(policy, ids[i], case.temperature)
+            ratio = (logp - old[i]).exp()
+            high = case.clip if case.clip_high is None else case.clip_high
+            surrogate = torch.minimum(ratio * advantages[i], ratio.clamp(1 - case.clip, 1 + high) * advantages[i])
+            loss = -surrogate
+            if case.kl_type == "loss" and case.kl_coef > 0:
+                loss = loss + case.kl_coef * kl_estimate(logp, ref[i], case.loss_estimator)
+            (loss * w).sum().backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), MAX_GRAD_NORM)
+        result["actor"] = {name: p.grad for name, p in policy.named_parameters()}
+    if critic is not None:
+        critic_weights = weights([masks[i] for i in chosen], case.critic_loss_level)
+        for i, w in zip(chosen, critic_weights):
+            v = token_values(critic, ids[i])
+            clipped = old_values[i] + (v - old_values[i]).clamp(-case.critic_clip, case.critic_clip)
+            loss = 0.5 * torch.maximum((v - returns[i]) ** 2, (clipped - returns[i]) ** 2)
+            (loss * w).sum().backward()
+        torch.nn.utils.clip_grad_norm_(critic.parameters(), MAX_GRAD_NORM)
+        result["critic"] = {name: p.grad for name, p in critic.named_parameters()}
+    return result
+
+
+def assert_same_gradients(got: dict, expected: dict, what: str) -> None:
+    assert set(got) == set(expected), what
+    for name, grad in expected.items():
+        # float32 in another order (packed rows vs one sequence): ~1e-6 of the gradient's scale
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-4 * scale + 1e-12, msg=f"{what}: {name}")
+
+
+# GRPO-RoC's penalty (rl2.tools.roc_penalty) of each positive of a group of 8, by the conversation it shows:
+# a tool error and a boxed answer (1.0), the same (1.0), a tool error without an answer (2.0), a clean tool
+# call and a boxed answer (0.0). topk keeps the lowest two: 0.0 and the first 1.0.
+ROC_CONVERSATIONS = {
+    1.0: [{"role": "tool", "content": "Traceback (most recent call last):\nValueError: x"},
+          {"role": "assistant", "content": "\\boxed{4}"}],
+    2.0: [{"role": "tool", "content": "Traceback (most recent call last):\nValueError: x"},
+          {"role": "assistant", "content": "I do not know"}],
+    0.0: [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "\\boxed{4}"}],
+}
+ROC_POSITIVE_PENALTIES = [1.0, 1.0, 2.0, 0.0]
+
+
+def roc_batch(tokenizer) -> list[dict]:
+    """Each group of `make_batch` oversampled to 8: its 4 answers, then the same 4 one token longer with their
+    rewards flipped (4 positives, 4 negatives); the positives' conversations carry ROC_POSITIVE_PENALTIES."""
+    base = make_batch(tokenizer)
+    batch = []
+    for group in range(len(base) // GROUP_SIZE):
+        rows = base[group * GROUP_SIZE:(group + 1) * GROUP_SIZE]
+        # The copies end with one more generated token: identical sequences with opposite advantages would
+        # cancel in the gradient, leaving rounding noise to compare.
+        copies = [{**row, "reward": 1.0 - row["reward"], "token_ids": row["token_ids"] + [row["token_ids"][-1]],
+                   "action_mask": row["action_mask"] + [1]} for row in rows]
+        members = [dict(row) for row in rows] + copies
+        penalties = iter(ROC_POSITIVE_PENALTIES)
+        for row in members:
+            start = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<tool_call>x</tool_call>"}]
+            row["messages"] = start + ROC_CONVERSATIONS[next(penalties)] if row["reward"] > 0 else start
+        batch += members
+    return batch
+
+
+def run_case(case: Case, model_dir: str, data: str, tmp_path) -> tuple[list[dict], dict]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    batch = roc_batch(tokenizer) if case.roc else make_batch(tokenizer)
+    if case.uniform_group:
+        for row in batch[GROUP_SIZE:]:
+            row["reward"] = 1.0
+    spec = {"trajectories": batch, "perturb": case.perturb, "logprob_noise": case.logprob_noise}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    run_python([WORKER, model_dir, f"{data}/train.jsonl", "envs/demo_successor.py", str(tmp_path / "spec.json"),
+                str(tmp_path / "out.pt"), *case.overrides()])
+    return batch, torch.load(tmp_path / "out.pt")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_ppo_step_matches_the_reference(name, tiny_model_dir, rl_data, tmp_path):
+    case = CASES[name]
+    batch, captured = run_case(case, tiny_model_dir, rl_data, tmp_path)
+    steps = captured["steps"]
+    if case.freeze_steps:
+        assert steps["actor"] == []
+        for key, value in captured["before"]["actor"].items():
+            assert torch.equal(captured["after"]["actor"][key], value), key
+    else:
+        assert len(steps["actor"]) == case.update_per_rollout
+        assert steps["actor"][0]["lr"] == pytest.approx(LR, rel=1e-12)
+    if case.roc:  # 4 of each group of 8: its two positives of lowest penalty and two negatives
+        kept = captured["kept"]
+        assert len(kept) == 2 * GROUP_SIZE and [i // (2 * GROUP_SIZE) for i in kept] == [0] * 4 + [1] * 4, kept
+        for group in (0, 1):
+            members = [i for i in kept if i // (2 * GROUP_SIZE) == group]
+            positives = [i for i in members if batch[i]["reward"] > 0]
+            assert [i % (2 * GROUP_SIZE) for i in positives] == [0, 6], kept  # penalties 1.0 (first) and 0.0
+        batch = [batch[i] for i in kept]
+    if case.update_per_rollout == 1:
+        expected = reference_step(case, batch, captured, tiny_model_dir, groups=[0, 1])
+    else:  # the first minibatch is one of the two groups, drawn by the trainer's seeded shuffle
+        candidates = [reference_step(case, batch, captured, tiny_model_dir, groups=[g]) for g in (0, 1)]
+        first = steps["actor"][0]["grads"]
+        name_ = next(iter(first))
+        expected = min(candidates, key=lambda c: (c["actor"][name_] - first[name_]).abs().max().item())
+    if "actor" in expected:
+        assert_same_gradients(steps["actor"][0]["grads"], expected["actor"], f"actor ({case.why})")
+    if "critic" in expected:
+        assert len(steps["critic"]) == case.critic_update_per_rollout
+        assert_same_gradients(steps["critic"][0]["grads"], expected["critic"], f"critic ({case.why})")
+
+
+def test_each_case_moves_the_step():
+    """The grid is not vacuous: the settings each case tests are away from the defaults."""
+    defaults = asdict(Case(""))
+    for name, case in CASES.items():
+        changed = {k for k, v in asdict(case).items() if v != defaults[k] and k not in ("why", "perturb", "logprob_noise")}
+        assert changed, name
