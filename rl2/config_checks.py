@@ -162,6 +162,36 @@ def check_rl_config(config: Config) -> None:
             raise ConfigError(str(error)) from None
     if config.rollout.test_responses_per_prompt < 1:
         raise ConfigError(f"rollout.test_responses_per_prompt must be >= 1, got {config.rollout.test_responses_per_prompt}")
+    check_off_policy_config(config)
+
+
+def check_off_policy_config(config: Config) -> None:
+    """The policy loss, the rollout correction, the entropy bonus and overlong shaping."""
+    actor, rollout = config.actor, config.rollout
+    correcting = actor.rollout_correction != "none" or actor.tis_coef > 0
+    if actor.tis_coef < 0:
+        raise ConfigError(f"actor.tis_coef must be >= 0 (0 = off), got {actor.tis_coef}")
+    if actor.tis_coef > 0 and actor.rollout_correction not in ("none", "tis"):
+        raise ConfigError(f"actor.tis_coef={actor.tis_coef} is token-level TIS (RL2's key), "
+                          f"actor.rollout_correction={actor.rollout_correction} another correction: give one of them")
+    if correcting and not actor.recompute_logprobs:
+        raise ConfigError("a rollout correction weighs each token by proximal / behaviour log-probs: it needs the "
+                          "actor's own (proximal) log-probs, actor.recompute_logprobs=true")
+    if not actor.correction_threshold > 0:
+        raise ConfigError(f"actor.correction_threshold must be > 0, got {actor.correction_threshold}")
+    if not 0 < actor.icepop_low <= 1 <= actor.icepop_high:
+        raise ConfigError(f"need 0 < actor.icepop_low <= 1 <= actor.icepop_high, got {actor.icepop_low} and "
+                          f"{actor.icepop_high}")
+    if not (0 < actor.gspo_clip < 1 and actor.gspo_clip_high > 0):
+        raise ConfigError(f"need 0 < actor.gspo_clip < 1 and actor.gspo_clip_high > 0, got {actor.gspo_clip} and "
+                          f"{actor.gspo_clip_high}")
+    if rollout.overlong_buffer < 0 or rollout.overlong_penalty < 0:
+        raise ConfigError(f"rollout.overlong_buffer and rollout.overlong_penalty must be >= 0, got "
+                          f"{rollout.overlong_buffer} and {rollout.overlong_penalty}")
+    max_new_tokens = rollout.train_sampling_params.get("max_new_tokens", 512)
+    if rollout.overlong_buffer >= max_new_tokens:
+        raise ConfigError(f"rollout.overlong_buffer={rollout.overlong_buffer} must be below the training "
+                          f"max_new_tokens ({max_new_tokens}): the punishment starts that many tokens before it")
 
 
 def check_rm_config(config: Config) -> None:

@@ -23,7 +23,8 @@ from test_grpo_reference import make_batch
 from test_ppo import rl_data  # noqa: F401  (the fixture)
 
 WORKER = "tests/workers/ppo_step_capture.py"
-LR, MAX_GRAD_NORM, GROUP_SIZE, EPS = 1e-3, 1.0, 4, 1e-6
+LR, CRITIC_LR, MAX_GRAD_NORM, GROUP_SIZE, EPS = 1e-3, 3e-3, 1.0, 4, 1e-6
+MAX_NEW_TOKENS = 12
 
 
 @dataclass
@@ -53,6 +54,18 @@ class Case:
     dynamic_filtering: bool = True
     uniform_group: bool = False  # make the second group's rewards all equal
     roc: bool = False  # GRPO-RoC: groups of 8 generated (roc_batch), 4 kept by penalty (topk)
+    policy_loss: str = "ppo"
+    gspo_clip: float = 3e-4
+    gspo_clip_high: float = 4e-4
+    rollout_correction: str = "none"
+    correction_threshold: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    tis_coef: float = 0.0
+    entropy_coef: float = 0.0
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    overlong_filtering: bool = False
     perturb: float = 0.0
     logprob_noise: float = 0.0
     extra: list[str] = field(default_factory=list)
@@ -61,16 +74,23 @@ class Case:
         clip_high = "null" if self.clip_high is None else self.clip_high
         return [
             f"data.responses_per_prompt={GROUP_SIZE}", "data.prompts_per_rollout=2", "trainer.total_steps=60",
-            f"actor.lr={LR}", "actor.warmup_ratio=0.0", "critic.warmup_ratio=0.0", f"critic.lr={LR}",
+            f"actor.lr={LR}", "actor.warmup_ratio=0.0", "critic.warmup_ratio=0.0", f"critic.lr={CRITIC_LR}",
             f"adv.estimator={self.estimator}", f"adv.norm_var={str(self.norm_var).lower()}",
             f"adv.global_norm={str(self.global_norm).lower()}", f"adv.gamma={self.gamma}", f"adv.lamda={self.lamda}",
-            f"rollout.train_sampling_params={{temperature: {self.temperature}, max_new_tokens: 12}}",
+            f"rollout.train_sampling_params={{temperature: {self.temperature}, max_new_tokens: {MAX_NEW_TOKENS}}}",
             f"kl.type={self.kl_type}", f"kl.coef={self.kl_coef}", f"kl.reward_estimator={self.reward_estimator}",
             f"kl.loss_estimator={self.loss_estimator}", f"actor.clip={self.clip}", f"actor.clip_high={clip_high}",
             f"actor.loss_level={self.loss_level}", f"actor.recompute_logprobs={str(self.recompute_logprobs).lower()}",
             f"critic.clip={self.critic_clip}", f"critic.loss_level={self.critic_loss_level}",
             f"actor.update_per_rollout={self.update_per_rollout}", f"actor.freeze_steps={self.freeze_steps}",
             f"critic.update_per_rollout={self.critic_update_per_rollout}",
+            f"actor.policy_loss={self.policy_loss}", f"actor.gspo_clip={self.gspo_clip}",
+            f"actor.gspo_clip_high={self.gspo_clip_high}", f"actor.rollout_correction={self.rollout_correction}",
+            f"actor.correction_threshold={self.correction_threshold}", f"actor.icepop_low={self.icepop_low}",
+            f"actor.icepop_high={self.icepop_high}", f"actor.tis_coef={self.tis_coef}",
+            f"actor.entropy_coef={self.entropy_coef}", f"rollout.overlong_buffer={self.overlong_buffer}",
+            f"rollout.overlong_penalty={self.overlong_penalty}",
+            f"rollout.overlong_filtering={str(self.overlong_filtering).lower()}",
             *([f"adv.resample_on_correct=true", f"rollout.oversample={2 * GROUP_SIZE}", "adv.roc_mode=topk",
                "adv.roc_min_each=1"] if self.roc else []),
             f"rollout.dynamic_filtering={str(self.dynamic_filtering).lower()}", *self.extra,
@@ -100,7 +120,34 @@ CASES = {
                                  dynamic_filtering=False),
     "gae-critic-minibatches": Case("critic.update_per_rollout / critic.loss_level ignored (the critic's minibatches "
                                    "and averaging taken from the actor's section or the defaults)", estimator="gae",
-                                   update_per_rollout=2, critic_update_per_rollout=2, critic_loss_level="sequence"),
+                                   critic_update_per_rollout=2, critic_loss_level="sequence"),
+    "kl-temperature": Case("the reference's log-probs not at the sampling temperature (the KL penalty compares "
+                           "policies at two temperatures)", kl_type="reward", kl_coef=0.5, reward_estimator="k2",
+                           temperature=0.7, perturb=0.02),
+    "gspo": Case("actor.policy_loss=gspo ignored (PPO's token ratios instead of one per sequence), or gspo_clip / "
+                 "gspo_clip_high ignored", policy_loss="gspo", gspo_clip=0.01, gspo_clip_high=0.08,
+                 recompute_logprobs=False, logprob_noise=0.3, loss_level="sequence"),
+    "cispo": Case("actor.policy_loss=cispo ignored (clipped tokens dropped from the gradient, as PPO does), or its "
+                  "clip_high ignored", policy_loss="cispo", clip_high=0.1, recompute_logprobs=False, logprob_noise=0.3),
+    "tis": Case("actor.rollout_correction=tis ignored, or weights from the wrong log-probs (current instead of "
+                "proximal over behaviour), or correction_threshold ignored", rollout_correction="tis",
+                correction_threshold=1.1, logprob_noise=0.3),
+    "tis-coef": Case("RL2's actor.tis_coef ignored", tis_coef=1.1, logprob_noise=0.3),
+    "mis": Case("rejected tokens left in the loss's denominator, or not rejected", rollout_correction="mis",
+                correction_threshold=1.1, logprob_noise=0.3),
+    "seq-tis": Case("the sequence-level truncated weight (the product of the ratios) not applied",
+                    rollout_correction="seq_tis", correction_threshold=1.5, logprob_noise=0.3),
+    "geo-mis": Case("whole sequences not rejected by their geometric-mean ratio", rollout_correction="geo_mis",
+                    correction_threshold=1.03, logprob_noise=0.3),
+    "icepop": Case("IcePop's band ignored", rollout_correction="icepop", icepop_low=0.85, icepop_high=1.15,
+                   logprob_noise=0.3),
+    "decoupled-gae": Case("decoupled PPO's weights not applied on GAE's path", estimator="gae",
+                          rollout_correction="decoupled", logprob_noise=0.3),
+    "entropy": Case("actor.entropy_coef ignored, its sign flipped, or the entropy not at the sampling temperature",
+                    entropy_coef=0.5, temperature=0.7),
+    "overlong": Case("rollout.overlong_buffer / overlong_penalty / overlong_filtering ignored (the reward not shaped "
+                     "by length, truncated answers still in the loss)", overlong_buffer=8, overlong_penalty=0.5,
+                     overlong_filtering=True),
     "grpo-roc": Case("GRPO-RoC's oversampled groups not cut to data.responses_per_prompt, adv.roc_mode ignored, or "
                      "the loss computed on trajectories it dropped", roc=True, norm_var=True),
     "two-minibatches": Case("actor.update_per_rollout ignored (one step on the whole batch instead of one per "
@@ -118,6 +165,46 @@ def token_logps(model, ids: torch.Tensor, temperature: float) -> torch.Tensor:
 def token_values(critic, ids: torch.Tensor) -> torch.Tensor:
     """V(state before token t): the head's output at position t - 1, aligned with `ids`, 0 at the first token."""
     return torch.cat([torch.zeros(1), critic(input_ids=ids[None]).logits[0, :-1, 0].float()])
+
+
+def token_entropy(model, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """H(softmax(logits / T)) of the distribution each token was drawn from, aligned with `ids`, 0 at the first."""
+    logps = torch.log_softmax(model(input_ids=ids[None]).logits[0].float() / temperature, dim=-1)[:-1]
+    return torch.cat([torch.zeros(1), -(logps.exp() * logps).sum(-1)])
+
+
+def corrected(case: Case, proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor):
+    """(importance weights, mask less the rejected tokens) of one sequence, from each correction's definition."""
+    mode, limit = case.rollout_correction, case.correction_threshold
+    if case.tis_coef > 0:
+        mode, limit = "tis", case.tis_coef
+    ratio = torch.exp(proximal - behaviour)
+    ones = torch.ones_like(ratio)
+    tokens = mask.bool()
+    if mode == "none":
+        return ones, mask
+    if mode == "tis":
+        return torch.where(tokens, ratio.clamp(max=limit), ones), mask
+    if mode == "mis":
+        return torch.where(tokens & (ratio <= limit), ratio, ones), mask * (ratio <= limit)
+    if mode == "icepop":
+        inside = (ratio >= case.icepop_low) & (ratio <= case.icepop_high)
+        return torch.where(tokens & inside, ratio, ones), mask * inside
+    if mode == "decoupled":
+        return torch.where(tokens, ratio, ones), mask
+    if not tokens.any():
+        return ones, mask
+    product = torch.prod(ratio[tokens])
+    level = product if mode.startswith("seq") else product ** (1 / tokens.sum())
+    if mode.endswith("tis"):
+        return torch.where(tokens, level.clamp(max=limit), ones), mask
+    return torch.where(tokens, level, ones) if level <= limit else ones, mask * (level <= limit)
+
+
+def dapo_penalty(length: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment (eq. 13) with L_max = MAX_NEW_TOKENS and L_cache = `buffer`."""
+    start = MAX_NEW_TOKENS - buffer
+    return 0.0 if length <= start else max((start - length) / buffer, -1.0)
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -161,25 +248,37 @@ def weights(masks: list[torch.Tensor], level: str) -> list[torch.Tensor]:
     return [m / (m.sum() * counted) if m.sum() > 0 else m for m in masks]
 
 
-def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str, groups: list[int]) -> dict:
-    """The gradients (after clipping) of one step of the actor, and of the critic with GAE, on the groups
-    `groups` of the batch (a minibatch); the other groups only count in the batch-wide statistics."""
+def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str, groups: list[int],
+                   critic_groups: list[int] | None = None) -> dict:
+    """The gradients (after clipping) of one step of the actor, on the groups `groups` of the batch (a
+    minibatch), and of the critic with GAE, on `critic_groups` (default: the same); the other groups only
+    count in the batch-wide statistics."""
+    critic_groups = groups if critic_groups is None else critic_groups
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     policy.load_state_dict(captured["before"]["actor"])
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = [torch.tensor(row["token_ids"]) for row in batch]
     # The whole batch's statistics: rewards, filtering, the old policy, the reference, the critic.
     rewards = torch.tensor([row["reward"] for row in batch], dtype=torch.float32)
+    if case.overlong_buffer:
+        rewards += case.overlong_penalty * torch.tensor([dapo_penalty(sum(row["action_mask"]), case.overlong_buffer)
+                                                         for row in batch])
     uniform = [g for g in range(len(batch) // GROUP_SIZE)
                if rewards[g * GROUP_SIZE:(g + 1) * GROUP_SIZE].unique().numel() == 1]
     valid = torch.tensor([not (case.dynamic_filtering and row["group"] in uniform) for row in batch])
-    masks = [torch.tensor(row["action_mask"], dtype=torch.float32) * v for row, v in zip(batch, valid)]
+    masks = [torch.tensor(row["action_mask"], dtype=torch.float32) * v
+             * (not (case.overlong_filtering and row.get("truncated", False))) for row, v in zip(batch, valid)]
     with torch.no_grad():
         if case.recompute_logprobs:
             old = [token_logps(policy, x, case.temperature) for x in ids]
         else:
             old = [torch.tensor(lp) for lp in captured["logprobs"]]
         ref = [token_logps(reference, x, case.temperature) for x in ids]
+    behaviour = [torch.tensor(lp) for lp in captured["logprobs"]]
+    is_weights = []
+    for i, mask in enumerate(masks):
+        weight, masks[i] = corrected(case, old[i], behaviour[i], mask)
+        is_weights.append(weight)
     kl = [kl_estimate(o, r, case.reward_estimator) * m for o, r, m in zip(old, ref, masks)]
     reward_kl = case.kl_type == "reward" and case.kl_coef > 0
     critic, returns = None, None
@@ -209,14 +308,24 @@ def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str
             logp = token_logps(policy, ids[i], case.temperature)
             ratio = (logp - old[i]).exp()
             high = case.clip if case.clip_high is None else case.clip_high
-            surrogate = torch.minimum(ratio * advantages[i], ratio.clamp(1 - case.clip, 1 + high) * advantages[i])
-            loss = -surrogate
+            if case.policy_loss == "gspo":  # one ratio per sequence: the geometric mean of its tokens'
+                tokens = masks[i].bool() | torch.tensor(batch[i]["action_mask"]).bool()
+                s = torch.exp((logp - old[i])[tokens].mean())
+                loss = -torch.minimum(s * advantages[i], s.clamp(1 - case.gspo_clip, 1 + case.gspo_clip_high) * advantages[i])
+            elif case.policy_loss == "cispo":
+                loss = -ratio.detach().clamp(max=1 + high) * advantages[i] * logp
+            else:
+                loss = -torch.minimum(ratio * advantages[i], ratio.clamp(1 - case.clip, 1 + high) * advantages[i])
+            loss = loss * is_weights[i]
             if case.kl_type == "loss" and case.kl_coef > 0:
                 loss = loss + case.kl_coef * kl_estimate(logp, ref[i], case.loss_estimator)
+            if case.entropy_coef:
+                loss = loss - case.entropy_coef * token_entropy(policy, ids[i], case.temperature)
             (loss * w).sum().backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), MAX_GRAD_NORM)
         result["actor"] = {name: p.grad for name, p in policy.named_parameters()}
     if critic is not None:
+        chosen = [i for i, row in enumerate(batch) if row["group"] in critic_groups]
         critic_weights = weights([masks[i] for i in chosen], case.critic_loss_level)
         for i, w in zip(chosen, critic_weights):
             v = token_values(critic, ids[i])
@@ -275,6 +384,8 @@ def run_case(case: Case, model_dir: str, data: str, tmp_path) -> tuple[list[dict
     if case.uniform_group:
         for row in batch[GROUP_SIZE:]:
             row["reward"] = 1.0
+    for row in batch:  # an answer without the end-of-turn token was cut at the length limit
+        row["truncated"] = row["token_ids"][-1] != tokenizer.eos_token_id
     spec = {"trajectories": batch, "perturb": case.perturb, "logprob_noise": case.logprob_noise}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     run_python([WORKER, model_dir, f"{data}/train.jsonl", "envs/demo_successor.py", str(tmp_path / "spec.json"),
@@ -302,17 +413,28 @@ def test_one_ppo_step_matches_the_reference(name, tiny_model_dir, rl_data, tmp_p
             positives = [i for i in members if batch[i]["reward"] > 0]
             assert [i % (2 * GROUP_SIZE) for i in positives] == [0, 6], kept  # penalties 1.0 (first) and 0.0
         batch = [batch[i] for i in kept]
-    if case.update_per_rollout == 1:
-        expected = reference_step(case, batch, captured, tiny_model_dir, groups=[0, 1])
-    else:  # the first minibatch is one of the two groups, drawn by the trainer's seeded shuffle
-        candidates = [reference_step(case, batch, captured, tiny_model_dir, groups=[g]) for g in (0, 1)]
-        first = steps["actor"][0]["grads"]
-        name_ = next(iter(first))
-        expected = min(candidates, key=lambda c: (c["actor"][name_] - first[name_]).abs().max().item())
+        captured["logprobs"] = [captured["logprobs"][i] for i in kept]
+    # With two minibatches the first is one of the two groups, drawn by the trainer's seeded shuffle: the
+    # reference is computed for both and the closer one is compared.
+    actor_choices = [[0, 1]] if case.update_per_rollout == 1 else [[0], [1]]
+    critic_choices = [[0, 1]] if case.critic_update_per_rollout == 1 else [[0], [1]]
+    candidates = [reference_step(case, batch, captured, tiny_model_dir, groups=a, critic_groups=c)
+                  for a in actor_choices for c in critic_choices]
+
+    def distance(candidate: dict) -> float:
+        total = 0.0
+        for model in ("actor", "critic"):
+            if model in candidate and steps.get(model):
+                first = steps[model][0]["grads"]
+                total += max((candidate[model][k] - v).abs().max().item() for k, v in first.items())
+        return total
+
+    expected = min(candidates, key=distance)
     if "actor" in expected:
         assert_same_gradients(steps["actor"][0]["grads"], expected["actor"], f"actor ({case.why})")
     if "critic" in expected:
         assert len(steps["critic"]) == case.critic_update_per_rollout
+        assert steps["critic"][0]["lr"] == pytest.approx(CRITIC_LR, rel=1e-12)  # the critic's own section
         assert_same_gradients(steps["critic"][0]["grads"], expected["critic"], f"critic ({case.why})")
 
 

@@ -1,5 +1,6 @@
-"""Per-token losses and their weights on plain tensors: PPO's clipped policy and value losses,
-KL estimators, the next-token loss of SFT, and the loss weights of a batch.
+"""Per-token losses and their weights on plain tensors: the policy losses (PPO's clipped surrogate,
+GSPO, CISPO), PPO's clipped value loss, KL estimators, the next-token loss of SFT, and the loss weights
+of a batch.
 
 A per-sequence tensor is 1-D and aligned with the sequence's token ids, and `action_mask` is 1 on
 tokens the policy generated, 0 on prompt and tool tokens.
@@ -45,6 +46,47 @@ def policy_loss(
     loss = -torch.minimum(surrogate, clipped_surrogate)
     clipped = (clipped_surrogate < surrogate).float()
     return loss, clipped
+
+
+def sequence_index(cu_seqlens: Tensor, length: int) -> Tensor:
+    """The index of the packed sequence each of a row's `length` tokens belongs to."""
+    positions = torch.arange(length, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
+
+
+def gspo_loss(
+    logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, cu_seqlens: Tensor, clip: float,
+    clip_high: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """GSPO's loss per token (Zheng et al. 2025, eq. 5-7) for a packed row: each sequence's ratio
+    s = exp(mean over its `mask`ed tokens of log pi - log pi_old), and on each of its tokens
+    -min(s A, clip(s, 1 - clip, 1 + clip_high) A). Weighted per sequence (loss_level=sequence) with one
+    advantage per sequence, the sum is the paper's objective, negated. Returns (loss, clipped) like
+    `policy_loss`; `cu_seqlens` bounds the row's sequences ([1, T] or [T] tensors)."""
+    if clip_high is None:
+        clip_high = clip
+    shape, logps = logps.shape, logps.reshape(-1)
+    old_logps, advantages, mask = old_logps.reshape(-1), advantages.reshape(-1), mask.reshape(-1).to(logps.dtype)
+    index = sequence_index(cu_seqlens, logps.shape[0])
+    n_sequences = cu_seqlens.shape[0] - 1
+    counts = torch.zeros(n_sequences, dtype=logps.dtype, device=logps.device).index_add(0, index, mask)
+    log_ratio = torch.where(mask.bool(), logps - old_logps, torch.zeros_like(logps))
+    totals = torch.zeros(n_sequences, dtype=logps.dtype, device=logps.device).index_add(0, index, log_ratio)
+    ratio = (totals / counts.clamp(min=1)).exp()[index]
+    surrogate = ratio * advantages
+    clipped_surrogate = ratio.clamp(1 - clip, 1 + clip_high) * advantages
+    loss = -torch.minimum(surrogate, clipped_surrogate)
+    return loss.view(shape), (clipped_surrogate < surrogate).to(logps.dtype).view(shape)
+
+
+def cispo_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, clip_high: float) -> tuple[Tensor, Tensor]:
+    """CISPO's loss per token (MiniMax-M1, 2025, eq. 4): -sg(min(r, 1 + clip_high)) A log pi with r = pi / pi_old.
+    The importance weight is clipped, not the token: every token keeps its gradient (PPO's clip zeroes the
+    gradient of the tokens it clips); no lower bound, as in the paper. Returns (loss, clipped), clipped 1.0
+    where the weight was cut."""
+    ratio = (logps - old_logps).detach().exp()
+    weight = ratio.clamp(max=1 + clip_high)
+    return -weight * advantages * logps, (ratio > 1 + clip_high).to(logps.dtype)
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float) -> tuple[Tensor, Tensor]:

@@ -10,7 +10,8 @@ class RLSequence(TypedDict, total=False):
     """One trajectory as 1-D tensors aligned with its tokens (packing concatenates each field).
 
     Set from the rollout: `input_ids`, `loss_mask`, `engine_logps`. Set by scoring: `old_logps`,
-    `ref_logps` (with a reference), `old_values` and `returns` (with a critic). Set by the advantage
+    `ref_logps` (with a reference), `old_values` and `returns` (with a critic), `is_weights` (with a rollout
+    correction, which also takes rejected tokens out of `loss_mask`). Set by the advantage
     computation: `advantages`. Set per minibatch: `loss_weight`.
     """
 
@@ -22,4 +23,5 @@ class RLSequence(TypedDict, total=False):
     old_values: Tensor  # the critic's values before this step's updates
     returns: Tensor  # GAE's value targets
     advantages: Tensor  # per-token advantages, 0 outside the loss mask
+    is_weights: Tensor  # with a rollout correction: each token's importance weight (detached)
     loss_weight: Tensor  # per-token weights of the minibatch loss, summing to 1 over the minibatch

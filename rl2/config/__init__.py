@@ -47,6 +47,8 @@ class DataConfig:
 # The allowed values of the settings with choices: the one list, which the code that uses them imports.
 DTYPE_NAMES = ["float32", "bfloat16", "float16"]
 LOSS_LEVELS = ["token", "sequence"]
+POLICY_LOSSES = ["ppo", "gspo", "cispo"]
+CORRECTIONS = ["none", "tis", "seq_tis", "geo_tis", "mis", "seq_mis", "geo_mis", "icepop", "decoupled"]
 ATTENTION_CHOICES = ["auto", "flash_attention_2", "torch_varlen", "flex_attention", "sdpa_loop"]
 
 
@@ -85,6 +87,15 @@ class ActorConfig(ModelConfig):
     beta: float = _f(0.1, "DPO: strength of the implicit KL to the reference model (rewards are beta x log-ratio)")
     label_smoothing: float = _f(0.0, "DPO: assumed probability that a pair's preference label is flipped (conservative DPO), in [0, 0.5)")
     recompute_logprobs: bool = _f(True, "RL: old log-probs from a forward pass of the actor (true) or the engine's sampling log-probs (false)")
+    policy_loss: str = _f("ppo", "RL: the policy loss: ppo (token ratios clipped to [1 - clip, 1 + clip_high]), gspo (Zheng et al. 2025: one ratio per sequence, the geometric mean of its tokens', clipped to [1 - gspo_clip, 1 + gspo_clip_high]; the paper averages per sequence: loss_level=sequence), cispo (MiniMax-M1: each token's ratio clipped at 1 + clip_high and detached, times the advantage and log pi: no token leaves the gradient)", POLICY_LOSSES)
+    gspo_clip: float = _f(3e-4, "GSPO: the sequence ratio's lower clip (the paper's 3e-4)")
+    gspo_clip_high: float = _f(4e-4, "GSPO: the sequence ratio's upper clip (the paper's 4e-4)")
+    rollout_correction: str = _f("none", "RL: correct for the gap between the engine that sampled (behaviour) and the actor (proximal, recompute_logprobs=true), ratio = proximal / behaviour: tis / seq_tis / geo_tis weigh each token by its ratio, its sequence's product of ratios, or their geometric mean, truncated at correction_threshold; mis / seq_mis / geo_mis weigh by the same and reject (no loss, out of the loss's denominator) the tokens or sequences above it; icepop rejects tokens whose ratio is outside [icepop_low, icepop_high] and weighs the rest by it; decoupled weighs by the untruncated ratio (decoupled PPO); none = no correction", CORRECTIONS)
+    correction_threshold: float = _f(2.0, "C of the rollout corrections (truncation or rejection above C); also the band [1/C, C] of the offpolicy/*_outside metrics")
+    icepop_low: float = _f(0.5, "IcePop: tokens whose ratio is below this are rejected")
+    icepop_high: float = _f(5.0, "IcePop: tokens whose ratio is above this are rejected")
+    tis_coef: float = _f(0.0, "RL2's actor.tis_coef: > 0 is rollout_correction=tis with correction_threshold=tis_coef")
+    entropy_coef: float = _f(0.0, "RL: entropy bonus: the loss minus this times each token's entropy (RL2's actor.entropy.coef)")
 
 
 @dataclass
@@ -101,6 +112,7 @@ class RefActorConfig:
 @dataclass
 class RolloutConfig:
     engine: str = _f("hf", "generation engine", ["hf", "sglang"])
+    dtype: Optional[str] = _f(None, "the engine's dtype; null = actor.dtype (bfloat16 while the actor trains in float32 is the engine/trainer gap the rollout corrections are for)", DTYPE_NAMES)
     tp_size: int = _f(1, "tensor-parallel size of the rollout engine")
     gpu_memory_utilization: float = _f(0.5, "fraction of GPU memory the rollout engine may use")
     max_batch_size: int = _f(64, "hf engine: sequences generated at once (its KV slots; memory grows with it)")
@@ -116,6 +128,9 @@ class RolloutConfig:
     env_worker_memory_mb: int = _f(8192, "memory limit of one env worker process (a call that exceeds it fails alone); 0 = no limit")
     max_unscored_steps: int = _f(3, "the run stops with an error after this many steps in a row in which no reward_fn call succeeded")
     env_args: dict[str, Any] = _f({}, "settings of the env file, read there as env_args.get(name, default), e.g. {python_tool_workers: 8}; a name not set here falls back to the environment variable NAME")
+    overlong_buffer: int = _f(0, "DAPO's soft overlong punishment: a response's reward falls linearly over its last overlong_buffer tokens before max_new_tokens (of train_sampling_params; generated tokens of all turns), by up to overlong_penalty; 0 = off")
+    overlong_penalty: float = _f(1.0, "DAPO: the reward a response at the length limit loses with overlong_buffer > 0")
+    overlong_filtering: bool = _f(False, "DAPO: trajectories cut at the length limit carry no loss (their rewards still count in their group's baseline)")
     dynamic_filtering: bool = _f(True, "drop groups whose rewards are all equal (zero advantage; DAPO); never with data.responses_per_prompt=1")
     test_responses_per_prompt: int = _f(1, "responses per test prompt; pass@k uses k = this")
     sync_bucket_mb: int = _f(512, "weights are sent to the engine in buckets of about this many MB")
@@ -259,7 +274,7 @@ def _check_choices(obj: Any, prefix: str = "") -> None:
         value, name = getattr(obj, f.name), f"{prefix}{f.name}"
         if is_dataclass(value):
             _check_choices(value, name + ".")
-        elif "choices" in f.metadata and value not in f.metadata["choices"]:
+        elif "choices" in f.metadata and value is not None and value not in f.metadata["choices"]:
             raise ConfigError(f"invalid value for '{name}': {value!r}; choose one of {', '.join(f.metadata['choices'])}")
 
 

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 # Model keys only the RL update reads (minibatches, clipping, frozen first steps, loss averaging).
 RL_MODEL_KEYS = ("update_per_rollout", "clip", "clip_high", "loss_level", "freeze_steps")
+# Actor keys only the RL update reads (its policy loss, corrections and entropy bonus).
+RL_ACTOR_KEYS = ("recompute_logprobs", "policy_loss", "gspo_clip", "gspo_clip_high", "rollout_correction",
+                 "correction_threshold", "icepop_low", "icepop_high", "tis_coef", "entropy_coef")
 DPO_KEYS = ("beta", "label_smoothing")
 # What the loops over a fixed dataset (SFT, RM, DPO) read of `data` and `trainer`.
 OFFLINE_DATA = tuple(f"data.{key}" for key in (
@@ -58,14 +61,14 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
     Command("ppo", "rl2.trainer.ppo", ("data", "actor", "critic", "ref_actor", "rollout", "kl", "adv", "trainer"),
             ignores=(*_model("actor", *DPO_KEYS), "critic.logps_chunk_size"), checkpoints="actor"),
     Command("sft", "rl2.trainer.sft", (*OFFLINE_DATA, "actor", "trainer"),
-            ignores=(*_model("actor", *RL_MODEL_KEYS, *DPO_KEYS, "recompute_logprobs"), *OFFLINE_TRAINER_IGNORES),
+            ignores=(*_model("actor", *RL_MODEL_KEYS, *DPO_KEYS, *RL_ACTOR_KEYS), *OFFLINE_TRAINER_IGNORES),
             checkpoints="actor"),
     Command("rm", "rl2.trainer.rm", (*OFFLINE_DATA, "critic", "trainer"),
             ignores=(*_model("critic", *RL_MODEL_KEYS, "logps_chunk_size"), *OFFLINE_TRAINER_IGNORES),
             checkpoints="critic", note="rl2.trainer.rm trains the reward model in the critic section "
                                        "(critic.model_name, critic.lr, critic.save_dir, ...), as RL2 does"),
     Command("dpo", "rl2.trainer.dpo", (*OFFLINE_DATA, "actor", "ref_actor", "trainer"),
-            ignores=(*_model("actor", *RL_MODEL_KEYS, "recompute_logprobs"), *OFFLINE_TRAINER_IGNORES),
+            ignores=(*_model("actor", *RL_MODEL_KEYS, *RL_ACTOR_KEYS), *OFFLINE_TRAINER_IGNORES),
             checkpoints="actor"),
     Command("filter", "rl2.trainer.difficulty_filter", (*RL_DATA, *ENGINE_MODEL, "rollout", "trainer.seed", "filter"),
             ignores=("rollout.dynamic_filtering", "rollout.oversample", "rollout.test_responses_per_prompt",

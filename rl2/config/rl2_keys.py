@@ -56,7 +56,6 @@ def _model_keys(model: str) -> list[RL2Key]:
 
 
 _TRAJECTORIES = "rl2 writes each step's trajectories to <actor.save_dir>/trajectories/ (trainer.dump_trajectories)"
-_ENGINE_DTYPE = "the engine serves the actor in actor.dtype; set actor.dtype"
 
 RL2_KEYS: list[RL2Key] = [
     # RL2 since Oct 2025: the data of a rollout under rollout.train / rollout.test; SGLang's own arguments.
@@ -83,7 +82,7 @@ RL2_KEYS: list[RL2Key] = [
     RL2Key("rollout.server_args.model_path", ("actor.model_name",)),
     RL2Key("rollout.server_args.tp_size", ("rollout.tp_size",)),
     RL2Key("rollout.server_args.mem_fraction_static", ("rollout.gpu_memory_utilization",)),
-    RL2Key("rollout.server_args.dtype", note=_ENGINE_DTYPE),
+    RL2Key("rollout.server_args.dtype", ("rollout.dtype",)),
     RL2Key("data.train.path", ("data.path",)),
     RL2Key("data.train.max_length", ("data.max_length",)),
     RL2Key("data.train.batch_size", ("data.batch_size",)),
@@ -99,10 +98,7 @@ RL2_KEYS: list[RL2Key] = [
     *_model_keys("actor"),
     *_model_keys("critic"),
     RL2Key("actor.kl.*", ("kl.*",)),
-    RL2Key("actor.entropy.coef", neutral=(0.0,), note="rl2 has no entropy bonus (the entropy is logged as actor/entropy)"),
-    RL2Key("actor.tis_coef", neutral=(0.0,),
-           note="rl2 has no truncated importance sampling yet: actor.recompute_logprobs=true (the default) "
-                "trains against the actor's own log-probs, and logp_mismatch/* measures the engine's gap"),
+    RL2Key("actor.entropy.coef", ("actor.entropy_coef",)),
     RL2Key("adv.responses_per_prompt", ("data.responses_per_prompt",)),
     RL2Key("trainer.save_dir", ("actor.save_dir", "critic.save_dir")),
     RL2Key("trainer.save_freq", ("actor.save_freq", "critic.save_freq")),
@@ -116,7 +112,6 @@ RL2_KEYS: list[RL2Key] = [
     RL2Key("test_data.response_per_prompt", ("rollout.test_responses_per_prompt",)),  # RL2's own spelling
     RL2Key("rollout.model_name", ("actor.model_name",)),
     RL2Key("rollout.responses_per_prompt", ("data.responses_per_prompt",)),
-    RL2Key("rollout.dtype", note=_ENGINE_DTYPE),
     # RL2, summer 2025 (8166bc9): data.train_data_path / data.test_data_path; group filtering by mean reward.
     RL2Key("data.train_data_path", ("data.path",)),
     RL2Key("data.test_data_path", ("data.test_path",)),

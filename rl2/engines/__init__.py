@@ -28,13 +28,15 @@ def build_engine(
 
 
 def build_engine_from_config(rollout: RolloutConfig, policy: ModelConfig, tokenizer, seed: int) -> Engine:
-    """The `rollout.engine` serving `policy.model_name` on this rank, with the rollout section's options."""
+    """The `rollout.engine` serving `policy.model_name` on this rank in `rollout.dtype` (else the policy's),
+    with the rollout section's options."""
     options = {"max_batch_size": rollout.max_batch_size, "cuda_graphs": rollout.cuda_graphs,
                "attn_implementation": rollout.attn_implementation}
     if rollout.engine == "sglang":
         options = {"tp_size": rollout.tp_size, "memory_fraction": rollout.gpu_memory_utilization,
                    "bucket_mb": rollout.sync_bucket_mb, "server_args": dict(rollout.server_args)}
-    return build_engine(rollout.engine, policy.model_name, tokenizer, device(), policy.dtype, seed=seed, **options)
+    dtype = rollout.dtype or policy.dtype
+    return build_engine(rollout.engine, policy.model_name, tokenizer, device(), dtype, seed=seed, **options)
 
 
 def check_sglang(tp_size: int) -> None:

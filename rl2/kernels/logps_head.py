@@ -27,11 +27,11 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
 
 class ChunkedTokenLogps(torch.autograd.Function):
     """hidden [T, H], weight [V, H], next_ids [T] → log softmax(hidden·weightᵀ / temperature)[next_id]
-    [T] (fp32, differentiable) and, with `with_entropy`, the entropy of that softmax [T] (fp32, not
-    differentiable; else None)."""
+    [T] (fp32, differentiable) and, with `with_entropy`, the entropy of that softmax [T] (fp32,
+    differentiable with `entropy_grad`; else None)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, next_ids, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, next_ids, temperature, chunk_size, with_entropy, entropy_grad=False):
         length = hidden.shape[0]
         logps = torch.empty(length, dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(logps)
@@ -45,15 +45,19 @@ class ChunkedTokenLogps(torch.autograd.Function):
             if with_entropy:
                 log_probs = logits.sub_(chunk_lse[:, None])
                 entropy[start:end] = -torch.linalg.vecdot(log_probs.exp(), log_probs)
-        ctx.save_for_backward(hidden, weight, next_ids, logsumexp)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        if entropy is not None:
+        entropy_grad = entropy_grad and with_entropy
+        ctx.save_for_backward(hidden, weight, next_ids, logsumexp, entropy if entropy_grad else None)
+        ctx.temperature, ctx.chunk_size, ctx.entropy_grad = temperature, chunk_size, entropy_grad
+        if entropy is not None and not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy):
-        hidden, weight, next_ids, logsumexp = ctx.saved_tensors
+        hidden, weight, next_ids, logsumexp, entropy = ctx.saved_tensors
+        if grad_logps is None:
+            grad_logps = torch.zeros_like(logsumexp)
+        with_entropy_grad = ctx.entropy_grad and grad_entropy is not None
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # Accumulated over chunks in fp32 (bf16 compute would round every chunk's partial sum).
@@ -63,7 +67,14 @@ class ChunkedTokenLogps(torch.autograd.Function):
             grad = grad_logps[start:end, None]
             # d log p(y) / dz = onehot(y) − softmax(z); z = logits / temperature
             grad_logits = _chunk_logits(hidden[start:end], weight, ctx.temperature)
-            grad_logits.sub_(logsumexp[start:end, None]).exp_().mul_(-grad)
+            if with_entropy_grad:
+                # d H / dz = −p (log p + H), H = −Σ p log p
+                log_probs = grad_logits.sub_(logsumexp[start:end, None])
+                probs = log_probs.exp()
+                grad_logits = probs * (-grad)
+                grad_logits.sub_(probs.mul_(log_probs.add_(entropy[start:end, None])).mul_(grad_entropy[start:end, None]))
+            else:
+                grad_logits.sub_(logsumexp[start:end, None]).exp_().mul_(-grad)
             grad_logits.scatter_add_(-1, next_ids[start:end, None], grad)
             if ctx.temperature != 1.0:
                 grad_logits.div_(ctx.temperature)
@@ -74,7 +85,7 @@ class ChunkedTokenLogps(torch.autograd.Function):
                 grad_weight.add_(grad_logits.t() @ hidden[start:end])
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_token_logps(
@@ -84,10 +95,12 @@ def chunked_token_logps(
     temperature: float = 1.0,
     chunk_size: int = 2048,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each next token [T] and, with `with_entropy`, the entropy [T] (no gradient), under
-    softmax(hidden · weightᵀ / temperature), `chunk_size` tokens at a time; hidden [T, H], weight [V, H]."""
-    return ChunkedTokenLogps.apply(hidden, weight, next_ids, temperature, chunk_size, with_entropy)
+    """Log-prob of each next token [T] and, with `with_entropy`, the entropy [T] (with its gradient when
+    `entropy_grad`), under softmax(hidden · weightᵀ / temperature), `chunk_size` tokens at a time; hidden
+    [T, H], weight [V, H]."""
+    return ChunkedTokenLogps.apply(hidden, weight, next_ids, temperature, chunk_size, with_entropy, entropy_grad)
 
 
 @dataclass
@@ -95,6 +108,7 @@ class _Request:
     next_ids: torch.Tensor
     temperature: float
     with_entropy: bool
+    entropy_grad: bool
 
 
 class TokenLogpsHead(nn.Module):
@@ -116,10 +130,11 @@ class TokenLogpsHead(nn.Module):
         self._request: _Request | None = None
 
     @contextlib.contextmanager
-    def predicting(self, next_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False):
+    def predicting(self, next_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                   entropy_grad: bool = False):
         """Forwards in this context return [1, T, 2]: log p(next_ids[t]) and the entropy (0 without
-        `with_entropy`) at each of the row's T positions; next_ids [T]."""
-        self._request = _Request(next_ids, temperature, with_entropy)
+        `with_entropy`; differentiable with `entropy_grad`) at each of the row's T positions; next_ids [T]."""
+        self._request = _Request(next_ids, temperature, with_entropy, entropy_grad)
         try:
             yield
         finally:
@@ -131,7 +146,8 @@ class TokenLogpsHead(nn.Module):
         request = self._request
         flat = hidden.reshape(-1, hidden.shape[-1])
         logps, entropy = chunked_token_logps(
-            flat, self.weight, request.next_ids, request.temperature, self.chunk_size, request.with_entropy
+            flat, self.weight, request.next_ids, request.temperature, self.chunk_size, request.with_entropy,
+            request.entropy_grad,
         )
         if entropy is None:
             entropy = torch.zeros_like(logps)

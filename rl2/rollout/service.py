@@ -116,7 +116,8 @@ class RolloutService:
         """Push `model`'s weights into the engine, bucket by bucket, then wake it: with SGLang,
         weight memory is resumed, the weights pushed, and only then the KV cache resumed."""
         self.engine.update_weights(
-            iter_full_weights(model, self.config.actor.dtype, self.config.rollout.sync_bucket_mb)
+            iter_full_weights(model, self.config.rollout.dtype or self.config.actor.dtype,
+                              self.config.rollout.sync_bucket_mb)
         )
         self.engine.wake()
 

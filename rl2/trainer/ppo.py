@@ -15,9 +15,19 @@ from tqdm import tqdm
 
 from rl2.algorithms.advantages import trajectory_advantages
 from rl2.algorithms.group_filters import groups_with_signal, resample_groups
-from rl2.algorithms.losses import kl_penalty, masked_mean, policy_loss, value_loss, with_loss_weights
+from rl2.algorithms.losses import (
+    cispo_loss,
+    gspo_loss,
+    kl_penalty,
+    masked_mean,
+    policy_loss,
+    value_loss,
+    with_loss_weights,
+)
+from rl2.algorithms.off_policy import Correction, correction_weights, mismatch_metrics
+from rl2.algorithms.overlong import overlong_penalty
 from rl2.algorithms.sequences import RLSequence
-from rl2.config import Config
+from rl2.config import ActorConfig, Config
 from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
 from rl2.data.rows import Columns, write_json
@@ -111,17 +121,23 @@ class PPOTrainer(Trainer):
         if self.critic is not None:
             resume_schedule(self.critic.scheduler, state["critic_scheduler"])
 
+    @property
+    def correction(self) -> Correction:
+        return rollout_correction(self.config.actor)
+
     # ---- the phases of a step --------------------------------------------------------------
 
     def score(self, trajectories: list[Trajectory]) -> tuple[list[RLSequence], dict[str, float]]:
         """The trajectories as sequences with the old policy's, the reference's and the critic's
         per-token outputs, computed on packed micro-batches; and the log-prob mismatch metrics."""
         # An excluded trajectory (an env error, an aborted generation) stays in the batch, so groups
-        # keep their shape, but carries no loss and does not count in its group's baseline.
+        # keep their shape, but carries no loss and does not count in its group's baseline. With
+        # overlong filtering a truncated one carries no loss either, but counts in the baseline.
+        filtered = self.config.rollout.overlong_filtering
         sequences: list[RLSequence] = [
             {
                 "input_ids": torch.tensor(t.token_ids),
-                "loss_mask": torch.tensor(t.action_mask, dtype=torch.float32) * (not t.excluded),
+                "loss_mask": torch.tensor(t.action_mask, dtype=torch.float32) * (not (t.excluded or filtered and t.truncated)),
                 "engine_logps": torch.tensor(t.logprobs, dtype=torch.float32),
             }
             for t in trajectories
@@ -133,10 +149,14 @@ class PPOTrainer(Trainer):
             mismatch = (torch.cat(old_logps) - torch.cat([s["engine_logps"] for s in sequences])).abs()
             metrics["logp_mismatch/mean"] = masked_mean(mismatch, all_masks).item()
             metrics["logp_mismatch/max"] = (mismatch * all_masks).max().item()
+            metrics.update(mismatch_metrics(old_logps, [s["engine_logps"] for s in sequences],
+                                            [s["loss_mask"] for s in sequences], self.correction.threshold))
         else:  # the mismatch is then measured in the first minibatch's forward pass (actor_loss)
             old_logps = [seq["engine_logps"] for seq in sequences]
         for seq, logps in zip(sequences, old_logps):
             seq["old_logps"] = logps
+        if self.correction.mode != "none":
+            metrics.update(self.correct(sequences))
         if self.reference is not None:
             for seq, logps in zip(sequences, self.reference.compute(sequences, "logps")):
                 seq["ref_logps"] = logps
@@ -144,6 +164,24 @@ class PPOTrainer(Trainer):
             for seq, values in zip(sequences, self.critic.compute(sequences, "values")):
                 seq["old_values"] = values
         return sequences, metrics
+
+    def correct(self, sequences: list[RLSequence]) -> dict[str, float]:
+        """The rollout correction (`rl2.algorithms.off_policy`): each sequence's importance weights, and
+        its rejected tokens taken out of its loss mask (so out of the loss and its denominator too)."""
+        before = [seq["loss_mask"] for seq in sequences]
+        for seq in sequences:
+            weights, keep = correction_weights(seq["old_logps"], seq["engine_logps"], seq["loss_mask"], self.correction)
+            seq["is_weights"] = weights.float()
+            seq["loss_mask"] = seq["loss_mask"] * keep
+        after = [seq["loss_mask"] for seq in sequences]
+        tokens = sum(mask.sum() for mask in before)
+        kept = torch.cat(after).bool()
+        trained = [bool(mask.any()) for mask in before]
+        return {
+            "offpolicy/rejected_token_ratio": float(1 - sum(mask.sum() for mask in after) / tokens) if tokens else 0.0,
+            "offpolicy/rejected_sequence_ratio": sum(t and not a.any() for t, a in zip(trained, after)) / max(sum(trained), 1),
+            "offpolicy/is_weight_mean": float(torch.cat([s["is_weights"] for s in sequences])[kept].mean()) if kept.any() else 0.0,
+        }
 
     def add_advantages(self, sequences: list[RLSequence], trajectories: list[Trajectory]) -> dict[str, float]:
         """Each sequence's `advantages` (and `returns` with GAE) from the rewards and the scores; and
@@ -208,11 +246,20 @@ class PPOTrainer(Trainer):
         return [[sequences[g * group_size + i] for g in sorted(chunk) for i in range(group_size)] for chunk in chunks]
 
     def actor_loss(self, outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]):
-        """PPO's clipped surrogate (plus the KL loss with kl.type=loss), weighted per token."""
-        config, weight = self.config, batch["loss_weight"]
-        loss, clipped = policy_loss(
-            outputs["logps"], batch["old_logps"], batch["advantages"], config.actor.clip, config.actor.clip_high
-        )
+        """The policy loss (`actor.policy_loss`) times the rollout correction's importance weights, plus
+        the KL loss with kl.type=loss, minus the entropy bonus, weighted per token."""
+        config, weight, actor = self.config, batch["loss_weight"], self.config.actor
+        if actor.policy_loss == "gspo":
+            loss, clipped = gspo_loss(outputs["logps"], batch["old_logps"], batch["advantages"], batch["loss_mask"],
+                                      batch["cu_seqlens"], actor.gspo_clip, actor.gspo_clip_high)
+        elif actor.policy_loss == "cispo":
+            clip_high = actor.clip if actor.clip_high is None else actor.clip_high
+            loss, clipped = cispo_loss(outputs["logps"], batch["old_logps"], batch["advantages"], clip_high)
+        else:
+            loss, clipped = policy_loss(outputs["logps"], batch["old_logps"], batch["advantages"], actor.clip,
+                                        actor.clip_high)
+        if "is_weights" in batch:
+            loss = loss * batch["is_weights"]
         metrics = {"clip_ratio": (clipped * weight).sum(), "entropy": (outputs["entropy"] * weight).sum()}
         if not config.actor.recompute_logprobs:
             # Before the first optimizer step this forward pass is the old policy's.
@@ -222,6 +269,8 @@ class PPOTrainer(Trainer):
             kl = kl_penalty(outputs["logps"], batch["ref_logps"], config.kl.loss_estimator)
             loss = loss + config.kl.coef * kl
             metrics["kl_loss"] = (kl * weight).sum()
+        if actor.entropy_coef:
+            loss = loss - actor.entropy_coef * outputs["entropy"]
         return (loss * weight).sum(), metrics
 
     def critic_loss(self, outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]):
@@ -242,6 +291,8 @@ class PPOTrainer(Trainer):
         metrics = {**rollout_metrics(trajectories), **self.rollout.fault_metrics()}
         self.rollout.dump(trajectories, f"step_{self.step}")
         self.rollout.require_scores(trajectories)
+        if config.rollout.overlong_buffer > 0 or config.rollout.overlong_filtering:
+            metrics.update(self.shape_overlong(trajectories))
         if config.adv.resample_on_correct:
             trajectories, roc_metrics = self.resample_on_correct(trajectories, generated)
             metrics.update(roc_metrics)
@@ -269,6 +320,24 @@ class PPOTrainer(Trainer):
             "time/step": total,
             "tokens_per_second": sum(len(t.token_ids) for t in trajectories) / total,
         }
+
+    def shape_overlong(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """DAPO's overlong shaping (`rl2.algorithms.overlong`): each scored trajectory's reward lowered by
+        its soft overlong punishment (the generated tokens of all its turns against the training
+        max_new_tokens); and how many were penalised, and cut at the length limit (with overlong
+        filtering those carry no loss, see `score`)."""
+        rollout = self.config.rollout
+        limit = self.rollout.train_params.max_new_tokens
+        scored = [t for t in trajectories if not t.excluded]
+        penalties = [rollout.overlong_penalty * overlong_penalty(t.response_length, limit, rollout.overlong_buffer)
+                     for t in scored]
+        for t, penalty in zip(scored, penalties):
+            t.reward += penalty
+        metrics = {"overlong/truncated_ratio": sum(t.truncated for t in scored) / max(len(scored), 1)}
+        if rollout.overlong_buffer > 0:
+            metrics["overlong/penalized_ratio"] = sum(p < 0 for p in penalties) / max(len(scored), 1)
+            metrics["overlong/penalty_mean"] = sum(penalties) / max(len(scored), 1)
+        return metrics
 
     def resample_on_correct(self, trajectories: list[Trajectory], group_size: int) -> tuple[list[Trajectory], dict]:
         """GRPO-RoC: each group of `group_size` cut to `data.responses_per_prompt`
@@ -350,6 +419,14 @@ class PPOTrainer(Trainer):
         if is_rank0():
             rows = read_metrics(os.path.join(self.config.actor.save_dir, "metrics.jsonl"))
             logger.info("\n" + run_summary(rows))
+
+
+def rollout_correction(actor: ActorConfig) -> Correction:
+    """The correction `actor.rollout_correction` asks for (RL2's `actor.tis_coef` > 0: token-level TIS at
+    that threshold)."""
+    if actor.tis_coef > 0:
+        return Correction("tis", actor.tis_coef)
+    return Correction(actor.rollout_correction, actor.correction_threshold, actor.icepop_low, actor.icepop_high)
 
 
 def run_summary(rows: list[dict]) -> str:

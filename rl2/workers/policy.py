@@ -31,8 +31,9 @@ def next_token_logps(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tens
 
 class Policy(ModelWorker):
     """A causal LM whose `forward` gives each token's log-prob ("logps") and, on request, the
-    entropy of its distribution ("entropy", without gradient), both at `temperature`: the sampling
-    temperature of the policy that generated the tokens.
+    entropy of its distribution ("entropy"; with its gradient where an entropy bonus trains on it,
+    `entropy_coef` > 0), both at `temperature`: the sampling temperature of the policy that generated
+    the tokens.
 
     With `logps_chunk_size` > 0 the LM head computes them in token chunks and never holds the
     `[T, vocab]` logits (`rl2.kernels.logps_head`)."""
@@ -45,17 +46,18 @@ class Policy(ModelWorker):
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
         inputs, next_ids = self._model_inputs(micro_batch)
+        entropy_grad = with_entropy and torch.is_grad_enabled() and getattr(self.config, "entropy_coef", 0.0) != 0
         if self.logps_head is not None:
-            with self.logps_head.predicting(next_ids[0], self.temperature, with_entropy):
+            with self.logps_head.predicting(next_ids[0], self.temperature, with_entropy, entropy_grad):
                 per_token = self._per_token_outputs(**inputs)
             outputs = {"logps": per_token[..., 0]}
             if with_entropy:
-                outputs["entropy"] = per_token[..., 1].detach()
+                outputs["entropy"] = per_token[..., 1] if entropy_grad else per_token[..., 1].detach()
         else:
             logits = scaled_logits(self._per_token_outputs(**inputs)[0], self.temperature)
             outputs = {"logps": next_token_logps(logits, next_ids[0]).unsqueeze(0)}
             if with_entropy:
-                with torch.no_grad():
+                with torch.set_grad_enabled(entropy_grad):
                     logps = torch.log_softmax(logits, dim=-1)
                     outputs["entropy"] = -(logps.exp() * logps).sum(-1).unsqueeze(0)
         return {name: self._align(value, micro_batch) for name, value in outputs.items()}

@@ -2,8 +2,9 @@
 
 Usage: ppo_update.py MODEL_DIR DATA ENV OUT_FILE ESTIMATOR [key=value ...]
 
-ESTIMATOR is `grpo` (group-normalised, KL as a k3 loss, DAPO clip) or `gae` (critic, KL in the
-reward). After the update the engine generates from a few prompts and the largest difference
+ESTIMATOR is `grpo` (group-normalised, KL as a k3 loss, DAPO clip), `gae` (critic, KL in the
+reward), `gspo-icepop` or `cispo-geo-mis` (those policy losses and corrections, an entropy bonus, the
+engine's log-probs the actor's with noise). After the update the engine generates from a few prompts and the largest difference
 between its log-probs and the actor's on those tokens is saved as `sync_max_diff`.
 
 The models step with plain SGD instead of AdamW (`use_sgd`): SGD moves a parameter by lr times
@@ -33,7 +34,14 @@ from step_capture import capture_steps, use_sgd
 ESTIMATORS = {
     "grpo": ["adv.norm_var=true", "kl.coef=0.1", "kl.type=loss", "kl.loss_estimator=k3", "actor.clip_high=0.28"],
     "gae": ["adv.estimator=gae", "kl.coef=0.1", "kl.type=reward", "critic.lr=0.1", "critic.update_per_rollout=2"],
+    # The off-policy losses and corrections: the engine's log-probs are the actor's with noise (see main).
+    "gspo-icepop": ["adv.norm_var=true", "actor.policy_loss=gspo", "actor.loss_level=sequence", "actor.gspo_clip=0.05",
+                    "actor.gspo_clip_high=0.08", "actor.rollout_correction=icepop", "actor.icepop_low=0.8",
+                    "actor.icepop_high=1.25", "actor.entropy_coef=0.01"],
+    "cispo-geo-mis": ["adv.norm_var=true", "actor.policy_loss=cispo", "actor.clip_high=0.1",
+                      "actor.rollout_correction=geo_mis", "actor.correction_threshold=1.05"],
 }
+NOISY_ENGINE = ("gspo-icepop", "cispo-geo-mis")
 
 
 def fixed_rollout(group_size: int, n_groups: int, seed: int = 0) -> list[Trajectory]:
@@ -82,7 +90,15 @@ def main() -> None:
     for model in models.values():
         use_sgd(model)
     steps = {name: capture_steps(m.model, m.optimizer) for name, m in models.items()}
-    sequences, prepared = trainer.prepare(fixed_rollout(group_size=4, n_groups=4))
+    rollout = fixed_rollout(group_size=4, n_groups=4)
+    if estimator in NOISY_ENGINE:  # behaviour log-probs near the actor's, so the corrections have ratios to work on
+        generator = torch.Generator().manual_seed(3)
+        actual = trainer.actor.compute([{"input_ids": torch.tensor(t.token_ids),
+                                         "loss_mask": torch.tensor(t.action_mask, dtype=torch.float32)} for t in rollout])
+        for t, logps in zip(rollout, actual):
+            noise = (2 * torch.rand(len(logps), generator=generator) - 1) * 0.3
+            t.logprobs = ((logps + noise) * torch.tensor(t.action_mask)).tolist()
+    sequences, prepared = trainer.prepare(rollout)
     updated = trainer.update(sequences, step=1)
 
     trainer.rollout.sync_weights(trainer.actor.model)
