@@ -464,9 +464,11 @@ def test_multi_turn_samples_do_not_depend_on_tool_timing(model_dir, tokenizer):
 
 
 def test_abort_and_tool_failure_during_multi_turn(model_dir, tokenizer, prompts):
-    """abort() while tools are running ends their next turns with "abort"; a tool whose future
+    """abort() while tools are running returns at once: the requests waiting for a tool get no further
+    generation (the caller knows they were waiting: a partial rollout resumes them); a tool whose future
     fails raises from generate_turns; the engine works normally afterwards."""
     import threading
+    import time
     from concurrent.futures import Future
 
     engine = HFEngine(model_dir, tokenizer, CPU, seed=1)
@@ -476,12 +478,14 @@ def test_abort_and_tool_failure_during_multi_turn(model_dir, tokenizer, prompts)
     def slow_tool(index, generation):
         results.setdefault(index, []).append(generation)
         future = Future()
-        threading.Timer(0.3, lambda: future.set_result(Turn(prompts[index] + generation.token_ids, 4))).start()
+        threading.Timer(3.0, lambda: future.set_result(Turn(prompts[index] + generation.token_ids, 4))).start()
         threading.Timer(0.1, engine.abort).start()
         return future
 
+    start = time.perf_counter()
     engine.generate_turns([Turn(p, 4) for p in prompts[:2]], params, slow_tool, max_turns=2)
-    assert [[g.finish_reason for g in results[i]] for i in range(2)] == [["length", "abort"]] * 2
+    assert time.perf_counter() - start < 2.5  # the tools (3 s) were not waited for
+    assert [[g.finish_reason for g in results[i]] for i in range(2)] == [["length"]] * 2
 
     def failing_tool(index, generation):
         future = Future()
@@ -535,3 +539,39 @@ def test_prefill_attention_choice():
     assert prefill_attention(cuda, available=only_flex) == "sdpa_loop"
     with pytest.raises(ValueError, match="torch_varlen cannot run on cpu"):
         prefill_attention(CPU, "torch_varlen")
+
+
+def test_a_resumed_generation_draws_what_the_uninterrupted_one_draws(model_dir, tokenizer, prompts):
+    """A partial rollout's resume: generations aborted after a few tokens, then continued from the prompt plus
+    those tokens with their own random stream and the count already drawn (`Turn.stream`, `Turn.offset`), give
+    the uninterrupted generations' tokens; the log-probs of the resumed part come from a prefill instead of
+    decode steps (float32 rounding)."""
+    import threading
+    import time
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True)
+    engine = HFEngine(model_dir, tokenizer, CPU, seed=3)
+    engine.reseed(7)
+    full = engine.generate(prompts[:3], params)
+
+    def abort_after(steps: int) -> None:
+        start = engine.stats["decode_steps"]
+        while engine.stats["decode_steps"] < start + steps:
+            time.sleep(0.001)
+        engine.abort()
+
+    engine.reseed(7)
+    watcher = threading.Thread(target=abort_after, args=(5,))
+    watcher.start()
+    partial = engine.generate(prompts[:3], params)
+    watcher.join()
+    assert all(g.finish_reason == "abort" and 0 < len(g.token_ids) < 24 for g in partial)
+    resumed = {}
+    turns = [Turn(p + g.token_ids, 24 - len(g.token_ids), stream=g.stream, offset=len(g.token_ids))
+             for p, g in zip(prompts[:3], partial)]
+    engine.generate_turns(turns, params, lambda i, g: resumed.__setitem__(i, g), max_turns=1)
+    for i, (whole, first) in enumerate(zip(full, partial)):
+        assert first.stream == whole.stream
+        assert first.token_ids + resumed[i].token_ids == whole.token_ids, i
+        torch.testing.assert_close(torch.tensor(first.logprobs + resumed[i].logprobs), torch.tensor(whole.logprobs),
+                                   rtol=0, atol=1e-4)

@@ -5,6 +5,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
+from typing import Union
 
 import torch
 
@@ -68,20 +69,29 @@ class Generation:
     logprobs: list[float]
     finish_reason: str
     error: str | None = None
+    stream: tuple[int, int] | None = None  # the random stream it drew from, where the engine has one (`Turn.stream`)
 
 
 @dataclass
 class Turn:
     """One generation of a multi-turn request: the whole conversation so far as token ids, and
-    how many tokens this turn may add (at most the sampling parameters' `max_new_tokens`)."""
+    how many tokens this turn may add (at most the sampling parameters' `max_new_tokens`).
+
+    A turn that continues an interrupted generation (a partial rollout) passes that generation's
+    `stream` and how many tokens it already drew (`offset`): an engine with per-request random
+    streams (the `hf` engine) then draws the rest exactly as the uninterrupted generation would have."""
 
     prompt: list[int]
     max_new_tokens: int
+    stream: tuple[int, int] | None = None
+    offset: int = 0
 
 
 # Called with (request index, finished generation): None when the request is done, else a future
 # of its next `Turn` (None once the tool decides the episode is over).
 OnGeneration = Callable[[int, Generation], "Future[Turn | None] | None"]
+# A request's first turn, or a future of it (a request resumed while its tool still runs).
+FirstTurn = Union[Turn, "Future[Turn | None]"]
 
 
 class Engine(ABC):
@@ -101,17 +111,19 @@ class Engine(ABC):
         """One generation per prompt, in the order of `prompts`."""
 
     def generate_turns(
-        self, turns: list[Turn], params: SamplingParams, on_generation: OnGeneration, max_turns: int
+        self, turns: list[FirstTurn], params: SamplingParams, on_generation: OnGeneration, max_turns: int
     ) -> None:
         """Multi-turn generation: each finished generation goes to `on_generation`, which may
         return a future of the request's next turn (e.g. the conversation with a tool's output
         appended), generated once the future resolves; `max_turns` generations per request at most.
+        A first turn may itself be such a future (a request that waits for its tool).
 
         This default runs turn by turn: every request's turn is generated in one `generate` call,
         then all the futures are awaited. An engine with its own scheduler overrides it to let a
         request's next turn start while others still generate.
         """
-        pending = dict(enumerate(turns))
+        pending = {index: turn.result() if isinstance(turn, Future) else turn for index, turn in enumerate(turns)}
+        pending = {index: turn for index, turn in pending.items() if turn is not None}
         for _ in range(max_turns):
             if not pending and not self.lockstep:  # a lockstep engine needs this rank's every call
                 break

@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rl2.distributed.fsdp import DTYPES
-from rl2.engines.base import Engine, Generation, OnGeneration, SamplingParams, Turn
+from rl2.engines.base import Engine, FirstTurn, Generation, OnGeneration, SamplingParams, Turn
 from rl2.engines.decode_step import DecodeStep
 from rl2.engines.kv_slots import NO_MASKS, KVSlots, PrefillPlan, prefill_attention, register_slot_attention
 from rl2.engines.sampling import request_uniforms, sample
@@ -39,7 +39,9 @@ class _Request:
     turn: int  # how many generations of this request came before
     prompt: list[int]
     max_new: int  # tokens this turn may add
-    sample_key: int  # which random stream its tokens are drawn from (`request_uniforms`)
+    call_key: int  # with sample_key: the random stream its tokens are drawn from (`request_uniforms`)
+    sample_key: int
+    offset: int = 0  # tokens of this generation drawn before (a resumed partial rollout): its first position
     slot: int = -1
     fed_bound: int = 0  # at least the positions its slot holds: for sizing the decode's kv_length
     checked: int = 0  # generated tokens already checked for stop strings
@@ -54,21 +56,27 @@ class _DeviceState:
     count: torch.Tensor  # [S] tokens generated
     live: torch.Tensor  # [S] still generating
     limit: torch.Tensor  # [S] tokens the slot's request may generate
-    sample_key: torch.Tensor  # [S] the slot's request's `sample_key`
+    call_key: torch.Tensor  # [S] the slot's request's random stream (`request_uniforms`)
+    sample_key: torch.Tensor  # [S]
+    offset: torch.Tensor  # [S] the stream position of the slot's first new token
     tokens: torch.Tensor  # [S, max_new + 1] generated tokens (the last column is scratch)
     logprobs: torch.Tensor  # [S, max_new + 1]
     stop_ids: torch.Tensor  # [k]
     max_new: int
-    call_key: int  # the call's random key (`request_uniforms`)
 
     @classmethod
-    def create(cls, slots: int, max_new: int, stop_ids: set[int], call_key: int, device) -> "_DeviceState":
+    def create(cls, slots: int, max_new: int, stop_ids: set[int], device) -> "_DeviceState":
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=device)
 
         return cls(zeros(slots), zeros(slots), zeros(slots), zeros(slots, dtype=torch.bool), zeros(slots),
-                   zeros(slots), zeros(slots, max_new + 1), zeros(slots, max_new + 1, dtype=torch.float32),
-                   torch.tensor(sorted(stop_ids), dtype=torch.long, device=device), max_new, call_key)
+                   zeros(slots), zeros(slots), zeros(slots), zeros(slots, max_new + 1),
+                   zeros(slots, max_new + 1, dtype=torch.float32),
+                   torch.tensor(sorted(stop_ids), dtype=torch.long, device=device), max_new)
+
+    def uniforms(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """One uniform number per row for the token each row draws next, from its request's stream."""
+        return request_uniforms(self.call_key[rows], self.sample_key[rows], self.offset[rows] + self.count[rows])
 
     def record(self, rows: torch.Tensor, running: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Append `tokens` to the running ones of `rows`; a row stops on a stop id or at its limit."""
@@ -142,14 +150,16 @@ class HFEngine(Engine):
         return results
 
     def generate_turns(
-        self, turns: list[Turn], params: SamplingParams, on_generation: OnGeneration, max_turns: int
+        self, turns: list[FirstTurn], params: SamplingParams, on_generation: OnGeneration, max_turns: int
     ) -> None:
         """Multi-turn generation in one schedule: a request's next turn enters a free slot as soon
         as its future resolves (its tool answered), while the others go on decoding, and reuses the
         cache its earlier turns left in their slot. The futures are looked at every host sync.
 
-        Turn t of request i draws from random stream t·len(turns) + i, so the samples do not
-        depend on how fast the tools answer.
+        Turn t of request i draws from random stream (call key, t·len(turns) + i), so the samples do
+        not depend on how fast the tools answer; a turn that names its `stream` draws from that one,
+        from position `offset`. After `abort`, the requests still waiting for a tool are dropped: the
+        call returns without waiting for them.
         """
         self._schedule(turns, params, on_generation, max_turns)
 
@@ -162,11 +172,16 @@ class HFEngine(Engine):
             return
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         call_key = int(torch.randint(0, 2**62, (1,), generator=self.generator))
-        state = _DeviceState.create(self.max_batch_size, params.max_new_tokens, stop_ids, call_key, self.device)
-        waiting = deque(self._request(i, 0, turn, params, len(turns)) for i, turn in enumerate(turns))
+        state = _DeviceState.create(self.max_batch_size, params.max_new_tokens, stop_ids, self.device)
+        waiting: deque[_Request] = deque()
         running: list[_Request] = []
         tools: list[tuple[_Request, concurrent.futures.Future]] = []  # requests waiting for their next turn
-        self._reserve(max(len(r.prompt) for r in waiting) + min(params.max_new_tokens, 256))
+        for i, turn in enumerate(turns):
+            if isinstance(turn, concurrent.futures.Future):  # its first turn comes when its tool answers
+                tools.append((_Request(i, -1, [], 0, call_key, 0), turn))
+            else:
+                waiting.append(self._request(i, 0, turn, params, len(turns), call_key))
+        self._reserve(max((len(r.prompt) for r in waiting), default=1) + min(params.max_new_tokens, 256))
 
         def finished(request: _Request, generation: Generation) -> None:
             future = on_generation(request.index, generation)
@@ -175,13 +190,16 @@ class HFEngine(Engine):
 
         try:
             while waiting or running or tools:
-                self._collect_turns(tools, waiting, params, len(turns), max_turns, block=not (waiting or running))
                 if self.aborting.is_set():
                     self._finish(running, state, params, stop_ids, finished, abort=True)
                     running = []
                     while waiting:
-                        finished(waiting.popleft(), Generation([], [], "abort", "aborted"))
+                        request = waiting.popleft()
+                        finished(request, Generation([], [], "abort", "aborted", (request.call_key, request.sample_key)))
+                    tools.clear()  # not waited for: their tools may never answer
                     continue
+                self._collect_turns(tools, waiting, params, len(turns), max_turns, call_key,
+                                    block=not (waiting or running))
                 while waiting and self.slots.free_slots():
                     running += self._admit(waiting, state, params)
                 for _ in range(self.sync_interval):
@@ -192,21 +210,29 @@ class HFEngine(Engine):
             self.slots.drop_active()  # after an error: their caches are incomplete
 
     @staticmethod
-    def _request(index: int, turn_number: int, turn: Turn, params: SamplingParams, requests: int) -> _Request:
+    def _request(index: int, turn_number: int, turn: Turn, params: SamplingParams, requests: int,
+                 call_key: int) -> _Request:
         if len(turn.prompt) == 0:
             raise ValueError("every prompt needs at least one token")
         if turn.max_new_tokens < 1:
             raise ValueError(f"a turn needs max_new_tokens >= 1, got {turn.max_new_tokens} (request {index})")
         max_new = min(turn.max_new_tokens, params.max_new_tokens)
-        return _Request(index, turn_number, list(turn.prompt), max_new, sample_key=turn_number * requests + index)
+        if turn.stream is not None:
+            call_key, sample_key = turn.stream
+        else:
+            sample_key = turn_number * requests + index
+        return _Request(index, turn_number, list(turn.prompt), max_new, call_key, sample_key, turn.offset)
 
     def _collect_turns(self, tools: list, waiting: deque, params: SamplingParams, requests: int, max_turns: int,
-                       block: bool) -> None:
+                       call_key: int, block: bool) -> None:
         """Move the requests whose next turn is ready from `tools` to `waiting` (in the order they
-        were handed out); with `block`, wait until at least one future is done. A future that fails
-        raises here; a turn past `max_turns` is dropped."""
-        if block and tools:
-            concurrent.futures.wait([future for _, future in tools], return_when=concurrent.futures.FIRST_COMPLETED)
+        were handed out); with `block`, wait until at least one future is done (or `abort`). A future
+        that fails raises here; a turn past `max_turns` is dropped."""
+        futures = [future for _, future in tools]
+        while block and futures and not self.aborting.is_set():  # abort() wakes the wait within 50 ms
+            done, _ = concurrent.futures.wait(futures, timeout=0.05, return_when=concurrent.futures.FIRST_COMPLETED)
+            if done:
+                break
         still = []
         for request, future in tools:
             if not future.done():
@@ -214,7 +240,7 @@ class HFEngine(Engine):
                 continue
             turn = future.result()
             if turn is not None and request.turn + 1 < max_turns:
-                waiting.append(self._request(request.index, request.turn + 1, turn, params, requests))
+                waiting.append(self._request(request.index, request.turn + 1, turn, params, requests, call_key))
                 self.stats["next_turns"] += 1
         tools[:] = still
 
@@ -266,12 +292,13 @@ class HFEngine(Engine):
             logits_to_keep=as_tensor(last),
         ).logits[0]
         rows = as_tensor([request.slot for request, _ in admitted])
+        state.call_key[rows] = as_tensor([request.call_key for request, _ in admitted])
         state.sample_key[rows] = as_tensor([request.sample_key for request, _ in admitted])
-        uniforms = request_uniforms(state.call_key, state.sample_key[rows], torch.zeros_like(rows))  # token 0
-        next_tokens, logprobs = sample(logits, params, uniforms)
+        state.offset[rows] = as_tensor([request.offset for request, _ in admitted])
+        state.count[rows] = 0
+        next_tokens, logprobs = sample(logits, params, state.uniforms(rows))  # each one's first token
         state.length[rows] = as_tensor([len(request.prompt) for request, _ in admitted])
         state.limit[rows] = as_tensor([request.max_new for request, _ in admitted])
-        state.count[rows] = 0
         state.record(rows, torch.ones_like(rows, dtype=torch.bool), next_tokens, logprobs)
         for request, _ in admitted:
             self.slots.start(request.slot, request.prompt)
@@ -294,8 +321,7 @@ class HFEngine(Engine):
         live = state.live[:rows]
         write_positions = torch.where(live, state.length[:rows], self.kv.capacity)
         logits = self.decode(state.next_input[:rows], write_positions, kv_length)
-        uniforms = request_uniforms(state.call_key, state.sample_key[:rows], state.count[:rows])
-        next_tokens, logprobs = sample(logits, params, uniforms)
+        next_tokens, logprobs = sample(logits, params, state.uniforms(slice(0, rows)))
         state.length[:rows] += live
         state.record(torch.arange(rows, device=self.device), live, next_tokens, logprobs)
         for request in running:
@@ -333,7 +359,7 @@ class HFEngine(Engine):
             # The cache holds the prompt and every generated token but the last (never fed back).
             self.slots.keep(request.slot, request.prompt + row_tokens[:-1])
             request.slot = -1
-            finished(request, Generation(row_tokens, row_logprobs, reason, error))
+            finished(request, Generation(row_tokens, row_logprobs, reason, error, (request.call_key, request.sample_key)))
         if stopped_rows:
             state.live[torch.tensor(stopped_rows, device=self.device)] = False
 
