@@ -188,6 +188,13 @@ def check_off_policy_config(config: Config) -> None:
     if rollout.overlong_buffer < 0 or rollout.overlong_penalty < 0:
         raise ConfigError(f"rollout.overlong_buffer and rollout.overlong_penalty must be >= 0, got "
                           f"{rollout.overlong_buffer} and {rollout.overlong_penalty}")
+    if rollout.partial_rollout:
+        if rollout.tp_size > 1:
+            raise ConfigError("rollout.partial_rollout needs rollout.tp_size=1: ranks that share one engine would "
+                              "have to pause together")
+        if rollout.partial_max_age < 1 or (rollout.partial_extra_prompts is not None and rollout.partial_extra_prompts < 1):
+            raise ConfigError(f"rollout.partial_max_age and rollout.partial_extra_prompts must be >= 1, got "
+                              f"{rollout.partial_max_age} and {rollout.partial_extra_prompts}")
     max_new_tokens = rollout.train_sampling_params.get("max_new_tokens", 512)
     if rollout.overlong_buffer >= max_new_tokens:
         raise ConfigError(f"rollout.overlong_buffer={rollout.overlong_buffer} must be below the training "

@@ -48,7 +48,7 @@ class DataConfig:
 DTYPE_NAMES = ["float32", "bfloat16", "float16"]
 LOSS_LEVELS = ["token", "sequence"]
 POLICY_LOSSES = ["ppo", "gspo", "cispo"]
-CORRECTIONS = ["none", "tis", "seq_tis", "geo_tis", "mis", "seq_mis", "geo_mis", "icepop", "decoupled"]
+CORRECTIONS = ["auto", "none", "tis", "seq_tis", "geo_tis", "mis", "seq_mis", "geo_mis", "icepop", "decoupled"]
 ATTENTION_CHOICES = ["auto", "flash_attention_2", "torch_varlen", "flex_attention", "sdpa_loop"]
 
 
@@ -90,7 +90,7 @@ class ActorConfig(ModelConfig):
     policy_loss: str = _f("ppo", "RL: the policy loss: ppo (token ratios clipped to [1 - clip, 1 + clip_high]), gspo (Zheng et al. 2025: one ratio per sequence, the geometric mean of its tokens', clipped to [1 - gspo_clip, 1 + gspo_clip_high]; the paper averages per sequence: loss_level=sequence), cispo (MiniMax-M1: each token's ratio clipped at 1 + clip_high and detached, times the advantage and log pi: no token leaves the gradient)", POLICY_LOSSES)
     gspo_clip: float = _f(3e-4, "GSPO: the sequence ratio's lower clip (the paper's 3e-4)")
     gspo_clip_high: float = _f(4e-4, "GSPO: the sequence ratio's upper clip (the paper's 4e-4)")
-    rollout_correction: str = _f("none", "RL: correct for the gap between the engine that sampled (behaviour) and the actor (proximal, recompute_logprobs=true), ratio = proximal / behaviour: tis / seq_tis / geo_tis weigh each token by its ratio, its sequence's product of ratios, or their geometric mean, truncated at correction_threshold; mis / seq_mis / geo_mis weigh by the same and reject (no loss, out of the loss's denominator) the tokens or sequences above it; icepop rejects tokens whose ratio is outside [icepop_low, icepop_high] and weighs the rest by it; decoupled weighs by the untruncated ratio (decoupled PPO); none = no correction", CORRECTIONS)
+    rollout_correction: str = _f("auto", "RL: correct for the gap between the engine that sampled (behaviour) and the actor (proximal, recompute_logprobs=true), ratio = proximal / behaviour: tis / seq_tis / geo_tis weigh each token by its ratio, its sequence's product of ratios, or their geometric mean, truncated at correction_threshold; mis / seq_mis / geo_mis weigh by the same and reject (no loss, out of the loss's denominator) the tokens or sequences above it; icepop rejects tokens whose ratio is outside [icepop_low, icepop_high] and weighs the rest by it; decoupled weighs by the untruncated ratio (decoupled PPO); none = no correction; auto = none, or tis with rollout.partial_rollout (its carried-over tokens were sampled by older weights)", CORRECTIONS)
     correction_threshold: float = _f(2.0, "C of the rollout corrections (truncation or rejection above C); also the band [1/C, C] of the offpolicy/*_outside metrics")
     icepop_low: float = _f(0.5, "IcePop: tokens whose ratio is below this are rejected")
     icepop_high: float = _f(5.0, "IcePop: tokens whose ratio is above this are rejected")
@@ -128,6 +128,9 @@ class RolloutConfig:
     env_worker_memory_mb: int = _f(8192, "memory limit of one env worker process (a call that exceeds it fails alone); 0 = no limit")
     max_unscored_steps: int = _f(3, "the run stops with an error after this many steps in a row in which no reward_fn call succeeded")
     env_args: dict[str, Any] = _f({}, "settings of the env file, read there as env_args.get(name, default), e.g. {python_tool_workers: 8}; a name not set here falls back to the environment variable NAME")
+    partial_rollout: bool = _f(False, "RL: a step stops generating once data.prompts_per_rollout groups are done; the trajectories still generating or waiting for their tool continue in the next step under the new weights, their tokens kept (RL2's rollout.train.partial_rollout); needs rollout.tp_size=1; see README")
+    partial_extra_prompts: Optional[int] = _f(None, "partial rollout: groups in flight beyond those a step trains on; null = a quarter of data.prompts_per_rollout (at least 1)")
+    partial_max_age: int = _f(2, "partial rollout: a group carried over this many steps is finished in the next step, however long it takes")
     overlong_buffer: int = _f(0, "DAPO's soft overlong punishment: a response's reward falls linearly over its last overlong_buffer tokens before max_new_tokens (of train_sampling_params; generated tokens of all turns), by up to overlong_penalty; 0 = off")
     overlong_penalty: float = _f(1.0, "DAPO: the reward a response at the length limit loses with overlong_buffer > 0")
     overlong_filtering: bool = _f(False, "DAPO: trajectories cut at the length limit carry no loss (their rewards still count in their group's baseline)")

@@ -21,6 +21,10 @@ OFFLINE_DATA = tuple(f"data.{key}" for key in (
 OFFLINE_TRAINER_IGNORES = ("trainer.eval_only", "trainer.dump_trajectories")
 # What the sampling-only commands (difficulty filter, search) read of the policy: the engine serves it.
 ENGINE_MODEL = tuple(f"actor.{key}" for key in ("model_name", "tokenizer_name", "dtype", "max_length_per_device", "sp_size"))
+# Rollout keys only training reads: partial rollout and DAPO's reward shaping.
+PARTIAL_AND_SHAPING = tuple(f"rollout.{key}" for key in (
+    "partial_rollout", "partial_extra_prompts", "partial_max_age", "overlong_buffer", "overlong_penalty",
+    "overlong_filtering"))
 RL_DATA = tuple(f"data.{key}" for key in (
     "path", "max_length", "batch_size", "prompts_per_rollout", "messages_key", "apply_chat_template", "prompt_key"))
 
@@ -72,10 +76,10 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
             checkpoints="actor"),
     Command("filter", "rl2.trainer.difficulty_filter", (*RL_DATA, *ENGINE_MODEL, "rollout", "trainer.seed", "filter"),
             ignores=("rollout.dynamic_filtering", "rollout.oversample", "rollout.test_responses_per_prompt",
-                     "rollout.sync_bucket_mb")),
+                     "rollout.sync_bucket_mb", *PARTIAL_AND_SHAPING)),
     Command("search", "rl2.search", (*RL_DATA, *ENGINE_MODEL, "rollout", "trainer.seed", "search"),
             ignores=("rollout.dynamic_filtering", "rollout.oversample", "rollout.test_responses_per_prompt",
-                     "rollout.sync_bucket_mb", "rollout.max_unscored_steps")),
+                     "rollout.sync_bucket_mb", "rollout.max_unscored_steps", *PARTIAL_AND_SHAPING)),
 )}
 
 

@@ -23,7 +23,7 @@ class BatchSampler:
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
-        self.batch_in_epoch = 0
+        self.position = 0  # rows of this epoch's order already handed out
 
     @property
     def batches_per_epoch(self) -> int:
@@ -45,16 +45,23 @@ class BatchSampler:
 
     def next_batch(self) -> list[int]:
         """The next batch's indices; rolls over to a new epoch when one ends."""
-        if self.batch_in_epoch >= self.batches_per_epoch:
+        return self.next_rows(self.batch_size)
+
+    def next_rows(self, n: int) -> list[int]:
+        """The next `n` indices (at most the dataset's rows) of this epoch's order; when fewer than `n`
+        are left, a new epoch starts and the rest are left out (as an incomplete batch is)."""
+        if not 0 <= n <= self.num_rows:
+            raise ValueError(f"cannot draw {n} rows from {self.num_rows}")
+        if self.position + n > self.num_rows:
             self.epoch += 1
-            self.batch_in_epoch = 0
-        start = self.batch_in_epoch * self.batch_size
-        self.batch_in_epoch += 1
-        return self._order(self.epoch)[start : start + self.batch_size]
+            self.position = 0
+        start, self.position = self.position, self.position + n
+        return self._order(self.epoch)[start : start + n]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+        return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = state["epoch"]
-        self.batch_in_epoch = state["batch_in_epoch"]
+        # checkpoints before the position was kept count whole batches
+        self.position = state["position"] if "position" in state else state["batch_in_epoch"] * self.batch_size

@@ -10,6 +10,7 @@ a tool's messages are appended as their plain text and the model continues after
 import contextlib
 import copy
 import logging
+import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -32,12 +33,22 @@ def rollout(
     max_length: int | None = None,
     first_group: int = 0,
     apply_chat_template: bool = True,
+    version: int = 0,
 ) -> list[Trajectory]:
     """`responses_per_prompt` trajectories for each prompt ({"prompt_ids", "messages", "answer"}),
     grouped by prompt, of at most `max_turns` generations and `max_length` tokens in all.
     `apply_chat_template` says how the prompts were made (`RLDataset`), and so how tool messages
-    are appended: through the chat template, or as plain text (`observation_tokens`)."""
-    trajectories = [
+    are appended: through the chat template, or as plain text (`observation_tokens`). `version` is
+    the policy version that samples (recorded per token)."""
+    trajectories = new_trajectories(prompts, responses_per_prompt, first_group, version)
+    continue_rollout(engine, env, tokenizer, trajectories, params, max_turns, max_length, apply_chat_template, version)
+    return trajectories
+
+
+def new_trajectories(prompts: list[dict], responses_per_prompt: int, first_group: int = 0,
+                     version: int = 0) -> list[Trajectory]:
+    """The trajectories of `prompts`, before their first turn, `responses_per_prompt` of each, grouped."""
+    return [
         Trajectory(
             messages=copy.deepcopy(prompt["messages"]),
             answer=prompt["answer"],
@@ -45,18 +56,63 @@ def rollout(
             token_ids=list(prompt["prompt_ids"]),
             action_mask=[0] * len(prompt["prompt_ids"]),
             logprobs=[0.0] * len(prompt["prompt_ids"]),
+            versions=[-1] * len(prompt["prompt_ids"]),
+            started=version,
         )
         for g, prompt in enumerate(prompts)
         for _ in range(responses_per_prompt)
     ]
+
+
+class Pause:
+    """Ends a partial rollout early: `now()` aborts the engine's generations, and the generations that
+    come back aborted are kept as paused (continued later), not as failures."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.requested = threading.Event()
+
+    def now(self) -> None:
+        self.requested.set()
+        self.engine.abort()
+
+
+def continue_rollout(
+    engine: Engine,
+    env: Env | None,
+    tokenizer,
+    trajectories: list[Trajectory],
+    params: SamplingParams,
+    max_turns: int = 1,
+    max_length: int | None = None,
+    apply_chat_template: bool = True,
+    version: int = 0,
+    on_done: Callable[[Trajectory], None] | None = None,
+    pause: Pause | None = None,
+) -> None:
+    """Take `trajectories` on from where each stands (`Trajectory.stage`): new ones from their first
+    turn, paused ones from inside their turn (the tokens drawn so far kept, the same random stream
+    continued) or from their tool call. Each one that ends is passed to `on_done` (from the engine's
+    thread or a tool's, one at a time); after `pause.now()` the call returns at once and the unfinished
+    ones keep what they have, to be continued by a later call (a tool call still running is cancelled
+    and made again)."""
     if max_turns > 1 and (env is None or not env.has_interact):
         raise ValueError("rollout.max_turns > 1 needs an env file that defines interact(messages)")
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos and tokenizer.eos_token_id is not None:
         stop_ids.add(tokenizer.eos_token_id)
+    lock = threading.Lock()
+
+    def finish(trajectory: Trajectory) -> None:
+        trajectory.done = True
+        if on_done is not None:
+            with lock:
+                on_done(trajectory)
+
     for trajectory in trajectories:
-        if _room(trajectory, max_length) <= 0:
-            trajectory.truncated = trajectory.done = True  # a prompt that fills the limit
+        if not trajectory.done and _room(trajectory, max_length) <= 0:
+            trajectory.truncated = True  # a prompt that fills the limit
+            finish(trajectory)
     active = [t for t in trajectories if not t.done]
 
     def next_turn(trajectory: Trajectory, result: EnvResult) -> Turn | None:
@@ -64,28 +120,43 @@ def rollout(
         if result.error is not None:
             trajectory.errors.append(result.error)
         if result.error is not None or not result.value:
-            trajectory.done = True
+            finish(trajectory)
             return None
         _append_observation(trajectory, result.value, tokenizer, max_length, apply_chat_template)
-        return None if trajectory.done else _turn(trajectory, params, max_length)
+        if trajectory.done:
+            finish(trajectory)
+            return None
+        trajectory.stage = "generate"
+        return _turn(trajectory, params, max_length)
 
     with env.interactions() if max_turns > 1 else contextlib.nullcontext() as interact:
 
+        def ask_tool(trajectory: Trajectory) -> Future:
+            trajectory.stage = "interact"
+            return _then(interact(trajectory.messages), lambda result: next_turn(trajectory, result))
+
         def on_generation(index: int, generation: Generation) -> Future | None:
             trajectory = active[index]
-            _append_generation(trajectory, generation, tokenizer, stop_ids, max_length)
+            paused = generation.finish_reason == "abort" and pause is not None and pause.requested.is_set()
+            _append_generation(trajectory, generation, tokenizer, stop_ids, max_length, version, paused)
+            if paused and not trajectory.done and trajectory.turn_start >= 0:
+                return None
             if trajectory.turns == max_turns:
                 trajectory.done = True
             if trajectory.done:
+                finish(trajectory)
                 return None
-            return _then(interact(trajectory.messages), lambda result: next_turn(trajectory, result))
+            return ask_tool(trajectory)
 
-        engine.generate_turns([_turn(t, params, max_length) for t in active], params, on_generation, max_turns)
-    return trajectories
+        first = [ask_tool(t) if t.stage == "interact" else _turn(t, params, max_length) for t in active]
+        engine.generate_turns(first, params, on_generation, max_turns)  # also with none: a lockstep engine's call
 
 
 def _turn(trajectory: Trajectory, params: SamplingParams, max_length: int | None) -> Turn:
-    return Turn(list(trajectory.token_ids), min(params.max_new_tokens, _room(trajectory, max_length)))
+    """The trajectory's next generation; inside a paused turn, the rest of it, from the same random stream."""
+    drawn = len(trajectory.token_ids) - trajectory.turn_start if trajectory.turn_start >= 0 else 0
+    room = min(params.max_new_tokens - drawn, _room(trajectory, max_length))
+    return Turn(list(trajectory.token_ids), room, stream=trajectory.stream if drawn else None, offset=drawn)
 
 
 def _then(future: Future, fn: Callable[[Any], Any]) -> Future:
@@ -107,15 +178,27 @@ def _room(trajectory: Trajectory, max_length: int | None) -> int:
 
 
 def _append_generation(
-    trajectory: Trajectory, generation: Generation, tokenizer, stop_ids: set[int], max_length: int | None
+    trajectory: Trajectory, generation: Generation, tokenizer, stop_ids: set[int], max_length: int | None,
+    version: int = 0, paused: bool = False,
 ) -> None:
+    """Append a generation's tokens, then (unless `paused` inside it) end the turn: its message is all
+    the turn's tokens, those drawn before a pause included."""
     tokens, logprobs = list(generation.token_ids), list(generation.logprobs)
     room = _room(trajectory, max_length)
     cut = len(tokens) > room
     tokens, logprobs = tokens[:room], logprobs[:room]
+    if trajectory.turn_start < 0:
+        trajectory.turn_start = len(trajectory.token_ids)
     trajectory.token_ids += tokens
     trajectory.action_mask += [1] * len(tokens)
     trajectory.logprobs += logprobs
+    if len(trajectory.versions) == len(trajectory.token_ids) - len(tokens):  # tracked since the prompt
+        trajectory.versions += [version] * len(tokens)
+    if paused and not cut and _room(trajectory, max_length) > 0:
+        trajectory.stream = generation.stream
+        return
+    tokens = trajectory.token_ids[trajectory.turn_start:]
+    trajectory.turn_start, trajectory.stream = -1, None
     trajectory.turns += 1
     # The message holds what the model said; the template adds the end-of-turn token again.
     # A stop token id, or another special token the engine stops on (a generation config's eos).
@@ -150,6 +233,8 @@ def _append_observation(
     trajectory.token_ids += tokens
     trajectory.action_mask += [0] * len(tokens)
     trajectory.logprobs += [0.0] * len(tokens)
+    if len(trajectory.versions) == len(trajectory.token_ids) - len(tokens):
+        trajectory.versions += [-1] * len(tokens)
 
 
 def observation_tokens(

@@ -19,6 +19,14 @@ class Trajectory:
     done: bool = False
     reward: float | None = None  # None until scored, and when reward_fn failed
     errors: list[str] = field(default_factory=list)
+    # Per token, the policy version that sampled it (-1 on prompt and tool tokens); empty where untracked.
+    versions: list[int] = field(default_factory=list)
+    # A partial rollout's place in the episode: what it does next (`generate` a turn, or `interact`: call
+    # its tool), where the turn being generated began (-1: none begun) and the random stream it draws from.
+    stage: str = "generate"
+    turn_start: int = -1
+    stream: tuple[int, int] | None = None
+    started: int = 0  # the policy version when the episode began
 
     @property
     def response_length(self) -> int:

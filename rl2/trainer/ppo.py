@@ -27,13 +27,14 @@ from rl2.algorithms.losses import (
 from rl2.algorithms.off_policy import Correction, correction_weights, mismatch_metrics
 from rl2.algorithms.overlong import overlong_penalty
 from rl2.algorithms.sequences import RLSequence
-from rl2.config import ActorConfig, Config
+from rl2.config import Config, ConfigError
 from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
 from rl2.data.rows import Columns, write_json
 from rl2.data.sampler import BatchSampler
 from rl2.distributed.process_group import is_rank0
 from rl2.metrics import PhaseTimer, curve_summary, read_metrics
+from rl2.rollout.partial import PartialRollout
 from rl2.rollout.rollout_metrics import rollout_metrics
 from rl2.rollout.service import RolloutService
 from rl2.rollout.trajectory import Trajectory
@@ -74,6 +75,7 @@ class PPOTrainer(Trainer):
                 source=f"training prompts of {config.data.path}",
             )
             self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
+        self.partial = self.partial_rollout(prompts_per_rollout)
         self.actor = self.reference = self.critic = None
         if self.eval_only:
             logger.info(
@@ -113,19 +115,55 @@ class PPOTrainer(Trainer):
         state = {"sampler": self.sampler.state_dict(), "scheduler": self.actor.scheduler.state_dict()}
         if self.critic is not None:
             state["critic_scheduler"] = self.critic.scheduler.state_dict()
+        if self.partial is not None:
+            state["partial_rollout"] = self.partial.state_dict()  # the carried-over groups, resumed exactly
         return state
 
     def load_extra_state(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
+        if self.partial is not None and "partial_rollout" in state:
+            self.partial.load_state_dict(state["partial_rollout"])
         resume_schedule(self.actor.scheduler, state["scheduler"])
         if self.critic is not None:
             resume_schedule(self.critic.scheduler, state["critic_scheduler"])
 
     @property
     def correction(self) -> Correction:
-        return rollout_correction(self.config.actor)
+        return rollout_correction(self.config)
+
+    def partial_rollout(self, prompts_per_rollout: int) -> PartialRollout | None:
+        """With `rollout.partial_rollout`: what carries unfinished groups from step to step."""
+        rollout = self.config.rollout
+        if not rollout.partial_rollout or self.eval_only:
+            return None
+        extra = rollout.partial_extra_prompts or max(1, prompts_per_rollout // 4)
+        if prompts_per_rollout + extra > len(self.train_data):
+            raise ConfigError(f"rollout.partial_rollout keeps {prompts_per_rollout} + {extra} groups in flight "
+                              f"(rollout.partial_extra_prompts), more than the {len(self.train_data)} training prompts")
+        return PartialRollout(self.rollout, prompts_per_rollout, extra, rollout.partial_max_age, self.generated_per_prompt)
+
+    @property
+    def generated_per_prompt(self) -> int:
+        """Responses generated per prompt: GRPO-RoC's `rollout.oversample`, else data.responses_per_prompt."""
+        config = self.config
+        return config.rollout.oversample if config.adv.resample_on_correct else config.data.responses_per_prompt
 
     # ---- the phases of a step --------------------------------------------------------------
+
+    def roll_out(self, timer: PhaseTimer) -> tuple[list[Trajectory], dict[str, float]]:
+        """This step's trajectories, scored, on every rank: its prompts' (a batch from the sampler), or with
+        partial rollout the groups that finished first among those carried over and new prompts."""
+        config, seed = self.config, self.config.trainer.seed + self.step
+        if self.partial is None:
+            prompts = [self.train_data[i] for i in self.sampler.next_batch()]
+            trajectories = self.rollout.generate(prompts, self.rollout.train_params, self.generated_per_prompt, seed, timer,
+                                                 release_after=True)
+            return trajectories, {}
+        prompts = [self.train_data[i] for i in self.sampler.next_rows(self.partial.prompts_wanted())]
+        version = self.step - 1  # the updates the policy has had
+        trajectories = self.partial.generate(prompts, self.rollout.train_params, seed, version, timer, release_after=True)
+        return trajectories, self.partial.metrics(trajectories, version)
+
 
     def score(self, trajectories: list[Trajectory]) -> tuple[list[RLSequence], dict[str, float]]:
         """The trajectories as sequences with the old policy's, the reference's and the critic's
@@ -284,17 +322,14 @@ class PPOTrainer(Trainer):
     def train_step(self) -> dict[str, float]:
         """One PPO step; returns its metrics."""
         config, timer = self.config, PhaseTimer()
-        prompts = [self.train_data[i] for i in self.sampler.next_batch()]
-        generated = config.rollout.oversample if config.adv.resample_on_correct else config.data.responses_per_prompt
-        seed = config.trainer.seed + self.step
-        trajectories = self.rollout.generate(prompts, self.rollout.train_params, generated, seed, timer, release_after=True)
-        metrics = {**rollout_metrics(trajectories), **self.rollout.fault_metrics()}
+        trajectories, partial_metrics = self.roll_out(timer)
+        metrics = {**rollout_metrics(trajectories), **self.rollout.fault_metrics(), **partial_metrics}
         self.rollout.dump(trajectories, f"step_{self.step}")
         self.rollout.require_scores(trajectories)
         if config.rollout.overlong_buffer > 0 or config.rollout.overlong_filtering:
             metrics.update(self.shape_overlong(trajectories))
         if config.adv.resample_on_correct:
-            trajectories, roc_metrics = self.resample_on_correct(trajectories, generated)
+            trajectories, roc_metrics = self.resample_on_correct(trajectories, self.generated_per_prompt)
             metrics.update(roc_metrics)
         if config.rollout.dynamic_filtering:
             trajectories, metrics["dynamic_filter/dropped_ratio"] = groups_with_signal(
@@ -421,12 +456,16 @@ class PPOTrainer(Trainer):
             logger.info("\n" + run_summary(rows))
 
 
-def rollout_correction(actor: ActorConfig) -> Correction:
+def rollout_correction(config: Config) -> Correction:
     """The correction `actor.rollout_correction` asks for (RL2's `actor.tis_coef` > 0: token-level TIS at
-    that threshold)."""
+    that threshold; `auto`: none, or token-level TIS with partial rollout)."""
+    actor = config.actor
     if actor.tis_coef > 0:
         return Correction("tis", actor.tis_coef)
-    return Correction(actor.rollout_correction, actor.correction_threshold, actor.icepop_low, actor.icepop_high)
+    mode = actor.rollout_correction
+    if mode == "auto":
+        mode = "tis" if config.rollout.partial_rollout else "none"
+    return Correction(mode, actor.correction_threshold, actor.icepop_low, actor.icepop_high)
 
 
 def run_summary(rows: list[dict]) -> str:
