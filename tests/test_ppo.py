@@ -228,6 +228,38 @@ def test_resume_is_exact(tiny_model_dir, rl_data, tmp_path):
         torch.testing.assert_close(final_b[name], value, rtol=0, atol=1e-6, msg=name)
 
 
+def test_partial_rollout_resumes_exactly(tiny_model_dir, rl_data, tmp_path):
+    """Partial rollout on 2 ranks (answers long enough that groups are paused and carried over): the carried
+    groups go into the checkpoint, so a run that crashed in step 3 resumed from step 2 equals 4 straight steps
+    in the prompts and answers each step trained, the losses, and the final weights; the partial/* metrics say
+    that carried-over tokens trained."""
+    env_file = tmp_path / "parity_env.py"
+    env_file.write_text(PARITY_ENV)
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    common = (f"rollout.env_path={env_file}", "rollout.env_workers=0", "trainer.test_freq=null",
+              "rollout.dynamic_filtering=false", "actor.save_freq=2", "rollout.partial_rollout=true",
+              "rollout.partial_extra_prompts=4", "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 24}")
+    run_torchrun(_ppo_args(tiny_model_dir, rl_data, straight, *common))
+    crashed = run_torchrun(_ppo_args(tiny_model_dir, rl_data, resumed, *common, "rollout.env_args.crash_after=16"),
+                           check=False)  # 2 groups of 4 trained on each rank a step (no group is 2 steps old yet)
+    assert crashed.returncode == 3, crashed.stderr[-3000:]
+    run_torchrun(_ppo_args(tiny_model_dir, rl_data, resumed, *common, "trainer.load_ckpt_from=latest"))
+
+    a, b = read_metrics(f"{straight}/metrics.jsonl"), read_metrics(f"{resumed}/metrics.jsonl")
+    assert [row["step"] for row in a] == [row["step"] for row in b] == [1, 2, 3, 4]
+    for row_a, row_b in zip(a, b):
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "partial/resumed_ratio", "partial/carried_groups"):
+            assert row_b[key] == pytest.approx(row_a[key], abs=1e-6), (row_a["step"], key)
+    assert max(row["partial/resumed_ratio"] for row in a) > 0 and max(row["partial/age_max"] for row in a) >= 1
+    dumps_a, dumps_b = _dumped_steps(straight), _dumped_steps(resumed)
+    for step in dumps_a:
+        assert [t["messages"] for t in dumps_b[step]] == [t["messages"] for t in dumps_a[step]], step
+    final_a = AutoModelForCausalLM.from_pretrained(f"{straight}/step4", dtype=torch.float32).state_dict()
+    final_b = AutoModelForCausalLM.from_pretrained(f"{resumed}/step4", dtype=torch.float32).state_dict()
+    for name, value in final_a.items():
+        torch.testing.assert_close(final_b[name], value, rtol=0, atol=1e-6, msg=name)
+
+
 def test_notebook_run_in_one_process(tiny_model_dir, rl_data, tmp_path):
     """PPOTrainer runs without torchrun, with a critic (GAE), a KL-regularised reference, dynamic
     filtering and an actor frozen for its first step (the critic warms up)."""
