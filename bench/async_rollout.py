@@ -1,0 +1,131 @@
+"""Partial rollout against the lockstep step, with a slow, long-tailed tool: the multi-turn demo (a `lookup` tool
+that knows each box's code) whose tool answers after a lognormal latency (median 0.2 s, 5% over 2 s, like a
+remote search or code service).
+
+One SFT warm-up (the tool demo's), then GRPO from it, lockstep and with `rollout.partial_rollout`, over the
+same data and the same number of trained samples (steps x prompts_per_rollout x responses_per_prompt), in one
+run. Printed per run: trained samples per second of wall time, the wall time until the reward first reaches
+the threshold, the final reward (mean of the last steps), and for partial rollout what it carried over.
+
+    python bench/async_rollout.py [--seeds 2] [--steps 24] [--threshold 0.9] [--out DIR]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAST_STEPS = 5
+PROMPTS, RESPONSES = 16, 8
+
+SLOW_LOOKUP_ENV = '''"""The demo's lookup tool, answering after a lognormal latency: median 0.2 s, 5% of the calls over 2 s."""
+
+import asyncio
+import math
+import random
+import sys
+
+sys.path.insert(0, {envs!r})
+import demo_lookup  # noqa: E402
+
+SIGMA = math.log(10) / 1.645  # P(latency > 10 x median) = 5%
+
+
+async def interact(messages):
+    await asyncio.sleep(0.2 * math.exp(random.gauss(0.0, SIGMA)))
+    return demo_lookup.interact(messages)
+
+
+def reward_fn(messages, answer):
+    return demo_lookup.reward_fn(messages, answer)
+'''
+
+
+def python(args: list[str], log: str) -> None:
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open(log, "w") as f:
+        done = subprocess.run([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args[:3])} failed ({done.returncode}); see {log}")
+
+
+def warm_up(out: str, sft_steps: int) -> str:
+    """The tool demo's model, data and SFT warm-up (recipes/ppo_tiny.sh with TASK=lookup, first half)."""
+    python(["-m", "rl2.testing.tiny", f"{out}/model", "--hidden-size", "128", "--layers", "2"], f"{out}/tiny.log")
+    python(["recipes/make_demo_data.py", "--task", "lookup", "--out", f"{out}/data", "--rows", "4000"], f"{out}/data.log")
+    python(["-m", "rl2.trainer.sft", f"data.path={out}/data/sft.jsonl", "data.batch_size=64",
+            f"actor.model_name={out}/model", "actor.dtype=float32", "actor.gradient_checkpointing=false", "actor.lr=3e-3",
+            "actor.warmup_ratio=0.2", f"actor.save_dir={out}/sft", f"trainer.total_steps={sft_steps}",
+            "trainer.disable_wandb=true"], f"{out}/sft.log")
+    return f"{out}/sft/step{sft_steps}"
+
+
+def grpo(model: str, out: str, name: str, seed: int, steps: int, env_file: str, extra: list[str]) -> list[dict]:
+    save_dir = f"{out}/{name}_seed{seed}"
+    python(["-m", "rl2.trainer.ppo", f"data.path={out}/data/train.jsonl", f"data.prompts_per_rollout={PROMPTS}",
+            f"data.responses_per_prompt={RESPONSES}", f"actor.model_name={model}", "actor.dtype=float32",
+            "actor.gradient_checkpointing=false", "actor.lr=5e-4", "actor.warmup_ratio=0.1", f"actor.save_dir={save_dir}",
+            f"rollout.env_path={env_file}", "rollout.max_turns=2",
+            "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 16}", "adv.estimator=reinforce",
+            "adv.norm_var=true", f"trainer.total_steps={steps}", f"trainer.seed={seed}", "trainer.disable_wandb=true",
+            "trainer.dump_trajectories=false", *extra], f"{save_dir}.log")
+    return [json.loads(line) for line in open(f"{save_dir}/metrics.jsonl")]
+
+
+def summary(rows: list[dict], threshold: float) -> dict:
+    """Throughput and learning of one run, from its metrics (wall time = the sum of its step times)."""
+    times = [row["time/step"] if "time/step" in row else sum(v for k, v in row.items() if k.startswith("time/"))
+             for row in rows]
+    rewards = [row.get("reward/mean", 0.0) for row in rows]
+    elapsed, reached = 0.0, None
+    for step_time, reward in zip(times, rewards):
+        elapsed += step_time
+        if reached is None and reward >= threshold:
+            reached = elapsed
+    samples = len(rows) * PROMPTS * RESPONSES
+    return {"samples_per_s": samples / sum(times), "seconds": sum(times), "to_threshold": reached,
+            "final": sum(rewards[-LAST_STEPS:]) / len(rewards[-LAST_STEPS:]),
+            "resumed": sum(row.get("partial/resumed_ratio", 0.0) for row in rows) / len(rows),
+            "age_max": max(row.get("partial/age_max", 0.0) for row in rows)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--sft-steps", type=int, default=200)
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    out = args.out or tempfile.mkdtemp(prefix="rl2-async-")
+    os.makedirs(out, exist_ok=True)
+    env_file = f"{out}/slow_lookup.py"
+    with open(env_file, "w") as f:
+        f.write(SLOW_LOOKUP_ENV.format(envs=os.path.join(REPO, "envs")))
+    print(f"SFT warm-up ({args.sft_steps} steps) in {out}", flush=True)
+    start = time.perf_counter()
+    model = warm_up(out, args.sft_steps)
+    print(f"warm-up {time.perf_counter() - start:.0f} s", flush=True)
+    settings = {"lockstep": [], "partial": ["rollout.partial_rollout=true"]}
+    print(f"{'run':<10} {'seed':>4} {'samples/s':>9} {'wall s':>7} {'to ' + str(args.threshold):>8} {'final':>6} "
+          f"{'resumed':>7} {'age_max':>7}", flush=True)
+    means: dict[str, list[dict]] = {}
+    for seed in range(1, args.seeds + 1):
+        for name, extra in settings.items():
+            s = summary(grpo(model, out, name, seed, args.steps, env_file, extra), args.threshold)
+            means.setdefault(name, []).append(s)
+            reached = f"{s['to_threshold']:.0f}" if s["to_threshold"] is not None else "never"
+            print(f"{name:<10} {seed:>4} {s['samples_per_s']:>9.1f} {s['seconds']:>7.0f} {reached:>8} {s['final']:>6.3f} "
+                  f"{s['resumed']:>7.3f} {s['age_max']:>7.0f}", flush=True)
+    rate = {name: sum(s["samples_per_s"] for s in runs) / len(runs) for name, runs in means.items()}
+    final = {name: sum(s["final"] for s in runs) / len(runs) for name, runs in means.items()}
+    print(f"\npartial / lockstep samples per second: {rate['partial'] / rate['lockstep']:.2f}x "
+          f"(final reward {final['partial']:.3f} vs {final['lockstep']:.3f})")
+
+
+if __name__ == "__main__":
+    main()
