@@ -167,8 +167,10 @@ def check_rl_config(config: Config) -> None:
 
 def check_off_policy_config(config: Config) -> None:
     """The policy loss, the rollout correction, the entropy bonus and overlong shaping."""
+    from rl2.algorithms.off_policy import rollout_correction
+
     actor, rollout = config.actor, config.rollout
-    correcting = actor.rollout_correction != "none" or actor.tis_coef > 0
+    correcting = rollout_correction(config).mode != "none"
     if actor.tis_coef < 0:
         raise ConfigError(f"actor.tis_coef must be >= 0 (0 = off), got {actor.tis_coef}")
     if actor.tis_coef > 0 and actor.rollout_correction not in ("none", "tis"):

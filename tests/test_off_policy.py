@@ -230,7 +230,8 @@ def test_the_defaults_give_todays_loss_bit_for_bit():
     from types import SimpleNamespace
 
     from rl2.config import load_config
-    from rl2.trainer.ppo import PPOTrainer, rollout_correction
+    from rl2.algorithms.off_policy import rollout_correction
+    from rl2.trainer.ppo import PPOTrainer
 
     config = load_config([])
     assert rollout_correction(config) == Correction("none", 2.0, 0.5, 5.0)  # auto: none without partial rollout

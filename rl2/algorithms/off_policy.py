@@ -43,6 +43,19 @@ class Correction:
     high: float = 5.0
 
 
+def rollout_correction(config) -> Correction:
+    """The correction a run's `actor.rollout_correction` asks for: RL2's `actor.tis_coef` > 0 is token-level
+    TIS at that threshold; `auto` is token-level TIS under partial rollout (its carried-over tokens were sampled
+    by older weights) when the proximal log-probs are recomputed, else none."""
+    actor = config.actor
+    if actor.tis_coef > 0:
+        return Correction("tis", actor.tis_coef)
+    mode = actor.rollout_correction
+    if mode == "auto":
+        mode = "tis" if config.rollout.partial_rollout and actor.recompute_logprobs else "none"
+    return Correction(mode, actor.correction_threshold, actor.icepop_low, actor.icepop_high)
+
+
 def log_ratios(proximal: Tensor, behaviour: Tensor, mask: Tensor) -> Tensor:
     """log(pi_prox / pi_behav) per token, clamped to +-LOG_RATIO_LIMIT, 0 off `mask`."""
     return torch.where(mask.bool(), proximal - behaviour, torch.zeros_like(proximal)).clamp(

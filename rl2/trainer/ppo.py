@@ -24,7 +24,7 @@ from rl2.algorithms.losses import (
     value_loss,
     with_loss_weights,
 )
-from rl2.algorithms.off_policy import Correction, correction_weights, mismatch_metrics
+from rl2.algorithms.off_policy import Correction, correction_weights, mismatch_metrics, rollout_correction
 from rl2.algorithms.overlong import overlong_penalty
 from rl2.algorithms.sequences import RLSequence
 from rl2.config import Config, ConfigError
@@ -454,18 +454,6 @@ class PPOTrainer(Trainer):
         if is_rank0():
             rows = read_metrics(os.path.join(self.config.actor.save_dir, "metrics.jsonl"))
             logger.info("\n" + run_summary(rows))
-
-
-def rollout_correction(config: Config) -> Correction:
-    """The correction `actor.rollout_correction` asks for (RL2's `actor.tis_coef` > 0: token-level TIS at
-    that threshold; `auto`: none, or token-level TIS with partial rollout)."""
-    actor = config.actor
-    if actor.tis_coef > 0:
-        return Correction("tis", actor.tis_coef)
-    mode = actor.rollout_correction
-    if mode == "auto":
-        mode = "tis" if config.rollout.partial_rollout else "none"
-    return Correction(mode, actor.correction_threshold, actor.icepop_low, actor.icepop_high)
 
 
 def run_summary(rows: list[dict]) -> str:
