@@ -197,6 +197,19 @@ def check_off_policy_config(config: Config) -> None:
         if rollout.partial_max_age < 1 or (rollout.partial_extra_prompts is not None and rollout.partial_extra_prompts < 1):
             raise ConfigError(f"rollout.partial_max_age and rollout.partial_extra_prompts must be >= 1, got "
                               f"{rollout.partial_max_age} and {rollout.partial_extra_prompts}")
+    if rollout.max_staleness < 0:
+        raise ConfigError(f"rollout.max_staleness must be >= 0, got {rollout.max_staleness}")
+    if rollout.placement == "split":
+        if rollout.engine != "hf":
+            raise ConfigError("rollout.placement=split runs the hf engine; SGLang's weight push across ranks "
+                              "(update_weights_from_distributed) is not wired yet: use rollout.placement=colocated")
+        if rollout.partial_rollout or config.trainer.eval_only:
+            raise ConfigError("rollout.placement=split does not combine with rollout.partial_rollout or trainer.eval_only")
+        if rollout.ranks < 1:
+            raise ConfigError(f"rollout.ranks must be >= 1, got {rollout.ranks}")
+    elif rollout.max_staleness > 0:
+        raise ConfigError("rollout.max_staleness > 0 needs rollout.placement=split: colocated engines wait for "
+                          "the trainer that shares their device")
     max_new_tokens = rollout.train_sampling_params.get("max_new_tokens", 512)
     if rollout.overlong_buffer >= max_new_tokens:
         raise ConfigError(f"rollout.overlong_buffer={rollout.overlong_buffer} must be below the training "

@@ -24,7 +24,7 @@ ENGINE_MODEL = tuple(f"actor.{key}" for key in ("model_name", "tokenizer_name", 
 # Rollout keys only training reads: partial rollout and DAPO's reward shaping.
 PARTIAL_AND_SHAPING = tuple(f"rollout.{key}" for key in (
     "partial_rollout", "partial_extra_prompts", "partial_max_age", "overlong_buffer", "overlong_penalty",
-    "overlong_filtering"))
+    "overlong_filtering", "placement", "ranks", "max_staleness"))
 RL_DATA = tuple(f"data.{key}" for key in (
     "path", "max_length", "batch_size", "prompts_per_rollout", "messages_key", "apply_chat_template", "prompt_key"))
 

@@ -117,10 +117,5 @@ class PartialRollout:
 
     def load_state_dict(self, state: dict) -> None:
         self.next_group = state["next_group"]
-        self.carried = [[_trajectory(fields) for fields in group] for group in state["carried"]]
-
-
-def _trajectory(fields: dict) -> Trajectory:
-    stream = fields.get("stream")
-    return Trajectory(**{**fields, "stream": tuple(stream) if stream is not None else None})
+        self.carried = [[Trajectory.from_dict(fields) for fields in group] for group in state["carried"]]
 

@@ -24,62 +24,16 @@ from rl2.tools.roc_penalty import roc_penalty
 logger = logging.getLogger(__name__)
 
 
-class RolloutService:
-    """The env file (loaded first: a broken one fails before any model loads) and the engine of a
-    run, which serves `actor.model_name` until weights are synced into it.
+class RolloutRecords:
+    """What the trainers keep of a run's rollouts, wherever they were generated: each step's trajectory
+    dump and the count of rollouts in a row in which no `reward_fn` call succeeded."""
 
-    Every rank holds one; `generate` rolls out each rank's share of the prompts and gives every rank
-    all the scored trajectories, in prompt order. Build it before the policy's optimizer: a GPU
-    engine sizes its KV cache from the memory still free.
-    """
-
-    def __init__(self, config: Config, tokenizer):
-        if config.rollout.engine == "sglang":
-            check_sglang(config.rollout.tp_size)  # before any model is loaded
+    def __init__(self, config: Config):
         self.config = config
-        self.tokenizer = tokenizer
-        self.env = Env.from_config(config.rollout, need_interact=config.rollout.max_turns > 1)
-        self.max_length = config.data.max_length or config.actor.max_length_per_device * config.actor.sp_size
+        self.unscored_in_a_row = 0  # rollouts in a row in which no reward_fn call succeeded
         self.train_params = SamplingParams.from_dict(config.rollout.train_sampling_params)
         self.test_params = SamplingParams.from_dict(config.rollout.test_sampling_params)
-        self.engine = build_engine_from_config(config.rollout, config.actor, tokenizer, config.trainer.seed)
-        self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
-        self.unscored_in_a_row = 0  # rollouts in a row in which no reward_fn call succeeded
-
-    def generate(
-        self,
-        prompts: list[dict],
-        params: SamplingParams,
-        responses_per_prompt: int,
-        seed: int,
-        timer: PhaseTimer | None = None,
-        release_after: bool = False,
-    ) -> list[Trajectory]:
-        """Roll out this rank's share of `prompts` (whole groups), score it, and gather every
-        rank's trajectories on every rank, in prompt order. `release_after` puts the engine to
-        sleep once generation is done (training follows; the next `sync_weights` wakes it)."""
-        timer = timer or PhaseTimer()
-        start, end = rank_slice(len(prompts))
-        self.engine.wake()
-        self.engine.reseed(seed * 1_000_003 + rank())
-        with timer("rollout"):
-            trajectories = rollout(
-                self.engine,
-                self.env,
-                self.tokenizer,
-                prompts[start:end],
-                responses_per_prompt,
-                params,
-                self.config.rollout.max_turns,
-                self.max_length,
-                first_group=start,
-                apply_chat_template=self.config.data.apply_chat_template,
-            )
-        if release_after:
-            self.engine.sleep()
-        with timer("reward"):
-            assign_rewards(self.env, trajectories)
-        return all_gather_objects(trajectories)
+        self.max_length = config.data.max_length or config.actor.max_length_per_device * config.actor.sp_size
 
     def require_scores(self, trajectories: list[Trajectory]) -> None:
         """Count a rollout in which no `reward_fn` call succeeded: it is an error, not a step with
@@ -98,6 +52,73 @@ class RolloutService:
         logger.error(f"no reward could be computed in this rollout ({self.unscored_in_a_row} in a row; the run "
                      f"stops at rollout.max_unscored_steps={limit}): {report}")
 
+    def dump(self, trajectories: list[Trajectory], name: str) -> None:
+        """`<save_dir>/trajectories/<name>.jsonl` on rank 0, with `trainer.dump_trajectories`."""
+        if not (self.config.trainer.dump_trajectories and is_rank0()):
+            return
+        folder = os.path.join(self.config.actor.save_dir, "trajectories")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
+            for trajectory in trajectories:
+                f.write(json.dumps(trajectory.to_json(), default=str) + "\n")
+
+
+class RolloutService(RolloutRecords):
+    """The env file (loaded first: a broken one fails before any model loads) and the engine of a
+    run, which serves `actor.model_name` until weights are synced into it.
+
+    Every rank holds one; `generate` rolls out each rank's share of the prompts and gives every rank
+    all the scored trajectories, in prompt order. Build it before the policy's optimizer: a GPU
+    engine sizes its KV cache from the memory still free.
+    """
+
+    def __init__(self, config: Config, tokenizer):
+        if config.rollout.engine == "sglang":
+            check_sglang(config.rollout.tp_size)  # before any model is loaded
+        super().__init__(config)
+        self.tokenizer = tokenizer
+        self.env = Env.from_config(config.rollout, need_interact=config.rollout.max_turns > 1)
+        self.engine = build_engine_from_config(config.rollout, config.actor, tokenizer, config.trainer.seed)
+        self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
+
+    def generate(
+        self,
+        prompts: list[dict],
+        params: SamplingParams,
+        responses_per_prompt: int,
+        seed: int,
+        timer: PhaseTimer | None = None,
+        release_after: bool = False,
+        version: int = 0,
+    ) -> list[Trajectory]:
+        """Roll out this rank's share of `prompts` (whole groups), score it, and gather every
+        rank's trajectories on every rank, in prompt order. `release_after` puts the engine to
+        sleep once generation is done (training follows; the next `sync_weights` wakes it); `version`
+        is the policy version the engine holds (recorded per token)."""
+        timer = timer or PhaseTimer()
+        start, end = rank_slice(len(prompts))
+        self.engine.wake()
+        self.engine.reseed(seed * 1_000_003 + rank())
+        with timer("rollout"):
+            trajectories = rollout(
+                self.engine,
+                self.env,
+                self.tokenizer,
+                prompts[start:end],
+                responses_per_prompt,
+                params,
+                self.config.rollout.max_turns,
+                self.max_length,
+                first_group=start,
+                apply_chat_template=self.config.data.apply_chat_template,
+                version=version,
+            )
+        if release_after:
+            self.engine.sleep()
+        with timer("reward"):
+            assign_rewards(self.env, trajectories)
+        return all_gather_objects(trajectories)
+
     def evaluate(self, prompts: list[dict], seed: int, name: str, require_scores: bool = False) -> dict[str, float]:
         """`test/` metrics (mean reward, avg@k, pass@k with k = rollout.test_responses_per_prompt, the
         failed rewards) of the engine's model on `prompts`; the trajectories are dumped as `name`.
@@ -112,7 +133,7 @@ class RolloutService:
             logger.error(f"evaluation {name}: no test reward could be computed: {report}")
         return eval_metrics(trajectories, k)
 
-    def sync_weights(self, model: nn.Module) -> None:
+    def sync_weights(self, model: nn.Module, version: int = 0) -> None:
         """Push `model`'s weights into the engine, bucket by bucket, then wake it: with SGLang,
         weight memory is resumed, the weights pushed, and only then the KV cache resumed."""
         self.engine.update_weights(
@@ -145,16 +166,6 @@ class RolloutService:
             for name, count in rank_counts.items():
                 summed[f"faults/{name}"] = summed.get(f"faults/{name}", 0.0) + count
         return summed
-
-    def dump(self, trajectories: list[Trajectory], name: str) -> None:
-        """`<save_dir>/trajectories/<name>.jsonl` on rank 0, with `trainer.dump_trajectories`."""
-        if not (self.config.trainer.dump_trajectories and is_rank0()):
-            return
-        folder = os.path.join(self.config.actor.save_dir, "trajectories")
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
-            for trajectory in trajectories:
-                f.write(json.dumps(trajectory.to_json(), default=str) + "\n")
 
     def close(self) -> None:
         """End the env file's worker pools and the engine (SGLang: its scheduler processes)."""

@@ -28,6 +28,12 @@ class Trajectory:
     stream: tuple[int, int] | None = None
     started: int = 0  # the policy version when the episode began
 
+    @classmethod
+    def from_dict(cls, fields: dict) -> "Trajectory":
+        """A trajectory from its fields as JSON gives them back (`dataclasses.asdict`, then a round trip)."""
+        stream = fields.get("stream")
+        return cls(**{**fields, "stream": tuple(stream) if stream is not None else None})
+
     @property
     def response_length(self) -> int:
         return sum(self.action_mask)

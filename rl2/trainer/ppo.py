@@ -34,7 +34,9 @@ from rl2.data.rows import Columns, write_json
 from rl2.data.sampler import BatchSampler
 from rl2.distributed.process_group import is_rank0
 from rl2.metrics import PhaseTimer, curve_summary, read_metrics
+from rl2.distributed.placement import ROLLOUT, Placement, init_placement
 from rl2.rollout.partial import PartialRollout
+from rl2.rollout.remote import RemoteRollout, RolloutServer
 from rl2.rollout.rollout_metrics import rollout_metrics
 from rl2.rollout.service import RolloutService
 from rl2.rollout.trajectory import Trajectory
@@ -54,13 +56,14 @@ class PPOTrainer(Trainer):
 
     name = "PPO"
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, placement: Placement | None = None):
         check_config(config, "ppo")
         self.eval_only = config.trainer.eval_only
         super().__init__(config)
         # The env file and the engine before any trained model: a broken env file fails first, and a
         # GPU engine sizes its KV cache from the memory still free.
-        self.rollout = RolloutService(config, self.tokenizer)
+        # With split placement (`placement`: this rank trains) the rollout ranks serve the batches.
+        self.rollout = RemoteRollout(config, placement) if placement else RolloutService(config, self.tokenizer)
         prompts_per_rollout = config.data.prompts_per_rollout or config.data.batch_size
         max_length = self.rollout.max_length
         if self.eval_only:  # the engine alone serves actor.model_name
@@ -96,7 +99,7 @@ class PPOTrainer(Trainer):
             self.critic = Critic(critic_config, self.total_steps * config.critic.update_per_rollout)
         self.resume()
         if self.step > 0:
-            self.rollout.sync_weights(self.actor.model)
+            self.rollout.sync_weights(self.actor.model, version=self.step)
         logger.info(
             f"PPO: {len(self.train_data)} prompts, {self.total_steps} steps of {prompts_per_rollout} prompts x "
             f"{config.data.responses_per_prompt} responses, up to {config.rollout.max_turns} turns, "
@@ -117,12 +120,16 @@ class PPOTrainer(Trainer):
             state["critic_scheduler"] = self.critic.scheduler.state_dict()
         if self.partial is not None:
             state["partial_rollout"] = self.partial.state_dict()  # the carried-over groups, resumed exactly
+        if isinstance(self.rollout, RemoteRollout):
+            state["rollout_pipeline"] = self.rollout.state_dict()  # the batches in flight, waited for
         return state
 
     def load_extra_state(self, state: dict) -> None:
         self.sampler.load_state_dict(state["sampler"])
         if self.partial is not None and "partial_rollout" in state:
             self.partial.load_state_dict(state["partial_rollout"])
+        if isinstance(self.rollout, RemoteRollout) and "rollout_pipeline" in state:
+            self.rollout.load_state_dict(state["rollout_pipeline"])
         resume_schedule(self.actor.scheduler, state["scheduler"])
         if self.critic is not None:
             resume_schedule(self.critic.scheduler, state["critic_scheduler"])
@@ -130,6 +137,10 @@ class PPOTrainer(Trainer):
     @property
     def correction(self) -> Correction:
         return rollout_correction(self.config)
+
+    def next_prompts(self, step: int) -> list[dict]:
+        """The next batch of prompts from the sampler (drawn in step order)."""
+        return [self.train_data[i] for i in self.sampler.next_batch()]
 
     def partial_rollout(self, prompts_per_rollout: int) -> PartialRollout | None:
         """With `rollout.partial_rollout`: what carries unfinished groups from step to step."""
@@ -151,9 +162,14 @@ class PPOTrainer(Trainer):
     # ---- the phases of a step --------------------------------------------------------------
 
     def roll_out(self, timer: PhaseTimer) -> tuple[list[Trajectory], dict[str, float]]:
-        """This step's trajectories, scored, on every rank: its prompts' (a batch from the sampler), or with
-        partial rollout the groups that finished first among those carried over and new prompts."""
+        """This step's trajectories, scored, on every rank: its prompts' (a batch from the sampler); with
+        partial rollout the groups that finished first among those carried over and new prompts; with split
+        placement the batch the rollout ranks generated for this step."""
         config, seed = self.config, self.config.trainer.seed + self.step
+        if isinstance(self.rollout, RemoteRollout):  # the batch the rollout ranks generated rollout.max_staleness versions ago
+            self.rollout.fill(self.step, self.next_prompts, self.generated_per_prompt, config.trainer.seed)
+            batch = self.rollout.next_batch(timer)
+            return batch.trajectories, self.rollout.pipeline_metrics(batch, self.step - 1)
         if self.partial is None:
             prompts = [self.train_data[i] for i in self.sampler.next_batch()]
             trajectories = self.rollout.generate(prompts, self.rollout.train_params, self.generated_per_prompt, seed, timer,
@@ -337,7 +353,7 @@ class PPOTrainer(Trainer):
             )
         if all(t.excluded for t in trajectories):
             logger.info(f"step {self.step}: no trajectories left to train on (equal rewards or env errors); no update")
-            self.rollout.sync_weights(self.actor.model)  # the engine may have dropped its weights while asleep
+            self.rollout.sync_weights(self.actor.model, version=self.step)  # the engine may have dropped its weights while asleep
             return {**metrics, **{f"time/{k}": v for k, v in timer.times.items()}}
         with timer("logps"):
             sequences, prepared = self.prepare(trajectories)
@@ -345,7 +361,7 @@ class PPOTrainer(Trainer):
             updated = self.update(sequences, self.step)
         with timer("sync"):
             # Also while the actor is frozen: the engine may have dropped its weights while asleep.
-            self.rollout.sync_weights(self.actor.model)
+            self.rollout.sync_weights(self.actor.model, version=self.step)
         total = sum(timer.times.values())
         return {
             **metrics,
@@ -496,8 +512,21 @@ def env_error_summary(rows: list[dict]) -> str:
     return line
 
 
+def run(config: Config) -> None:
+    """Train (or serve rollouts, on a split placement's rollout ranks)."""
+    if config.rollout.placement != "split":
+        PPOTrainer(config).train()
+        return
+    check_config(config, "ppo")  # before the world splits: a bad value stops every rank at once
+    placement = init_placement(config.rollout.ranks)
+    if placement.role == ROLLOUT:
+        RolloutServer(config, placement).serve()
+    else:
+        PPOTrainer(config, placement).train()
+
+
 def main() -> None:
-    run_main(lambda config: PPOTrainer(config).train(), "ppo")
+    run_main(run, "ppo")
 
 
 if __name__ == "__main__":
