@@ -203,8 +203,8 @@ def check_off_policy_config(config: Config) -> None:
         if rollout.engine != "hf":
             raise ConfigError("rollout.placement=split runs the hf engine; SGLang's weight push across ranks "
                               "(update_weights_from_distributed) is not wired yet: use rollout.placement=colocated")
-        if rollout.partial_rollout or config.trainer.eval_only:
-            raise ConfigError("rollout.placement=split does not combine with rollout.partial_rollout or trainer.eval_only")
+        if config.trainer.eval_only:
+            raise ConfigError("trainer.eval_only evaluates on every rank: leave rollout.placement=colocated")
         if rollout.ranks < 1:
             raise ConfigError(f"rollout.ranks must be >= 1, got {rollout.ranks}")
     elif rollout.max_staleness > 0:

@@ -74,11 +74,14 @@ def test_one_step_off_is_reproducible_and_one_version_old(tiny_model_dir, rl_dat
 
 
 @pytest.mark.xdist_group("split")
-def test_a_killed_one_step_off_run_resumes_exactly(tiny_model_dir, rl_data, tmp_path, env_file):
+@pytest.mark.parametrize("partial", [False, True], ids=["whole-batches", "partial-rollout"])
+def test_a_killed_one_step_off_run_resumes_exactly(tiny_model_dir, rl_data, tmp_path, env_file, partial):
     """The rollout rank dies in step 3 (its env file ends the process, as a crash would): every rank stops;
-    resumed from step 2's checkpoint, which holds the batch that was in flight, the run equals one that was
-    never killed."""
-    extra = ("rollout.placement=split", "rollout.ranks=1", "rollout.max_staleness=1", "actor.save_freq=2")
+    resumed from step 2's checkpoint, which holds the batch that was in flight (and, with partial rollout, the
+    groups the rollout rank carried and the prompts it had not started), the run equals one never killed."""
+    extra = ("rollout.placement=split", "rollout.ranks=1", "rollout.max_staleness=1", "actor.save_freq=2",
+             *(("rollout.partial_rollout=true", "rollout.partial_extra_prompts=2",
+                "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 24}") if partial else ()))
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     run_torchrun(args(tiny_model_dir, rl_data, straight, env_file, *extra), nproc=3)
     # 16 answers a batch, scored on the rollout rank: batches 1-3 (3 is requested during step 2) score 48
@@ -89,7 +92,9 @@ def test_a_killed_one_step_off_run_resumes_exactly(tiny_model_dir, rl_data, tmp_
     state = json.load(open(f"{resumed}/step2/trainer_state.json"))
     assert [batch["step"] for batch in state["rollout_pipeline"]["in_flight"]] == [3]
     run_torchrun(args(tiny_model_dir, rl_data, resumed, env_file, *extra, "trainer.load_ckpt_from=latest"), nproc=3)
-    same_steps(straight, resumed)
+    rows, _ = same_steps(straight, resumed)
+    if partial:
+        assert max(row["partial/resumed_ratio"] for row in rows) > 0  # groups did carry over
 
 
 @pytest.mark.xdist_group("split")

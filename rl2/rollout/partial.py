@@ -22,6 +22,21 @@ from rl2.rollout.trajectory import Trajectory
 Group = list[Trajectory]
 
 
+def partial_extra_prompts(config) -> int:
+    """`rollout.partial_extra_prompts`, or a quarter of a step's prompts (at least 1)."""
+    per_step = config.data.prompts_per_rollout or config.data.batch_size
+    return config.rollout.partial_extra_prompts or max(1, per_step // 4)
+
+
+def partial_rollout(config, service) -> "PartialRollout | None":
+    """With `rollout.partial_rollout`: the `PartialRollout` of `service`'s engine, for a run's config."""
+    if not config.rollout.partial_rollout:
+        return None
+    generated = config.rollout.oversample if config.adv.resample_on_correct else config.data.responses_per_prompt
+    per_step = config.data.prompts_per_rollout or config.data.batch_size
+    return PartialRollout(service, per_step, partial_extra_prompts(config), config.rollout.partial_max_age, generated)
+
+
 class GroupTarget:
     """Counts a rank's groups as their trajectories end (`done`, called from the engine's thread or a
     tool's, one at a time) and pauses the rollout once `target` groups are complete and every group in

@@ -30,6 +30,7 @@ from rl2.distributed.placement import Placement, broadcast_object, broadcast_ten
 from rl2.distributed.process_group import broadcast_from_rank0, is_rank0
 from rl2.engines import SamplingParams
 from rl2.metrics import PhaseTimer
+from rl2.rollout.partial import partial_extra_prompts, partial_rollout
 from rl2.rollout.service import RolloutRecords, RolloutService
 from rl2.rollout.trajectory import Trajectory
 from rl2.rollout.weight_sync import iter_full_weights
@@ -48,6 +49,7 @@ class Batch:
     request: int = -1  # the id of its request (replies come back in request order, tagged)
     trajectories: list[Trajectory] | None = None
     faults: dict[str, float] | None = None
+    metrics: dict[str, float] | None = None  # the rollout ranks' partial rollout metrics
     idle: float = 0.0  # seconds the rollout ranks waited for this request
 
 
@@ -68,6 +70,9 @@ class RolloutServer:
         torch.manual_seed(config.trainer.seed)
         tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer_name or config.actor.model_name)
         self.service = RolloutService(config, tokenizer)
+        # With partial rollout the rollout ranks keep the unfinished groups, and the prompts not started yet.
+        self.partial = partial_rollout(config, self.service)
+        self.waiting: list[dict] = []
 
     def serve(self) -> None:
         service, link = self.service, self.placement.link
@@ -78,9 +83,14 @@ class RolloutServer:
             idle = time.perf_counter() - waited
             kind = request["kind"]
             if kind == "generate":
-                trajectories = service.generate(request["prompts"], request["params"], request["responses"],
-                                                request["seed"], version=request["version"])
-                reply = {"trajectories": trajectories, "faults": service.fault_metrics(), "idle": idle}
+                reply = {**self.generate(request), "faults": service.fault_metrics(), "idle": idle}
+            elif kind == "state":
+                reply = {"partial": self.partial.state_dict() if self.partial else None, "waiting": self.waiting}
+            elif kind == "load_state":
+                if self.partial is not None and request["partial"] is not None:
+                    self.partial.load_state_dict(request["partial"])
+                self.waiting = request["waiting"]
+                reply = None
             elif kind == "evaluate":
                 reply = service.evaluate(request["prompts"], request["seed"], request["name"], request["require_scores"])
             elif kind == "roc_penalties":
@@ -99,6 +109,20 @@ class RolloutServer:
             if first and reply is not None:
                 send_object(self.placement.results, {"id": request["id"], "value": reply}, TRAINER)
             waited = time.perf_counter()
+
+    def generate(self, request: dict) -> dict:
+        """A batch: the request's prompts rolled out; with partial rollout, the groups that finished first among
+        those carried over and those started now (the request's prompts wait their turn when more came than the
+        groups in flight leave room for), and the partial rollout's metrics."""
+        if self.partial is None:
+            trajectories = self.service.generate(request["prompts"], request["params"], request["responses"],
+                                                 request["seed"], version=request["version"])
+            return {"trajectories": trajectories, "metrics": {}}
+        self.waiting += request["prompts"]
+        count = min(self.partial.prompts_wanted(), len(self.waiting))
+        prompts, self.waiting = self.waiting[:count], self.waiting[count:]
+        trajectories = self.partial.generate(prompts, request["params"], request["seed"], request["version"])
+        return {"trajectories": trajectories, "metrics": self.partial.metrics(trajectories, request["version"])}
 
     def _weights(self, buckets: list[list[tuple[str, tuple, torch.dtype]]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The pushed weights, bucket by bucket: one flat tensor each (see `RemoteRollout.sync_weights`)."""
@@ -132,6 +156,9 @@ class RemoteRollout(RolloutRecords):
         self.version = 0  # of the weights the rollout ranks hold once the requests sent so far are served
         self.timing = {"trainer_idle": 0.0, "rollout_idle": 0.0, "push": 0.0, "push_gb": 0.0}
         self.sent = 0  # requests sent: the next one's id
+        self.prompts_per_step = config.data.prompts_per_rollout or config.data.batch_size
+        self.partial_extra = partial_extra_prompts(config) if config.rollout.partial_rollout else 0
+        self.requested_prompts = False  # whether prompts went to the rollout ranks already (in this run or the one resumed)
         self.arrived: dict[int, object] = {}  # replies taken from the queue before they were asked for
         if self.first:
             self.requests: queue.Queue = queue.Queue()
@@ -182,10 +209,13 @@ class RemoteRollout(RolloutRecords):
 
     def fill(self, next_step: int, prompts_for: Callable[[int], list[dict]], responses: int, seed: int) -> None:
         """Request batches for the steps from `next_step` on until `rollout.max_staleness` + 1 are in flight;
-        `prompts_for(step)` draws a step's prompts (in step order)."""
+        `prompts_for(n)` draws the next `n` prompts (in step order): a step's, and with partial rollout
+        `rollout.partial_extra_prompts` more with the run's first request (the groups in flight beyond a step's)."""
         step = self.in_flight[-1].step + 1 if self.in_flight else next_step
         while len(self.in_flight) < self.depth:
-            request = {"kind": "generate", "prompts": prompts_for(step), "params": self.train_params,
+            count = self.prompts_per_step + (self.partial_extra if not self.requested_prompts else 0)
+            self.requested_prompts = True
+            request = {"kind": "generate", "prompts": prompts_for(count), "params": self.train_params,
                        "responses": responses, "seed": seed + step, "version": self.version}
             self.in_flight.append(Batch(step, self.version, self._request(request)))
             step += 1
@@ -204,6 +234,7 @@ class RemoteRollout(RolloutRecords):
         if batch.trajectories is None:
             reply = self._reply(batch.request)
             batch.trajectories, batch.faults, batch.idle = reply["trajectories"], reply["faults"], reply["idle"]
+            batch.metrics = reply["metrics"]
 
     def generate(self, prompts: list[dict], params: SamplingParams, responses_per_prompt: int, seed: int,
                  timer: PhaseTimer | None = None, release_after: bool = False, version: int = 0) -> list[Trajectory]:
@@ -258,7 +289,7 @@ class RemoteRollout(RolloutRecords):
         seconds so far that the trainers waited for batches, the rollout ranks for requests, and weight pushes
         took (with their GB/s)."""
         push = self.timing["push"]
-        return {"async/staleness": float(version - batch.version), "async/in_flight": float(len(self.in_flight)),
+        return {**(batch.metrics or {}), "async/staleness": float(version - batch.version), "async/in_flight": float(len(self.in_flight)),
                 "async/trainer_idle": self.timing["trainer_idle"], "async/rollout_idle": self.timing["rollout_idle"],
                 "async/push_seconds": push, "async/push_gb_per_s": self.timing["push_gb"] / push if push else 0.0}
 
@@ -267,14 +298,17 @@ class RemoteRollout(RolloutRecords):
         batches this one would have (they were generated by weights the checkpoint no longer holds)."""
         for batch in self.in_flight:
             self._receive_batch(batch)
-        return {"version": self.version, "in_flight": [
+        server = self._reply(self._request({"kind": "state"}))  # after the batches in flight: what it holds then
+        return {"version": self.version, "server": server, "in_flight": [
             {"step": b.step, "version": b.version, "trajectories": [dataclasses.asdict(t) for t in b.trajectories],
-             "faults": b.faults} for b in self.in_flight]}
+             "faults": b.faults, "metrics": b.metrics} for b in self.in_flight]}
 
     def load_state_dict(self, state: dict) -> None:
         self.version = state["version"]
+        self.requested_prompts = True
+        self._request({"kind": "load_state", **state["server"]})
         self.in_flight = [Batch(b["step"], b["version"], trajectories=[Trajectory.from_dict(t) for t in b["trajectories"]],
-                                faults=b["faults"]) for b in state["in_flight"]]
+                                faults=b["faults"], metrics=b.get("metrics", {})) for b in state["in_flight"]]
 
     def close(self) -> None:
         """Stop the rollout ranks (they close their engines and env files) and wait for them to say so."""

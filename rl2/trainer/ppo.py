@@ -35,7 +35,7 @@ from rl2.data.sampler import BatchSampler
 from rl2.distributed.process_group import is_rank0
 from rl2.metrics import PhaseTimer, curve_summary, read_metrics
 from rl2.distributed.placement import ROLLOUT, Placement, init_placement
-from rl2.rollout.partial import PartialRollout
+from rl2.rollout.partial import PartialRollout, partial_extra_prompts, partial_rollout
 from rl2.rollout.remote import RemoteRollout, RolloutServer
 from rl2.rollout.rollout_metrics import rollout_metrics
 from rl2.rollout.service import RolloutService
@@ -138,20 +138,21 @@ class PPOTrainer(Trainer):
     def correction(self) -> Correction:
         return rollout_correction(self.config)
 
-    def next_prompts(self, step: int) -> list[dict]:
-        """The next batch of prompts from the sampler (drawn in step order)."""
-        return [self.train_data[i] for i in self.sampler.next_batch()]
+    def next_prompts(self, count: int) -> list[dict]:
+        """The next `count` prompts from the sampler (drawn in step order)."""
+        return [self.train_data[i] for i in self.sampler.next_rows(count)]
 
     def partial_rollout(self, prompts_per_rollout: int) -> PartialRollout | None:
         """With `rollout.partial_rollout`: what carries unfinished groups from step to step."""
-        rollout = self.config.rollout
-        if not rollout.partial_rollout or self.eval_only:
+        if not self.config.rollout.partial_rollout or self.eval_only:
             return None
-        extra = rollout.partial_extra_prompts or max(1, prompts_per_rollout // 4)
+        extra = partial_extra_prompts(self.config)
         if prompts_per_rollout + extra > len(self.train_data):
             raise ConfigError(f"rollout.partial_rollout keeps {prompts_per_rollout} + {extra} groups in flight "
                               f"(rollout.partial_extra_prompts), more than the {len(self.train_data)} training prompts")
-        return PartialRollout(self.rollout, prompts_per_rollout, extra, rollout.partial_max_age, self.generated_per_prompt)
+        if isinstance(self.rollout, RemoteRollout):
+            return None  # the rollout ranks keep the groups in flight
+        return partial_rollout(self.config, self.rollout)
 
     @property
     def generated_per_prompt(self) -> int:
