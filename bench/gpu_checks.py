@@ -14,7 +14,7 @@ first thing to run on a lent GPU, before timing anything.
   (prefill after cached prefixes).
 
 Each line prints the worst error and its tolerance; the exit status is 1 if any check fails. On
-CPU the same checks run in float32 with what CPU has (the loop and flex attention; the fused ring
+CPU the same checks run in float32 with what CPU has (the engine's loop; the fused ring
 pieces through the CPU flash kernel), so the script can be tried anywhere.
 
     python bench/gpu_checks.py
@@ -174,7 +174,6 @@ def main() -> None:
                for kernel in ("torch", "auto")]
     engine_dtype = "bfloat16" if cuda else "float32"
     attentions = ["sdpa_loop"] + [name for name in ("torch_varlen", "flash_attention_2") if available[name]]
-    attentions += [] if cuda else ["flex_attention"]
     graphs = [True, False] if cuda else [False]
     failed = 0
     with tempfile.TemporaryDirectory() as folder:

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from rl2.algorithms.losses import sft_loss, with_loss_weights
 from rl2.config import ModelConfig
+from rl2.distributed.fsdp import enable_activation_checkpointing
 from rl2.distributed.process_group import init_distributed
 from rl2.workers.policy import Policy
 
@@ -133,7 +134,7 @@ def run_rl2(folder, batch, args, checkpointing: bool, device: torch.device) -> d
 def run_plain(folder, batch, args, checkpointing: bool, device: torch.device) -> dict:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").to(device)
     if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     model.config.use_cache = False
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ordered = sorted(batch, key=lambda s: len(s["input_ids"]))

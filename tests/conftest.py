@@ -20,6 +20,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORK_RANKS = os.environ.get("RL2_FORK_RANKS", "1") != "0"
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu_pins: also run under the versions the gpu extra pins (make test-gpu-pins)")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A random-init 2-layer Qwen2 model with a locally trained tokenizer."""

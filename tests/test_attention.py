@@ -2,6 +2,8 @@
 CPU against the per-sequence sdpa loop (torch's varlen kernel is CUDA-only: its wrapper is checked with
 a stand-in kernel that has the same interface)."""
 
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -11,11 +13,14 @@ from rl2.kernels.attention import (
     VARLEN_ATTENTION,
     available_attention,
     choose_attention,
+    flash_attn_loads,
     packed_attention_implementation,
     torch_varlen_attention,
     varlen_attention,
 )
 from rl2.distributed.packing import pack_micro_batch
+
+pytestmark = pytest.mark.gpu_pins  # also under the transformers that the gpu extra pins
 
 CUDA = torch.device("cuda")
 ALL = {"flash_attention_2": True, "torch_varlen": True, "flex_attention": True, "sdpa_loop": True}
@@ -77,9 +82,11 @@ def stand_in_kernel(with_gqa: bool):
             return attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size, enable_gqa=enable_gqa)
         return kernel
 
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):  # no GQA: heads repeated
-        assert k.shape[1] == q.shape[1]
-        return attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        # torch 2.10-2.12: no enable_gqa; aten's flash kernel takes the KV heads as they are, and they must not
+        # be repeated to the query heads (G times the K/V memory)
+        assert k.shape[1] < q.shape[1], "grouped-query K/V were expanded to the query heads"
+        return attend(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size, enable_gqa=True)
     return kernel
 
 
@@ -113,3 +120,23 @@ def test_flex_attention_matches_the_loop_on_a_packed_row(tiny_model_dir):
         ours = flex(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False).logits
         expected = loop(input_ids=row["input_ids"], position_ids=row["position_ids"], use_cache=False).logits
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
+
+
+def test_flash_attn_counts_only_when_its_compiled_part_loads(tmp_path, monkeypatch):
+    """A flash-attn built for another torch imports its Python files but not its compiled module
+    (`undefined symbol`): it is not offered, and `auto` on CUDA falls back to torch's varlen kernel."""
+    package = tmp_path / "flash_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text("def flash_attn_varlen_func(*args, **kwargs):\n    raise AssertionError\n")
+    broken = "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEa')\n"
+    (tmp_path / "flash_attn_2_cuda.py").write_text(broken)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("flash_attn", "flash_attn_2_cuda"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert not flash_attn_loads()
+    assert not available_attention(CUDA)["flash_attention_2"]
+    assert choose_attention(CUDA, "auto", available_attention(CUDA)) in ("torch_varlen", "flex_attention")
+    (tmp_path / "flash_attn_2_cuda.py").write_text("")  # a build that matches this torch
+    for name in ("flash_attn", "flash_attn_2_cuda"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert flash_attn_loads() and available_attention(CUDA)["flash_attention_2"]

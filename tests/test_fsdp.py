@@ -8,6 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from conftest import assert_same_gradients, run_python, run_torchrun
 
+pytestmark = pytest.mark.gpu_pins  # also under the transformers that the gpu extra pins
+
 WORKER = "tests/workers/fsdp_step.py"
 
 
@@ -119,3 +121,20 @@ def test_final_barrier_accepts_a_peer_that_already_left(monkeypatch):
     monkeypatch.setattr(distributed, "barrier", barrier_failing_with("Timed out waiting 1800000ms for recv"))
     with pytest.raises(RuntimeError, match="Timed out"):
         distributed.shutdown_distributed()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_offloaded_optimizer_comes_back_with_adams_step_on_the_cpu(fused):
+    """Moving the optimizer back moves Adam's moments but not its `step` counts, unless fused (whose
+    kernel reads them on the device): a device `step` costs foreach Adam one host sync per tensor."""
+    from rl2.distributed.fsdp import move_optimizer
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    move_optimizer(optimizer, "cpu")
+    move_optimizer(optimizer, "meta")  # stands for the accelerator
+    for state in optimizer.state.values():
+        assert state["exp_avg"].device.type == state["exp_avg_sq"].device.type == "meta"
+        assert state["step"].device.type == ("meta" if fused else "cpu")

@@ -10,6 +10,8 @@ from rl2.engines.sampling import filter_top_k_top_p
 from conftest import varlen_by_flash_semantics
 from rl2.testing.tiny import build_tiny_model
 
+pytestmark = pytest.mark.gpu_pins  # also under the transformers that the gpu extra pins
+
 CPU = torch.device("cpu")
 LENGTHS = [1, 5, 17, 40, 9]
 
@@ -501,16 +503,15 @@ def test_abort_and_tool_failure_during_multi_turn(model_dir, tokenizer, prompts)
 # ---- prefill attention ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("attention", ["flex_attention", "torch_varlen"])
-def test_packed_prefill_equals_one_call_per_sequence(model_dir, tokenizer, attention, monkeypatch):
-    """Prefill in one variable-length kernel call (flex attention on CPU; torch's varlen kernel by
-    a CPU stand-in with its interface) gives what one sdpa call per sequence gives, with shared
+def test_packed_prefill_equals_one_call_per_sequence(model_dir, tokenizer, monkeypatch):
+    """Prefill in one variable-length kernel call (torch's varlen kernel, by a CPU stand-in with its interface) gives what one sdpa call per sequence gives, with shared
     prompts (copies prefill after a cached prefix), kept caches across turns and fresh prompts
     packed in one row."""
     monkeypatch.setattr("rl2.kernels.attention.torch_varlen_kernel", lambda: varlen_by_flash_semantics)
     first = [p + list(range(3, 40)) for p in many_prompts(3, seed=4) for _ in range(3)] + many_prompts(3, seed=5)
     params = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)
     engines = {}
+    attention = "torch_varlen"
     for name in ("sdpa_loop", attention):
         engine = HFEngine(model_dir, tokenizer, CPU, seed=11)
         engine.prefill_attention = name  # torch_varlen is not available on CPU: set past the check
@@ -531,7 +532,9 @@ def test_prefill_attention_choice():
 
     cuda = torch.device("cuda")
     everything = {"flash_attention_2": True, "torch_varlen": True, "flex_attention": True, "sdpa_loop": True}
-    assert prefill_attention(CPU) == "sdpa_loop" and prefill_attention(CPU, "flex_attention") == "flex_attention"
+    assert prefill_attention(CPU) == "sdpa_loop"
+    with pytest.raises(ValueError, match="flex attention would run uncompiled"):
+        prefill_attention(CPU, "flex_attention")
     assert prefill_attention(cuda, available=everything) == "flash_attention_2"
     assert prefill_attention(cuda, available={**everything, "flash_attention_2": False}) == "torch_varlen"
     # Never flex by default: uncompiled it materialises the scores; compiled it recompiles per row length.
@@ -575,3 +578,18 @@ def test_a_resumed_generation_draws_what_the_uninterrupted_one_draws(model_dir, 
         assert first.token_ids + resumed[i].token_ids == whole.token_ids, i
         torch.testing.assert_close(torch.tensor(first.logprobs + resumed[i].logprobs), torch.tensor(whole.logprobs),
                                    rtol=0, atol=1e-4)
+
+
+def test_shutdown_frees_the_model_the_kv_cache_and_the_decode_step(model_dir, tokenizer):
+    """Nothing the engine allocated outlives `shutdown`: the decode step and the KV slots held the
+    model and the cache (and on CUDA the graphs' pool) after the engine dropped its model."""
+    import gc
+    import weakref
+
+    engine = HFEngine(model_dir, tokenizer, CPU, seed=0)
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    alive = [weakref.ref(next(engine.model.parameters())), weakref.ref(engine.kv.keys[0]),
+             weakref.ref(engine.decode.static_ids)]
+    engine.shutdown()
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True, True, True]

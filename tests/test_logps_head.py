@@ -15,6 +15,8 @@ from rl2.workers.policy import token_logps
 from rl2.kernels.logps_head import TokenLogpsHead, chunked_token_logps, install_logps_head
 from rl2.distributed.packing import pack_micro_batch
 
+pytestmark = pytest.mark.gpu_pins  # also under the transformers that the gpu extra pins
+
 
 def full_logps_entropy(hidden, weight, next_ids, temperature):
     logits = (hidden @ weight.t()).float() / temperature
@@ -134,6 +136,7 @@ from rl2.algorithms.losses import sft_loss, with_loss_weights
 from rl2.config import ModelConfig
 from rl2.distributed.process_group import init_distributed
 from transformers import Qwen2Config, Qwen2ForCausalLM
+
 init_distributed()
 torch.set_num_threads(2)
 folder = tempfile.mkdtemp() + "/model"

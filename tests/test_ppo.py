@@ -186,6 +186,7 @@ def _dumped_steps(save_dir: str) -> dict[int, list[dict]]:
             for name in os.listdir(folder) if name.startswith("step_")}
 
 
+@pytest.mark.gpu_pins
 def test_resume_is_exact(tiny_model_dir, rl_data, tmp_path):
     """4 steps straight equal a run that crashed in step 3 (its checkpoint: step 2) resumed to step 4, on 2
     ranks, in what depends on the data order and on the weights: the prompts each step drew and the rewards

@@ -56,6 +56,7 @@ def reference_run(tiny_model_dir, sft_data, tmp_path_factory):
     return save_dir
 
 
+@pytest.mark.gpu_pins
 def test_loss_falls_and_checkpoint_reloads(reference_run, tiny_model_dir, sft_data):
     metrics = read_metrics(os.path.join(reference_run, "metrics.jsonl"))
     assert [m["step"] for m in metrics] == list(range(1, 31))
@@ -84,6 +85,7 @@ def test_loss_falls_and_checkpoint_reloads(reference_run, tiny_model_dir, sft_da
     assert abs(total / tokens - metrics[-1]["test/loss"]) < 1e-4
 
 
+@pytest.mark.gpu_pins
 def test_kill_and_resume_continues_exactly(reference_run, tiny_model_dir, sft_data, tmp_path):
     save_dir = str(tmp_path / "interrupted")
     args = sft_args(tiny_model_dir, sft_data, save_dir, 30, "actor.save_freq=5", "trainer.load_ckpt_from=latest")

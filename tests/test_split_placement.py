@@ -97,6 +97,40 @@ def test_a_killed_one_step_off_run_resumes_exactly(tiny_model_dir, rl_data, tmp_
         assert max(row["partial/resumed_ratio"] for row in rows) > 0  # groups did carry over
 
 
+SLOW_RANDOM_TOOL = """
+import random
+import time
+
+
+def reward_fn(messages, answer):
+    return float(len(messages[-1]["content"]) % 2)
+
+
+def interact(messages):
+    time.sleep(random.random() * 0.05)  # a tool whose latency and answers vary
+    return [{"role": "tool", "content": "x" * random.randint(1, 9)}] if random.random() < 0.6 else []
+"""
+
+
+@pytest.mark.xdist_group("split")
+def test_staleness_never_exceeds_its_bound(tiny_model_dir, rl_data, tmp_path):
+    """K = 2 with partial rollout, random tool latencies, answers and turn counts: every batch is exactly
+    min(K, step - 1) versions behind the trainers, and every trained token was sampled at most
+    K + rollout.partial_max_age versions before the step that trains it."""
+    env = tmp_path / "slow_env.py"
+    env.write_text(SLOW_RANDOM_TOOL)
+    steps, k, max_age = 6, 2, 1
+    run_torchrun(args(tiny_model_dir, rl_data, str(tmp_path / "run"), str(env), "rollout.placement=split",
+                      "rollout.ranks=1", f"rollout.max_staleness={k}", "rollout.partial_rollout=true",
+                      f"rollout.partial_max_age={max_age}", "rollout.partial_extra_prompts=2", "rollout.max_turns=3",
+                      f"trainer.total_steps={steps}",
+                      "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 24}"), nproc=2)
+    rows = read_metrics(f"{tmp_path}/run/metrics.jsonl")
+    assert [row["async/staleness"] for row in rows] == [min(k, step - 1) for step in range(1, steps + 1)]
+    ages = [row["async/staleness"] + row["partial/age_max"] for row in rows]
+    assert max(ages) <= k + max_age and max(row["partial/age_max"] for row in rows) > 0, ages
+
+
 @pytest.mark.xdist_group("split")
 def test_an_error_on_the_trainers_stops_the_rollout_ranks(tiny_model_dir, rl_data, tmp_path):
     """No reward can be computed (reward_fn raises on the rollout rank): the trainers stop with the one-line

@@ -1,7 +1,10 @@
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rl2.testing.tiny import build_tiny_tokenizer
+
+pytestmark = pytest.mark.gpu_pins  # also under the transformers that the gpu extra pins
 
 
 def test_tiny_folder_loads_back_with_auto_classes(tiny_model_dir):

@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from rl2.rollout.weight_sync import bucketed, engine_named_tensors, engine_param_name
 
+pytestmark = pytest.mark.gpu_pins  # also under the transformers that the gpu extra pins
+
 CONFIGS = {"qwen2": Qwen2Config, "llama": LlamaConfig}
 MODEL_CASES = [(arch, tied) for arch in CONFIGS for tied in (True, False)]
 
@@ -315,3 +317,39 @@ def test_bucketed_real_model_respects_limit_and_order():
     # exact: embed (128*32*4 = 16 KiB) fills one bucket alone; the head too
     assert names_of(buckets)[0] == ["model.embed_tokens.weight"]
     assert names_of(buckets)[-1] == ["lm_head.weight"]
+
+
+GATHER_CHECK = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+from rl2.rollout.weight_sync import iter_full_weights
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+expected = {name: tensor.to(torch.bfloat16) for name, tensor in model.state_dict().items()}
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+gathered = []
+full_tensor = DTensor.full_tensor
+DTensor.full_tensor = lambda self, **kwargs: gathered.append(self.dtype) or full_tensor(self, **kwargs)
+sent = dict(iter_full_weights(model, "bfloat16", bucket_mb=0))
+assert gathered and set(gathered) == {torch.bfloat16}, gathered  # cast, then gathered
+assert "lm_head.weight" not in sent and len(gathered) == len(sent) == len(expected) - 1, (len(gathered), len(sent))
+assert all(torch.equal(sent[name], expected[name]) for name in sent)
+print("ok")
+"""
+
+
+def test_full_weights_are_cast_before_the_gather_and_tied_ones_sent_once(tiny_model_dir):
+    """The sync gathers bf16 shards, not fp32 masters to cast afterwards, and sends the tied head once."""
+    import socket
+
+    from conftest import run_python
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert "ok" in run_python(["-c", GATHER_CHECK, tiny_model_dir, str(port)]).stdout

@@ -62,7 +62,7 @@ def load_fsdp_model(
         if install_logps_head(model, logps_chunk_size) is None:
             logger.info(f"{type(model).__name__}: log-probs from full logits (its head is not a plain linear layer)")
     if gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
 
     mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
     block_names = set(getattr(model, "_no_split_modules", None) or [])
@@ -85,6 +85,16 @@ def load_fsdp_model(
     return model
 
 
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Checkpoint each decoder layer (non-reentrant). transformers >= 5.2x names it
+    `activation_checkpointing_enable` (and deprecates `gradient_checkpointing_enable`); 5.12.1, which
+    SGLang 0.5.20/0.5.21 pin, has only `gradient_checkpointing_enable`."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _recompute_rotary_buffers(model: nn.Module, device: torch.device) -> None:
     """Non-persistent buffers (RoPE `inv_freq`) are garbage after `to_empty`: rebuild them."""
     for module in model.modules():
@@ -102,8 +112,13 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def move_optimizer(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
-    """Move the optimizer's state tensors (offloading to CPU, or back)."""
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                state[key] = value.to(device, non_blocking=True)
+    """Move the optimizer's state tensors (offloading to CPU, or back). Adam's `step` counts stay on
+    the CPU unless the group is fused or capturable: foreach Adam reads a device `step` with one
+    `.item()` (a host sync) per parameter tensor."""
+    for group in optimizer.param_groups:
+        step_on_device = bool(group.get("fused") or group.get("capturable"))
+        for parameter in group["params"]:
+            state = optimizer.state.get(parameter, {})
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and (key != "step" or step_on_device):
+                    state[key] = value.to(device, non_blocking=True)

@@ -417,8 +417,12 @@ class HFEngine(Engine):
         self.aborting.set()
 
     def shutdown(self) -> None:
-        """Drop the model."""
-        self.model = None
+        """Drop the model, the KV cache and the captured graphs (the decode step holds the model, the
+        cache, its static inputs and the graphs' memory pool), and return the cached memory."""
+        self.slots.clear()
+        self.kv.release()
+        self.decode.reset()
+        self.model = self.kv = self.decode = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

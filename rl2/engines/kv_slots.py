@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -44,8 +43,7 @@ class PrefillPlan:
     """The new tokens of several sequences packed in one row [1, T], and how they attend.
 
     `attention` names the kernel (`prefill_attention`): `sdpa_loop` runs one sdpa call per
-    sequence over its slot; the packed kernels (`torch_varlen`, `flash_attention_2`,
-    `flex_attention`) run one call over the whole row, with each sequence's keys packed after one
+    sequence over its slot; the packed kernels (`torch_varlen`, `flash_attention_2`) run one call over the whole row, with each sequence's keys packed after one
     another: its new tokens' keys as they come, or, where a cached prefix precedes them, the whole
     sequence gathered from its slot (`key_slots`, `key_positions`).
     """
@@ -60,7 +58,6 @@ class PrefillPlan:
     max_k: int = 0
     key_slots: torch.Tensor | None = None  # [T_k] where each packed key is read from, if any sequence
     key_positions: torch.Tensor | None = None  # has a cached prefix; else the keys are the new tokens'
-    block_mask: object = None  # flex_attention's mask, built once for all layers
 
     @classmethod
     def build(cls, segments: list[tuple[int, int, int, int]], device, attention: str = "sdpa_loop") -> "PrefillPlan":
@@ -82,8 +79,6 @@ class PrefillPlan:
             key_slots = [slot for (slot, *_), n in zip(segments, k_lengths) for _ in range(n)]
             key_positions = [p for n in k_lengths for p in range(n)]
             plan.key_slots, plan.key_positions = as_tensor(key_slots), as_tensor(key_positions)
-        if attention == "flex_attention":
-            plan.block_mask = _prefill_block_mask(q_lengths, k_lengths, plan.positions, as_tensor(key_positions))
         return plan
 
 
@@ -217,31 +212,18 @@ def _packed_prefill_attention(query, key, value, layer_keys, layer_values, plan:
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
         return flash_attn_varlen_func(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, softmax_scale=scaling,
                                       causal=True)[None]
-    if plan.attention == "flex_attention":
-        out = flex_attention(query, key, value, block_mask=plan.block_mask, scale=scaling,
-                             enable_gqa=query.shape[1] != key.shape[1])
-        return out.transpose(1, 2)
     raise ValueError(f"unknown prefill attention {plan.attention!r}")
-
-
-def _prefill_block_mask(q_lengths: list[int], k_lengths: list[int], q_positions: torch.Tensor,
-                        k_positions: torch.Tensor):
-    """flex_attention's block mask: a query sees the keys of its own sequence up to its position."""
-    device = q_positions.device
-    q_sequence = torch.repeat_interleave(torch.arange(len(q_lengths), device=device), torch.tensor(q_lengths, device=device))
-    k_sequence = torch.repeat_interleave(torch.arange(len(k_lengths), device=device), torch.tensor(k_lengths, device=device))
-
-    def visible(batch, head, q_index, k_index):
-        same = q_sequence[q_index] == k_sequence[k_index]
-        return same & (k_positions[k_index] <= q_positions[q_index])
-
-    return create_block_mask(visible, None, None, len(q_sequence), len(k_sequence), device=device)
 
 
 def prefill_attention(device: torch.device, requested: str = "auto", available: dict[str, bool] | None = None) -> str:
     """The kernel the engine prefills with on `device` (one of ATTENTION_CHOICES): `auto` takes
-    flash-attn, else torch's varlen kernel on CUDA, and the per-sequence loop elsewhere (and where
-    neither is there: flex attention would need compiling per row length)."""
+    flash-attn, else torch's varlen kernel on CUDA, and the per-sequence loop elsewhere. Flex attention is
+    refused: the engine's rows change length every call, so it would run uncompiled and materialise every
+    score (compiled, it would recompile per row length)."""
+    if requested == "flex_attention":
+        raise ValueError("rollout.attn_implementation=flex_attention: the engine's prefill rows change length every "
+                         "call, so flex attention would run uncompiled over the full score matrix; use auto, "
+                         "flash_attention_2, torch_varlen or sdpa_loop (flex attention stays available for training)")
     if requested == "auto":
         available = available if available is not None else available_attention(device)
         if device.type == "cuda":

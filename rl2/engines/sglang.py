@@ -9,11 +9,15 @@ scheduler processes on the group's GPUs. Each call is collective over the group:
 - `update_weights`: every rank flattens each bucket of its full weights (on its own GPU) and
   serialises it as CUDA IPC handles; the leader gathers one payload per TP rank, in TP-rank
   order, and posts them with `update_weights_from_tensor(load_format="flattened_bucket")`, so
-  each SGLang TP rank reads the copy on its own GPU. The first sync is checked by reading
-  parameters back from the engine (SGLang only logs names it does not know).
+  each SGLang TP rank reads the copy on its own GPU. The first sync is checked by reading one
+  1-D parameter back (SGLang only logs names it does not know); SGLang 0.5.20/0.5.21 read back
+  for Llama-family models only and return None for the others (Qwen2 included): the check is
+  then skipped with a warning.
 - `sleep` / `wake`: `release_memory_occupation` / `resume_memory_occupation` (SGLang's memory
   saver). Released weights are not backed up: after `sleep`, `update_weights` brings them
-  back (it resumes the weights' memory first), then `wake` resumes the KV cache.
+  back (it resumes the weights' memory first), then `wake` resumes the KV cache. Before either
+  resume every rank of the group empties its caching allocator (SGLang's processes cannot use
+  what the trainer's allocator keeps reserved), and after a sync frees the CUDA IPC handles.
 
 Stop strings: started with `skip_tokenizer_init`, SGLang rejects them. A stop string that is a
 single token becomes a stop token id, so the engine stops on it; every stop string is also
@@ -26,6 +30,7 @@ built (`pip install -e ".[gpu]"`), and everything here around the SGLang calls i
 CPU against a stand-in package that follows the API recorded from SGLang's source.
 """
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -52,8 +57,10 @@ logger = logging.getLogger(__name__)
 # require torch 2.14.1.
 SGLANG_REQUIREMENT = "sglang>=0.5.20,<0.5.22"
 SGLANG_INSTALL = 'pip install -e ".[gpu]"'
-# Parameters read back from the engine after the first weight sync, when the model has them.
-VERIFIED_PARAMETERS = ("model.embed_tokens.weight", "model.norm.weight")
+# The parameter read back from the engine after the first weight sync, when the model has it (else the
+# first 1-D parameter sent). Never a matrix: SGLang's Llama read-back turns the whole tensor into a Python
+# list before truncating it (an embedding matrix would be gigabytes of Python objects).
+VERIFIED_PARAMETER = "model.norm.weight"
 _SAMPLE_SIZE = 64
 # Environment variables SGLang sets in the calling process that the trainer's own NCCL and CUDA
 # use; restored after the engine starts (its processes keep SGLang's values).
@@ -255,6 +262,19 @@ def sglang_process_state() -> Iterator[None]:
             multiprocessing.set_start_method(start_method, force=True)
 
 
+def free_device_memory() -> None:
+    """Give the trainer's cached GPU blocks back to the driver, so SGLang's processes can resume into them."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def free_ipc_handles() -> None:
+    """Release the CUDA IPC handles of buckets the engine has read."""
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -280,8 +300,10 @@ class SGLangEngine(Engine):
         bucket_mb: int = 512,
         server_args: dict | None = None,
         api: SGLangAPI | None = None,
+        free_memory: Callable[[], None] = free_device_memory,
     ):
         self.api = api or load_sglang()
+        self.free_memory = free_memory
         self.tokenizer = tokenizer
         self.bucket_bytes = bucket_mb * 2**20
         self.layout = plan_this_rank(tp_size)
@@ -376,9 +398,12 @@ class SGLangEngine(Engine):
         return sampling_params_dict(params, stop_ids)
 
     def abort(self) -> None:
-        """Abort every request in flight (leader; callable from another thread)."""
-        if self.layout.is_leader and self.engine is not None:
-            self.engine.tokenizer_manager.abort_request(abort_all=True)
+        """Abort every request in flight (leader; callable from another thread). The abort is sent from
+        the engine's event loop, whose thread owns SGLang's ZMQ sockets (they are not thread-safe); with
+        the loop idle no `generate` is running, so there is nothing to abort."""
+        engine = self.engine
+        if self.layout.is_leader and engine is not None and engine.loop.is_running():
+            engine.loop.call_soon_threadsafe(lambda: engine.tokenizer_manager.abort_request(abort_all=True))
 
     def reseed(self, seed: int) -> None:
         """No-op: SGLang seeds its sampler once, from `random_seed` at start (rollouts on SGLang are
@@ -396,8 +421,15 @@ class SGLangEngine(Engine):
 
         self._on_leader(release, "release memory")
 
+    def _before_resume(self) -> None:
+        """Every rank of the group empties its allocator before the leader resumes SGLang's memory."""
+        self.free_memory()
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
     def wake(self) -> None:
         """Resume the KV cache and CUDA graphs; the weights must have been pushed since `sleep`."""
+        self._before_resume()
 
         def resume() -> None:
             if "weights" in self.released:
@@ -415,6 +447,8 @@ class SGLangEngine(Engine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Push full weights bucket by bucket (collective over the group; every rank streams the
         same tensors, in the same order). Resumes released weight memory first."""
+        if "weights" in self._broadcast(set(self.released) if self.layout.is_leader else None):
+            self._before_resume()
 
         def begin() -> None:
             if "weights" in self.released:
@@ -425,19 +459,19 @@ class SGLangEngine(Engine):
 
         self._on_leader(begin, "weight update")
         self.api.monkey_patch_torch_reductions()
-        samples: dict[str, torch.Tensor] = {}  # what was sent of the parameters read back later
-        first: dict[str, torch.Tensor] = {}
+        samples: dict[str, torch.Tensor] = {}  # what was sent of the 1-D parameters, for the read-back
         for bucket in bucketed(engine_named_tensors(named_tensors, self.tied_embeddings), self.bucket_bytes):
-            payload = self._serialize(bucket)
+            # The flattened copy is shared with the engine through CUDA IPC: it stays referenced here
+            # until the post below has returned, i.e. until the engine has read it.
+            flattened, payload = self._serialize(bucket)
             payloads = [payload]
             if self.group is not None:
                 payloads = [None] * self.layout.tp_size if self.layout.is_leader else None
                 dist.gather_object(payload, payloads, dst=self.layout.leader, group=self.group)
             if self.layout.is_leader and not self.verified:
                 for name, tensor in bucket:
-                    if name in VERIFIED_PARAMETERS or not first:
-                        sample = tensor.detach().flatten()[:_SAMPLE_SIZE].float().cpu()
-                        (samples if name in VERIFIED_PARAMETERS else first)[name] = sample
+                    if tensor.dim() == 1 and (name == VERIFIED_PARAMETER or not samples):
+                        samples[name] = tensor.detach()[:_SAMPLE_SIZE].float().cpu()
 
             def post() -> None:
                 result = self.engine.update_weights_from_tensor(
@@ -445,8 +479,8 @@ class SGLangEngine(Engine):
                 )
                 check_result(result, "update_weights_from_tensor")
 
-            # Also keeps every rank's bucket alive until the engine has read it.
-            self._on_leader(post, "weight update")
+            self._on_leader(post, "weight update")  # collective: every rank's bucket is read when it returns
+            del flattened, payload, payloads
 
         def end() -> None:
             if hasattr(self.engine, "end_weight_update"):
@@ -454,32 +488,44 @@ class SGLangEngine(Engine):
             if "kv_cache" not in self.released:
                 check_result(self.engine.flush_cache(), "flush_cache")
             if not self.verified:
-                self._verify(samples or first)
+                name = VERIFIED_PARAMETER if VERIFIED_PARAMETER in samples else next(iter(samples), None)
+                self._verify(name, samples.get(name))
 
         self._on_leader(end, "weight update")
+        free_ipc_handles()
         self.verified = True
 
-    def _serialize(self, bucket: list[tuple[str, torch.Tensor]]) -> Any:
+    def _serialize(self, bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Any]:
+        """The bucket flattened into one tensor, and that tensor serialised as CUDA IPC handles."""
         flat = self.api.FlattenedTensorBucket(named_tensors=bucket)
-        return self.api.MultiprocessingSerializer.serialize(
-            {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}, output_str=True
+        flattened = flat.get_flattened_tensor()
+        payload = self.api.MultiprocessingSerializer.serialize(
+            {"flattened_tensor": flattened, "metadata": flat.get_metadata()}, output_str=True
         )
+        return flattened, payload
 
-    def _verify(self, samples: dict[str, torch.Tensor]) -> None:
-        """Read pushed parameters back (those of VERIFIED_PARAMETERS, else the first one sent): SGLang
-        only logs a name it does not know, and the parameter keeps its old value."""
-        for name, sent in samples.items():
-            got = self.engine.get_weights_by_name(name, truncate_size=_SAMPLE_SIZE)
-            if got is None:
-                raise RuntimeError(f"SGLang has no parameter {name!r}: the pushed names do not match its model")
-            got = torch.as_tensor(got, dtype=torch.float32).flatten()
-            n = min(len(got), len(sent))
-            if n == 0 or not torch.allclose(got[:n], sent[:n], rtol=1e-2, atol=1e-3):
-                raise RuntimeError(
-                    f"after the weight sync SGLang's {name!r} differs from the actor's (engine {got[:4].tolist()}, "
-                    f"actor {sent[:4].tolist()}): the engine did not load the pushed weights"
-                )
-        logger.info(f"weight sync verified on {', '.join(samples)}")
+    def _verify(self, name: str | None, sent: torch.Tensor | None) -> None:
+        """Read the 1-D parameter `name` back: SGLang only logs a name it does not know, and the
+        parameter keeps its old value. Skipped, with a warning, where SGLang cannot read back."""
+        if name is None:
+            logger.warning("weight sync not verified: no 1-D parameter was pushed")
+            return
+        got = self.engine.get_weights_by_name(name, truncate_size=_SAMPLE_SIZE)
+        if got is None:
+            logger.warning(
+                f"weight sync not verified: SGLang {self.api.version} reads no parameter back from this model "
+                f"(it does for Llama-family models only; {name!r} gave None). If the engine did not load the "
+                f"pushes, logp_mismatch/mean grows as the actor trains"
+            )
+            return
+        got = torch.as_tensor(got, dtype=torch.float32).flatten()
+        n = min(len(got), len(sent))
+        if n == 0 or not torch.allclose(got[:n], sent[:n], rtol=1e-2, atol=1e-3):
+            raise RuntimeError(
+                f"after the weight sync SGLang's {name!r} differs from the actor's (engine {got[:4].tolist()}, "
+                f"actor {sent[:4].tolist()}): the engine did not load the pushed weights"
+            )
+        logger.info(f"weight sync verified on {name}")
 
     def shutdown(self) -> None:
         """Stop the engine and its processes."""

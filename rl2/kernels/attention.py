@@ -137,12 +137,12 @@ def torch_varlen_attention(
         longest_key = max_length_k or int((key_bounds[1:] - key_bounds[:-1]).max())
     # [1, heads, T, dim] → [T, heads, dim], the kernel's layout
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    # Grouped-query K/V go in as they are: torch >= 2.13 asks for `enable_gqa`; torch 2.10-2.12 have no such
+    # argument and call aten's flash kernel directly, which takes fewer KV heads than query heads (and sums
+    # their gradients over each group) without being told.
     grouped = {}
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in inspect.signature(kernel).parameters:
-            grouped["enable_gqa"] = True
-        else:  # older kernels: each KV head repeated for its query heads, as transformers' repeat_kv
-            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    if q.shape[1] != k.shape[1] and "enable_gqa" in inspect.signature(kernel).parameters:
+        grouped["enable_gqa"] = True
     out = kernel(q, k, v, bounds, key_bounds, longest, longest_key, scale=scaling, window_size=(-1, 0), **grouped)
     return out.unsqueeze(0), None
 
@@ -152,11 +152,26 @@ def no_dense_mask(*args, **kwargs) -> None:
     return None
 
 
+def flash_attn_loads() -> bool:
+    """Whether flash-attn is installed and its compiled kernels load. A flash-attn built for another torch
+    (as after `pip install sglang`, which pins its own torch) is found by `find_spec` but fails with an
+    `undefined symbol` at its import or first call: it is then not used, with a warning."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        importlib.import_module("flash_attn_2_cuda")  # the compiled part, where a torch mismatch shows
+        importlib.import_module("flash_attn").flash_attn_varlen_func
+    except Exception as error:  # ImportError, OSError (undefined symbol), AttributeError
+        logger.warning(f"flash-attn is installed but does not load ({type(error).__name__}: {error}); not using it")
+        return False
+    return True
+
+
 def available_attention(device: torch.device) -> dict[str, bool]:
     """Which packed-row attention implementations can run on `device`."""
     cuda = device.type == "cuda"
     return {
-        "flash_attention_2": cuda and importlib.util.find_spec("flash_attn") is not None,
+        "flash_attention_2": cuda and flash_attn_loads(),
         "torch_varlen": cuda and torch_varlen_kernel() is not None,
         "flex_attention": importlib.util.find_spec("torch.nn.attention.flex_attention") is not None,
         "sdpa_loop": True,

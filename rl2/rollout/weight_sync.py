@@ -11,18 +11,24 @@ from rl2.distributed.fsdp import DTYPES
 def iter_full_weights(
     model: nn.Module, dtype: str = "bfloat16", bucket_mb: int = 512
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every entry of `model`'s state dict, in state-dict order.
+    """(name, full tensor) for every entry of `model`'s state dict, in state-dict order, a tied
+    parameter once (under its first name: engines tie it back).
 
-    Sharded tensors are all-gathered a bucket (about `bucket_mb` of `dtype`) at a time and cast
-    to `dtype`; a bucket is released once the consumer moves past it, so a rank never holds more
-    than one bucket of gathered weights besides the engine's own copy. Every rank must consume
-    the whole stream in the same order: the gathers are collectives.
+    Sharded tensors are cast to `dtype` on each rank and then all-gathered (half the bytes of
+    gathering fp32 masters), a bucket (about `bucket_mb` of `dtype`) at a time; a bucket is released
+    once the consumer moves past it, so a rank never holds more than one bucket of gathered weights
+    besides the engine's own copy. Every rank must consume the whole stream in the same order: the
+    gathers are collectives.
     """
     target = DTYPES[dtype]
     limit = bucket_mb * 2**20
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tied -= {name for name, _ in model.named_parameters()}
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in model.state_dict().items():
+        if name in tied:
+            continue
         bucket.append((name, tensor))
         size += tensor.numel() * target.itemsize
         if size >= limit:
@@ -34,8 +40,8 @@ def iter_full_weights(
 def _gathered(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     full = []
     for name, tensor in bucket:
-        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        full.append((name, tensor.detach().to(dtype)))
+        tensor = tensor.detach().to(dtype)  # a DTensor casts its local shard
+        full.append((name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor))
     yield from full
 
 

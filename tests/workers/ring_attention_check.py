@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
+from rl2.distributed.fsdp import enable_activation_checkpointing
 from rl2.kernels.attention import packed_attention_implementation, varlen_attention
 from rl2.distributed.process_group import exit_process, init_distributed
 from rl2.distributed.ring_attention import (
@@ -120,7 +121,7 @@ def model_check(model_dir: str, group, checkpointing: bool, pass_max_lengths: bo
     for m in (ref, model):
         m.train()
         if checkpointing:
-            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(m)
 
     gen = torch.Generator().manual_seed(3)
     lengths = [37, 1, 20, 4 * sp + 1, 64, 5]

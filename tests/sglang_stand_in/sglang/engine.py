@@ -4,6 +4,7 @@ Generation runs rl2's embedded engine on CPU in this process. Every call is appe
 `calls` and, when STAND_IN_SGLANG_LOG names a file, to that file as a JSON line.
 """
 
+import asyncio
 import json
 import logging
 import multiprocessing
@@ -20,6 +21,9 @@ from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 logger = logging.getLogger("sglang.stand_in")
 
 ALL_TAGS = ("kv_cache", "weights", "cuda_graph")
+# The architectures whose SGLang model implements get_weights_by_name in 0.5.20/0.5.21; for the others
+# (Qwen2 among them) the weight exporter catches the AttributeError and returns None.
+READBACK_ARCHITECTURES = {"LlamaForCausalLM", "GraniteForCausalLM", "OPTForCausalLM", "Exaone4ForCausalLM"}
 REQUIRED_ARGS = ("model_path", "tp_size", "mem_fraction_static", "base_gpu_id", "random_seed")
 
 
@@ -52,6 +56,9 @@ class Engine:
                            seed=kwargs["random_seed"])
         self.context_length = getattr(self.hf.model.config, "max_position_embeddings", 1 << 30)
         self.tokenizer_manager = SimpleNamespace(abort_request=self._abort_request)
+        # SGLang's Engine drives its tokenizer manager (and its ZMQ sockets) from this loop, in the thread
+        # that calls generate: run_until_complete.
+        self.loop = asyncio.new_event_loop()
         self._record("start", tp_size=self.tp_size, base_gpu_id=kwargs["base_gpu_id"])
 
     def _record(self, name: str, **details) -> None:
@@ -89,7 +96,9 @@ class Engine:
                 max_new_tokens=params.get("max_new_tokens", 128), stop_token_ids=params.get("stop_token_ids") or [],
                 ignore_eos=params.get("ignore_eos", False),
             )
-            for i, generation in zip(indices, self.hf.generate([prompts[i] for i in indices], ours)):
+            generated = self.loop.run_until_complete(
+                self.loop.run_in_executor(None, self.hf.generate, [prompts[i] for i in indices], ours))
+            for i, generation in zip(indices, generated):
                 if generation.finish_reason == "stop":
                     reason = {"type": "stop", "matched": generation.token_ids[-1]}
                 elif generation.finish_reason == "length":
@@ -100,6 +109,9 @@ class Engine:
         return outputs[0] if single else outputs
 
     def _abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        if not self.loop.is_running() or asyncio.get_running_loop() is not self.loop:
+            raise RuntimeError("abort_request outside the engine's event loop: SGLang's ZMQ sockets are not "
+                               "thread-safe (schedule it with engine.loop.call_soon_threadsafe)")
         self._record("abort", abort_all=abort_all)
         if abort_all:
             self.hf.abort()
@@ -120,6 +132,8 @@ class Engine:
     def resume_memory_occupation(self, tags=None):
         tags = list(tags or ALL_TAGS)
         self._record("resume", tags=sorted(tags))
+        if not set(tags) <= self.released:  # torch_memory_saver refuses to resume a region that is not paused
+            raise RuntimeError(f"resume_memory_occupation({sorted(tags)}) with only {sorted(self.released)} released")
         self.released -= set(tags)
 
     def flush_cache(self):
@@ -179,7 +193,12 @@ class Engine:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         parameter = self.hf.model.state_dict().get(name)
-        return None if parameter is None else parameter[:truncate_size].tolist()
+        architecture = type(self.hf.model).__name__
+        self._record("get_weights_by_name", parameter=name, architecture=architecture,
+                     shape=None if parameter is None else list(parameter.shape))
+        if architecture not in READBACK_ARCHITECTURES or parameter is None:
+            return None
+        return parameter.tolist()[:truncate_size]  # as SGLang's Llama: the whole tensor to a list, then cut
 
     def shutdown(self):
         self._record("shutdown")
