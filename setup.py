@@ -14,6 +14,7 @@ setup(
     install_requires=[
         "torch>=2.6",
         "transformers>=5.0",
+        "peft>=0.17",  # LoRA (actor.lora.rank, critic.lora.rank)
         "tokenizers",
         "datasets",
         "wandb",

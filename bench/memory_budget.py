@@ -15,6 +15,12 @@ to calibrate against `bench/gpu_train.py`'s measured peaks:
 - ring attention: K/V blocks in flight, 3 × tokens × kv width × 2 × 2 B.
 
 With `actor.offload_optimizer` the moments live in CPU memory: state = 8 B × params / 8.
+
+With LoRA (`actor.lora.rank` r on every linear layer of the decoder) the frozen base weights are stored in
+bf16 (2 B × params / 8) and only the adapters, r × (9 hidden + 2 kv width + 3 intermediate) per layer,
+have fp32 masters, gradients and moments (16 B each); activations are the same, plus the adapters' small
+r-wide intermediates. A KL reference costs nothing more (the actor with adapters off), where full
+fine-tuning needs a second, bf16, copy (2 B × params / 8) — not counted in the full-tuning totals above.
 Sequence parallelism does not change these per-GPU figures at equal tokens per GPU: it is what lets one
 sequence (a row) be sp times longer than what one GPU holds.
 
@@ -53,6 +59,18 @@ def budget(model: str, tokens: int, sp: int, chunked: bool = True) -> dict[str, 
     return {name: value / GIB for name, value in terms.items()}
 
 
+def lora_params(model: str, rank: int) -> float:
+    """Adapter parameters of rank `rank` on every linear layer of the decoder (q, k, v, o, gate, up, down)."""
+    _, hidden, layers, intermediate, heads, kv_heads, _, _ = MODELS[model]
+    kv_width = hidden // heads * kv_heads
+    return layers * rank * (9 * hidden + 2 * kv_width + 3 * intermediate)
+
+
+def lora_state(model: str, rank: int) -> float:
+    """GiB per GPU of the sharded state with LoRA: bf16 frozen base, fp32 adapters with gradients and moments."""
+    return (2 * MODELS[model][0] + 16 * lora_params(model, rank)) / GPUS / GIB
+
+
 def main() -> None:
     print(f"GiB per GPU, {GPUS} GPUs, FSDP over all, checkpointing on; fits = total <= {USABLE_GIB:.0f} GiB")
     print(f"{'model':5} {'sp':>2} {'tok/GPU':>7} {'row':>6} | {'state':>6} {'gather':>6} {'ckpts':>6} {'layer':>6} "
@@ -69,6 +87,16 @@ def main() -> None:
                       f"{total:6.1f} {'yes' if total <= USABLE_GIB else 'no ':3} | "
                       f"{offloaded:11.1f} {'yes' if offloaded <= USABLE_GIB else 'no ':3} | {full:11.1f} "
                       f"{'yes' if full <= USABLE_GIB else 'no'}")
+    print(f"\nLoRA, 16k tokens per GPU, sp = 1: state GiB per GPU (full tuning's beside it) and the step's total")
+    for model in MODELS:
+        terms = budget(model, 16384, 1)
+        rest = sum(terms.values()) - terms["state"]
+        cells = []
+        for rank in (8, 32, 128):
+            state = lora_state(model, rank)
+            cells.append(f"r={rank}: {lora_params(model, rank) / 1e6:6.1f}M adapters, state {state:5.1f} "
+                         f"(full {terms['state']:5.1f}), total {state + rest:5.1f}")
+        print(f"{model:5} " + " | ".join(cells))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rl2.distributed.fsdp import DTYPES, gather_full_state_dict
 from rl2.distributed.process_group import barrier, is_rank0
+from rl2.lora import base_model, is_lora, lora_scalings, merged_state_dict, save_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +70,28 @@ def resolve_checkpoint(load_ckpt_from: str | None, save_dir: str) -> str | None:
     return load_ckpt_from
 
 
-def save_hf_model(model: nn.Module, path: str, dtype: str, tokenizer=None) -> None:
-    """Gather the full weights on rank 0 and write a `from_pretrained`-loadable folder (all ranks call this)."""
+def save_hf_model(model: nn.Module, path: str, dtype: str, tokenizer=None, merged: bool = False) -> None:
+    """Gather the full weights on rank 0 and write a `from_pretrained`-loadable folder (all ranks call this).
+    A LoRA model writes its adapter in peft's format instead (`PeftModel.from_pretrained(base, path)`) and,
+    with `merged`, the merged model in `path/merged`."""
     state_dict = gather_full_state_dict(model)
-    if is_rank0():
-        torch_dtype = DTYPES[dtype]
+    if not is_rank0():
+        return
+    torch_dtype = DTYPES[dtype]
+    state_dict = {k: v.to(torch_dtype) for k, v in state_dict.items()}
+    if is_lora(model):
+        save_adapter(model, state_dict, path)
+        if merged:
+            base = base_model(model)
+            base.config.dtype = torch_dtype
+            base.save_pretrained(os.path.join(path, "merged"), state_dict=merged_state_dict(state_dict, lora_scalings(model)))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(os.path.join(path, "merged"))
+    else:
         model.config.dtype = torch_dtype
-        model.save_pretrained(path, state_dict={k: v.to(torch_dtype) for k, v in state_dict.items()})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)
+        model.save_pretrained(path, state_dict=state_dict)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
 
 
 def save_checkpoint(

@@ -26,5 +26,5 @@ class ScriptedEngine(Engine):
             out.append(Generation(token_ids=tokens, logprobs=[-0.5] * len(tokens), finish_reason=finish))
         return out
 
-    def update_weights(self, named_tensors):
+    def update_weights(self, named_tensors, partial=False):
         raise NotImplementedError

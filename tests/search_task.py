@@ -61,7 +61,7 @@ class WalkEngine(Engine):
             out.append(Generation(tokens, [logprob] * len(tokens), "stop"))
         return out
 
-    def update_weights(self, named_tensors):
+    def update_weights(self, named_tensors, partial=False):
         raise NotImplementedError
 
 

@@ -226,7 +226,11 @@ def test_help(flag, capsys):
     assert out.strip() == config_help().strip()
     for section in dataclasses.fields(Config):
         for f in dataclasses.fields(section.type):
-            assert f"  {section.name}.{f.name}: " in out
+            if dataclasses.is_dataclass(f.type):  # a nested section: its heading, then its keys
+                assert f"\n{section.name}.{f.name}: " in out
+                assert all(f"  {section.name}.{f.name}.{g.name}: " in out for g in dataclasses.fields(f.type))
+            else:
+                assert f"  {section.name}.{f.name}: " in out
     assert "  actor.lr: float = 1e-06  — learning rate of the optimizer" in out
     assert "critic.lr: float = 5e-06" in out
     assert "data.max_length: Optional[int] = None" in out

@@ -170,7 +170,7 @@ class TickEngine(Engine):
     def reseed(self, seed):
         pass
 
-    def update_weights(self, named_tensors):
+    def update_weights(self, named_tensors, partial=False):
         pass
 
 

@@ -343,12 +343,17 @@ for model in ("actor", "critic"):
         (f"{model}.ddp_size=2", ConfigError, f"{model}.fsdp_size"),
         (f"{model}.tp_size=1", None, "not tensor parallelism"),
         (f"{model}.tp_size=2", ConfigError, "not tensor parallelism"),
-        (f"{model}.lora.rank=0", None, "no LoRA"),
-        (f"{model}.lora.rank=16", ConfigError, "no LoRA"),
-        (f"{model}.lora.alpha=32", None, "lora.rank > 0"),
-        (f"{model}.lora.target_modules=all-linear", None, "lora.rank > 0"),
-        (f"{model}.lora.dropout=0.05", None, "lora.rank > 0"),
     ]
+
+
+@pytest.mark.parametrize("model", ["actor", "critic"])
+def test_rl2_lora_keys_are_rl2s_own(model, capsys):
+    """RL2's LoRA keys (its lora branch) have the same names and meaning here: no translation, no note."""
+    config = load_config([f"{model}.lora.rank=16", f"{model}.lora.alpha=32", f"{model}.lora.dropout=0.05",
+                          f"{model}.lora.target_modules=all-linear"])
+    lora = getattr(config, model).lora
+    assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules) == (16, 32.0, 0.05, "all-linear")
+    assert "RL2's" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("row", KEY_BY_KEY, ids=[row[0] for row in KEY_BY_KEY])

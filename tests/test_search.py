@@ -60,7 +60,7 @@ class TableEngine(Engine):
             out.append(Generation(tokens, [-1.0] * len(tokens), "stop"))
         return out
 
-    def update_weights(self, named_tensors):
+    def update_weights(self, named_tensors, partial=False):
         raise NotImplementedError
 
 

@@ -53,6 +53,15 @@ ATTENTION_CHOICES = ["auto", "flash_attention_2", "torch_varlen", "flex_attentio
 
 
 @dataclass
+class LoraConfig:
+    rank: int = _f(0, "LoRA rank r; 0 = no LoRA (every weight trains). With r > 0 only the adapters train, and the reference model is this model with its adapters disabled")
+    alpha: float = _f(16.0, "LoRA alpha: the adapters' update is scaled by alpha / rank")
+    dropout: float = _f(0.0, "dropout on the adapters' input")
+    target_modules: str = _f("all-linear", "the layers that get adapters: all-linear (every linear layer of the decoder, not the output head) or comma-separated module names (q_proj,v_proj)")
+    save_merged: bool = _f(False, "also write the merged model (W + BA x alpha / r) as a Hugging Face folder `merged/` in each checkpoint")
+
+
+@dataclass
 class ModelConfig:
     model_name: Optional[str] = _f(None, "HF model name or local path")
     tokenizer_name: Optional[str] = _f(None, "HF tokenizer name or local path; defaults to model_name")
@@ -80,6 +89,7 @@ class ModelConfig:
     save_freq: Optional[int] = _f(None, "steps between checkpoints; None = only at the end")
     save_optimizer: bool = _f(True, "include optimizer state in checkpoints")
     dtype: str = _f("bfloat16", "compute (param) dtype; master weights stay fp32", DTYPE_NAMES)
+    lora: LoraConfig = _section(LoraConfig, "LoRA adapters (rank > 0): only they train")
 
 
 @dataclass

@@ -54,7 +54,9 @@ class Command:
         return section in self.reads or name in self.reads
 
     def reads_section(self, section: str) -> bool:
-        return section in self.reads or any(key.startswith(section + ".") for key in self.reads)
+        """Whether any key of `section` (`actor`, or a nested one: `actor.lora`) is read."""
+        return (section.partition(".")[0] in self.reads and self.reads_key(section + ".x")) or any(
+            key.startswith(section + ".") for key in self.reads)
 
     @property
     def launch(self) -> str:

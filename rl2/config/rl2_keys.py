@@ -48,10 +48,6 @@ def _model_keys(model: str) -> list[RL2Key]:
                note=f"rl2 shards parameters over {model}.fsdp_size ranks (0 = all; smaller = replicated groups of that many)"),
         RL2Key(f"{model}.tp_size", neutral=(1,),
                note=f"rl2 trains with FSDP2 and sequence parallelism ({model}.sp_size), not tensor parallelism"),
-        RL2Key(f"{model}.lora.rank", neutral=(0,), note="rl2 trains every parameter; it has no LoRA adapters yet"),
-        RL2Key(f"{model}.lora.alpha", any_value=True, note=f"used only with {model}.lora.rank > 0"),
-        RL2Key(f"{model}.lora.target_modules", any_value=True, note=f"used only with {model}.lora.rank > 0"),
-        RL2Key(f"{model}.lora.dropout", any_value=True, note=f"used only with {model}.lora.rank > 0"),
     ]
 
 

@@ -10,9 +10,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rl2.config import LoraConfig
 from rl2.distributed.process_group import is_rank0
 from rl2.kernels.attention import packed_attention_implementation
 from rl2.kernels.logps_head import install_logps_head
+from rl2.lora import add_lora, base_model
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,8 @@ def load_fsdp_model(
     logps_chunk_size: int = 0,
     compile_layers: bool = False,
     prepare: Callable[[nn.Module], None] | None = None,
+    lora: LoraConfig | None = None,
+    lora_modules_to_save: list[str] | None = None,
     **config_overrides,
 ) -> nn.Module:
     """A transformers model sharded with `fully_shard` per decoder layer and at the root.
@@ -43,13 +47,22 @@ def load_fsdp_model(
     that many tokens, see `rl2.kernels.logps_head`) where the model allows it. `compile_layers` compiles each
     decoder layer (after checkpointing wraps it, before sharding, as torchtitan does). `prepare` runs on
     the model while it is still on the meta device, before any of that (e.g. to replace a head).
+    With `lora` (rank > 0) the model becomes a peft model with LoRA adapters (`rl2.lora`) before it is
+    sharded: its base weights frozen and stored in `dtype`, `lora_modules_to_save` trained whole.
     """
     config = AutoConfig.from_pretrained(model_name)
     for key, value in config_overrides.items():
         setattr(config, key, value)  # from_pretrained(**kwargs) drops keys the config class does not declare
+    use_lora = lora is not None and lora.rank > 0
     full_state_dict = {}
     if is_rank0():
-        full_state_dict = model_cls.from_pretrained(model_name, config=config, dtype=torch.float32).state_dict()
+        full_model = model_cls.from_pretrained(model_name, config=config, dtype=torch.float32)
+        if use_lora:  # the adapters' names and initial values, as the sharded model will have them
+            if prepare is not None:
+                prepare(full_model)
+            full_model = add_lora(full_model, lora, lora_modules_to_save)
+        full_state_dict = full_model.state_dict()
+        del full_model
     with torch.device("meta"):
         model = model_cls.from_config(
             config,
@@ -58,11 +71,18 @@ def load_fsdp_model(
         )
     if prepare is not None:
         prepare(model)
+    if use_lora:
+        model = add_lora(model, lora, lora_modules_to_save)
+        # The frozen base weights are kept in the compute dtype (no fp32 master copy: they never update);
+        # the adapters keep fp32 masters. FSDP2 gathers both as `dtype`.
+        for parameter in model.parameters():
+            if not parameter.requires_grad:
+                parameter.data = parameter.data.to(DTYPES[dtype])
     if logps_chunk_size > 0:
-        if install_logps_head(model, logps_chunk_size) is None:
+        if install_logps_head(base_model(model), logps_chunk_size) is None:
             logger.info(f"{type(model).__name__}: log-probs from full logits (its head is not a plain linear layer)")
     if gradient_checkpointing:
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(base_model(model))
 
     mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
     block_names = set(getattr(model, "_no_split_modules", None) or [])

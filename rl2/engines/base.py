@@ -140,9 +140,13 @@ class Engine(ABC):
                 if turn is not None:
                     pending[index] = turn
 
+    # Whether the weights outlive `sleep`: then a LoRA sync sends only the weights its adapters changed.
+    keeps_weights_asleep = True
+
     @abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full (unsharded) tensors by state-dict name, consuming the stream one item at a time."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+        """Load full (unsharded) tensors by state-dict name, consuming the stream one item at a time;
+        `partial`: only some of the model's tensors come (the others keep their values)."""
 
     def reseed(self, seed: int) -> None:
         """Restart the engine's sampling random stream from `seed`."""

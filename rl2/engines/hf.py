@@ -29,6 +29,7 @@ from rl2.engines.decode_step import DecodeStep
 from rl2.engines.kv_slots import NO_MASKS, KVSlots, PrefillPlan, prefill_attention, register_slot_attention
 from rl2.engines.sampling import request_uniforms, sample
 from rl2.engines.slot_table import BLOCK, SlotTable, block_hashes
+from rl2.rollout.weight_sync import engine_named_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -375,17 +376,18 @@ class HFEngine(Engine):
     # ---- weights and memory ----------------------------------------------------------------
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
         """Copy each (state-dict name, full tensor) into the model, casting dtype and device.
 
         Tied weights (e.g. `lm_head.weight` and `model.embed_tokens.weight`) are one tensor:
-        either name updates it. Every tensor of the state dict must arrive at least once.
+        either name updates it. Every tensor of the state dict must arrive at least once, unless
+        `partial` (LoRA: only the adapted weights changed).
         """
         targets = self.model.state_dict(keep_vars=True)
         pending = {}  # id(tensor) -> a name of it, for tensors not updated yet
         for name, target in targets.items():
             pending.setdefault(id(target), name)
-        for name, tensor in named_tensors:
+        for name, tensor in engine_named_tensors(named_tensors, tied_embeddings=False):  # wrapper / peft names off
             target = targets.get(name)
             if target is None:
                 raise ValueError(
@@ -399,7 +401,7 @@ class HFEngine(Engine):
             target.copy_(tensor)
             pending.pop(id(target), None)
         self.flush_cache()  # kept caches were computed by the old weights
-        if pending:
+        if pending and not partial:
             names = list(pending.values())
             more = f" and {len(names) - 5} more" if len(names) > 5 else ""
             raise ValueError(

@@ -288,6 +288,7 @@ class SGLangEngine(Engine):
     """This rank's handle on its group's SGLang engine (the engine itself lives on the leader)."""
 
     lockstep = True
+    keeps_weights_asleep = False  # released without a backup: every sync sends every weight
 
     def __init__(
         self,
@@ -444,7 +445,7 @@ class SGLangEngine(Engine):
 
     # ---- weights ---------------------------------------------------------------------------
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
         """Push full weights bucket by bucket (collective over the group; every rank streams the
         same tensors, in the same order). Resumes released weight memory first."""
         if "weights" in self._broadcast(set(self.released) if self.layout.is_leader else None):

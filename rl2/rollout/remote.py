@@ -33,6 +33,7 @@ from rl2.metrics import PhaseTimer
 from rl2.rollout.partial import partial_extra_prompts, partial_rollout
 from rl2.rollout.service import RolloutRecords, RolloutService
 from rl2.rollout.trajectory import Trajectory
+from rl2.lora import is_lora
 from rl2.rollout.weight_sync import iter_full_weights
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class RolloutServer:
             elif kind == "roc_penalties":
                 reply = [service.roc_penalties(request["trajectories"])]
             elif kind == "weights":
-                service.engine.update_weights(self._weights(request["buckets"]))
+                service.engine.update_weights(self._weights(request["buckets"]), partial=request["partial"])
                 service.engine.wake()
                 reply = None
             elif kind == "stop":
@@ -254,7 +255,8 @@ class RemoteRollout(RolloutRecords):
         dtype = config.rollout.dtype or config.actor.dtype
         buckets, tensors, bucket, flat, size = [], [], [], [], 0
         limit = config.rollout.sync_bucket_mb * 2**20
-        for name, tensor in iter_full_weights(model, dtype, config.rollout.sync_bucket_mb):
+        adapted_only = is_lora(model)  # the rollout ranks' hf engines keep their weights: LoRA sends what changed
+        for name, tensor in iter_full_weights(model, dtype, config.rollout.sync_bucket_mb, adapted_only):
             if not self.first:
                 continue
             bucket.append((name, tuple(tensor.shape), tensor.dtype))
@@ -267,7 +269,7 @@ class RemoteRollout(RolloutRecords):
         if bucket:
             buckets.append(bucket)
             tensors.append(torch.cat(flat))
-        self._request({"kind": "weights", "buckets": buckets}, tensors)
+        self._request({"kind": "weights", "buckets": buckets, "partial": adapted_only}, tensors)
         self.version = version
         self.timing["push"] += time.perf_counter() - start
         self.timing["push_gb"] += sum(t.numel() * t.element_size() for t in tensors) / 1e9

@@ -18,6 +18,7 @@ from rl2.rollout.env import Env, EnvError
 from rl2.rollout.multi_turn import assign_rewards, rollout
 from rl2.rollout.rollout_metrics import eval_metrics, unscored_report
 from rl2.rollout.trajectory import Trajectory
+from rl2.lora import is_lora
 from rl2.rollout.weight_sync import iter_full_weights
 from rl2.tools.roc_penalty import roc_penalty
 
@@ -136,9 +137,11 @@ class RolloutService(RolloutRecords):
     def sync_weights(self, model: nn.Module, version: int = 0) -> None:
         """Push `model`'s weights into the engine, bucket by bucket, then wake it: with SGLang,
         weight memory is resumed, the weights pushed, and only then the KV cache resumed."""
+        adapted_only = is_lora(model) and self.engine.keeps_weights_asleep  # LoRA: only what its adapters change
         self.engine.update_weights(
             iter_full_weights(model, self.config.rollout.dtype or self.config.actor.dtype,
-                              self.config.rollout.sync_bucket_mb)
+                              self.config.rollout.sync_bucket_mb, adapted_only),
+            partial=adapted_only,
         )
         self.engine.wake()
 

@@ -6,13 +6,17 @@ import torch
 from torch import nn
 
 from rl2.distributed.fsdp import DTYPES
+from rl2.lora import adapter_keys, is_lora, lora_scalings, merge
 
 
 def iter_full_weights(
-    model: nn.Module, dtype: str = "bfloat16", bucket_mb: int = 512
+    model: nn.Module, dtype: str = "bfloat16", bucket_mb: int = 512, adapted_only: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every entry of `model`'s state dict, in state-dict order, a tied
-    parameter once (under its first name: engines tie it back).
+    parameter once (under its first name: engines tie it back). With LoRA adapters (`rl2.lora`) each
+    adapted weight goes out merged (W + B A · alpha / r, under the base layer's name) and the adapters
+    themselves not at all; `adapted_only` sends only those merged weights (the rest is the base model's,
+    which an engine that kept its weights already holds).
 
     Sharded tensors are cast to `dtype` on each rank and then all-gathered (half the bytes of
     gathering fp32 masters), a bucket (about `bucket_mb` of `dtype`) at a time; a bucket is released
@@ -24,12 +28,20 @@ def iter_full_weights(
     limit = bucket_mb * 2**20
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     tied -= {name for name, _ in model.named_parameters()}
-    bucket: list[tuple[str, torch.Tensor]] = []
+    scalings = lora_scalings(model) if is_lora(model) else {}
+    state_dict = model.state_dict()
+    bucket: list[tuple[str, torch.Tensor, tuple | None]] = []
     size = 0
-    for name, tensor in model.state_dict().items():
-        if name in tied:
+    for name, tensor in state_dict.items():
+        if name in tied or ".lora_" in name:
             continue
-        bucket.append((name, tensor))
+        prefix = name.removesuffix(".base_layer.weight")
+        adapter = None
+        if prefix in scalings:
+            adapter = tuple(state_dict[key] for key in adapter_keys(prefix)) + (scalings[prefix],)
+        elif adapted_only:
+            continue
+        bucket.append((name, tensor, adapter))
         size += tensor.numel() * target.itemsize
         if size >= limit:
             yield from _gathered(bucket, target)
@@ -37,11 +49,20 @@ def iter_full_weights(
     yield from _gathered(bucket, target)
 
 
-def _gathered(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    tensor = tensor.detach().to(dtype)  # a DTensor casts its local shard
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _gathered(bucket: list[tuple[str, torch.Tensor, tuple | None]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     full = []
-    for name, tensor in bucket:
-        tensor = tensor.detach().to(dtype)  # a DTensor casts its local shard
-        full.append((name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor))
+    for name, tensor, adapter in bucket:
+        if adapter is None:
+            full.append((name, _full(tensor, dtype)))
+        else:  # the adapters are small: gathered in fp32, merged in fp32 into the cast base weight
+            lora_a, lora_b, scaling = adapter
+            full.append((name, merge(_full(tensor, dtype), _full(lora_a, torch.float32), _full(lora_b, torch.float32),
+                                     scaling)))
     yield from full
 
 

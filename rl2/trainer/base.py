@@ -240,7 +240,8 @@ class Trainer:
         models = self.checkpointed_models()
         for name, (model, _) in models.items():
             model_path = path if name == self.main_section else os.path.join(path, name)
-            save_hf_model(model, model_path, getattr(self.config, name).dtype, self.tokenizer)
+            section = getattr(self.config, name)
+            save_hf_model(model, model_path, section.dtype, self.tokenizer, merged=section.lora.save_merged)
         if not self.main_config.save_optimizer:
             models = {name: (model, None) for name, (model, _) in models.items()}
         save_checkpoint(path, models, {"step": step, **self.extra_state()})

@@ -12,6 +12,7 @@ import torch
 
 from rl2.algorithms.preference import PAIR, DPOLoss, count_pairs, pair_sequences, with_pair_weights
 from rl2.data.conversations import PairDataset
+from rl2.lora import AdaptersOff
 from rl2.trainer.base import run_main
 from rl2.trainer.offline import OfflineTrainer
 from rl2.workers.policy import Policy
@@ -30,9 +31,13 @@ class DPOTrainer(OfflineTrainer):
     def build_models(self) -> Policy:
         config = self.config
         self.actor = Policy(config.actor, self.total_steps)
-        # The reference is always the starting model (actor.model_name), also when resuming.
-        reference_config = dataclasses.replace(config.actor, offload_model=config.ref_actor.offload_model)
-        self.reference = Policy(reference_config, 0, trainable=False)
+        # The reference is always the starting model (actor.model_name), also when resuming; with LoRA,
+        # the actor with its adapters disabled.
+        if config.actor.lora.rank > 0:
+            self.reference = AdaptersOff(self.actor)
+        else:
+            reference_config = dataclasses.replace(config.actor, offload_model=config.ref_actor.offload_model)
+            self.reference = Policy(reference_config, 0, trainable=False)
         self.loss_fn = DPOLoss(config.actor.beta, config.actor.label_smoothing)
         return self.actor
 

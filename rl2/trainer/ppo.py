@@ -33,6 +33,7 @@ from rl2.data.conversations import RLDataset
 from rl2.data.rows import Columns, write_json
 from rl2.data.sampler import BatchSampler
 from rl2.distributed.process_group import is_rank0
+from rl2.lora import AdaptersOff
 from rl2.metrics import PhaseTimer, curve_summary, read_metrics
 from rl2.distributed.placement import ROLLOUT, Placement, init_placement
 from rl2.rollout.partial import PartialRollout, partial_extra_prompts, partial_rollout
@@ -89,7 +90,9 @@ class PPOTrainer(Trainer):
         temperature = self.rollout.train_params.temperature or 1.0
         optimizer_steps = self.total_steps * config.actor.update_per_rollout
         self.actor = Policy(config.actor, optimizer_steps, temperature)
-        if config.kl.coef > 0:
+        if config.kl.coef > 0 and config.actor.lora.rank > 0:
+            self.reference = AdaptersOff(self.actor)  # the base model is the actor without its adapters
+        elif config.kl.coef > 0:
             reference_config = dataclasses.replace(config.actor, offload_model=config.ref_actor.offload_model)
             self.reference = Policy(reference_config, 0, temperature, trainable=False)
         if config.adv.estimator == "gae":

@@ -52,7 +52,8 @@ class ModelWorker:
     tokens. With `trainable=False` (a reference model) no optimizer is built, and `offload_model`
     keeps the shards in CPU memory except while `compute` runs (on GPU). `model_cls` and
     `config_overrides` (set on the model's config) choose the head; `prepare` may then change the
-    model before it is sharded.
+    model before it is sharded. With `config.lora.rank` > 0 only LoRA adapters (and
+    `lora_modules_to_save`, a head) train (`rl2.lora`).
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class ModelWorker:
         config_overrides: dict | None = None,
         logps_chunk_size: int = 0,
         prepare: Callable[[torch.nn.Module], None] | None = None,
+        lora_modules_to_save: list[str] | None = None,
     ):
         self.config = config
         self.device = device()
@@ -92,6 +94,8 @@ class ModelWorker:
             compile_layers=config.compile,
             logps_chunk_size=logps_chunk_size,
             prepare=prepare,
+            lora=config.lora if trainable else None,
+            lora_modules_to_save=lora_modules_to_save,
             **(config_overrides or {}),
         )
         self.optimizer = self.scheduler = None

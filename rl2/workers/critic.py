@@ -44,6 +44,7 @@ class Critic(ModelWorker):
             model_cls=AutoModelForTokenClassification,
             config_overrides={"num_labels": 1, "classifier_dropout": 0.0},
             prepare=install_value_head,
+            lora_modules_to_save=["score"],  # with LoRA the value head still trains whole
         )
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rl2.config import ModelConfig
+from rl2.lora import base_model
 from rl2.workers.base import ModelWorker
 
 
@@ -24,9 +25,11 @@ class RewardModel(ModelWorker):
             total_steps,
             model_cls=AutoModelForSequenceClassification,
             config_overrides={"num_labels": 1, "classifier_dropout": 0.0, "token_classification_bias": False},
+            lora_modules_to_save=["score"],  # with LoRA the head still trains whole
         )
-        head = getattr(self.model, "score", None)
-        if not isinstance(head, torch.nn.Linear):
+        head = getattr(base_model(self.model), "score", None)
+        trained = head.modules_to_save["default"] if hasattr(head, "modules_to_save") else head  # peft's copy
+        if not isinstance(trained, torch.nn.Linear):
             raise ValueError(f"{type(self.model).__name__} has no linear `score` head to read per-token rewards from")
         # The sequence-classification forward keeps only each row's last score; the head sees them all.
         self._head_output: torch.Tensor | None = None

@@ -1,0 +1,130 @@
+"""LoRA adapters on a worker's model (peft): added before the model is sharded, so that only the
+adapters train (their gradients and optimizer state are all that a step keeps); the reference policy
+as the same model with its adapters disabled; the merged weights W + B A · alpha / r for the engine
+and for export; the adapter saved in peft's format."""
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from rl2.config import LoraConfig
+
+
+def is_lora(model: nn.Module) -> bool:
+    """Whether `model` is a peft model with LoRA adapters."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def add_lora(model: nn.Module, settings: LoraConfig, modules_to_save: list[str] | None = None) -> nn.Module:
+    """`model` as a peft model with LoRA adapters of `settings` on its target layers (frozen base
+    weights); `modules_to_save` (a head that must train whole, e.g. a critic's `score`) stay trainable.
+    The adapters' initial A is drawn from a fixed seed, B is zero: the model starts as the base."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = settings.target_modules.strip()
+    config = PeftLoraConfig(
+        r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()],
+        modules_to_save=modules_to_save,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return get_peft_model(model, config)
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft model (the model itself otherwise)."""
+    return model.get_base_model() if is_lora(model) else model
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """A context in which `model` computes as its base model (no-op without adapters). It sets peft's own
+    per-layer flag: peft's `disable_adapter()` also switches the adapters' requires_grad off and on, and
+    FSDP2, initialised lazily at the first forward, must not see its parameters' requires_grad change
+    (with frozen bf16 weights beside fp32 adapters it then reduces gradients in the wrong dtype)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
+
+
+class AdaptersOff:
+    """The reference policy of a LoRA policy: the same model with its adapters disabled, so no second
+    copy of the weights exists (as TRL and verl do). Has the reference's `compute`."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def compute(self, sequences: list[dict[str, torch.Tensor]], output: str = "logps") -> list[torch.Tensor]:
+        with adapters_disabled(self.policy.model):
+            return self.policy.compute(sequences, output)
+
+
+def lora_scalings(model: nn.Module) -> dict[str, float]:
+    """Module name → alpha / r of every layer with an active LoRA adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    scalings = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            adapter = module.active_adapters[0]
+            if adapter in module.lora_A:
+                scalings[name] = float(module.scaling[adapter])
+    return scalings
+
+
+def adapter_keys(prefix: str, adapter: str = "default") -> tuple[str, str]:
+    """The state-dict keys of a LoRA layer's A and B."""
+    return f"{prefix}.lora_A.{adapter}.weight", f"{prefix}.lora_B.{adapter}.weight"
+
+
+def merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + B A · scaling, computed in fp32, in `weight`'s dtype."""
+    return (weight.float() + (lora_b.float() @ lora_a.float()) * scaling).to(weight.dtype)
+
+
+def merged_state_dict(state_dict: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, torch.Tensor]:
+    """A peft model's full state dict → the base model's, with every adapted weight merged (keys as
+    `save_pretrained` of the base model writes them)."""
+    merged = {}
+    for key, tensor in state_dict.items():
+        if ".lora_" in key or ".original_module." in key:
+            continue
+        prefix = key.rsplit(".base_layer.", 1)[0] if ".base_layer." in key else None
+        if prefix in scalings and key.endswith(".base_layer.weight"):
+            a, b = adapter_keys(prefix)
+            tensor = merge(tensor, state_dict[a], state_dict[b], scalings[prefix])
+        key = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        merged[key.removeprefix("base_model.model.")] = tensor
+    return merged
+
+
+def save_adapter(model: nn.Module, state_dict: dict[str, torch.Tensor], path: str) -> None:
+    """Write the adapter of `model` (its full `state_dict`, gathered) in peft's format:
+    `PeftModel.from_pretrained(base, path)` loads it."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    adapter = get_peft_model_state_dict(model, state_dict=state_dict)
+    save_file({key: tensor.contiguous() for key, tensor in adapter.items()}, os.path.join(path, "adapter_model.safetensors"))
+    config = model.peft_config["default"]
+    config.base_model_name_or_path = config.base_model_name_or_path or base_model(model).config.name_or_path
+    config.save_pretrained(path)
+
+
+def adapted_weight_names(model: nn.Module) -> Iterator[str]:
+    """The state-dict keys of the base weights that LoRA adapts."""
+    for prefix in lora_scalings(model):
+        yield f"{prefix}.base_layer.weight"
