@@ -481,7 +481,7 @@ class SGLangEngine(Engine):
                 check_result(result, "update_weights_from_tensor")
 
             self._on_leader(post, "weight update")  # collective: every rank's bucket is read when it returns
-            del flattened, payload, payloads
+            del flattened  # read by the engine: the next bucket's copy may take its memory
 
         def end() -> None:
             if hasattr(self.engine, "end_weight_update"):
