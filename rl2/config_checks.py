@@ -200,9 +200,6 @@ def check_off_policy_config(config: Config) -> None:
     if rollout.max_staleness < 0:
         raise ConfigError(f"rollout.max_staleness must be >= 0, got {rollout.max_staleness}")
     if rollout.placement == "split":
-        if rollout.engine != "hf":
-            raise ConfigError("rollout.placement=split runs the hf engine; SGLang's weight push across ranks "
-                              "(update_weights_from_distributed) is not wired yet: use rollout.placement=colocated")
         if config.trainer.eval_only:
             raise ConfigError("trainer.eval_only evaluates on every rank: leave rollout.placement=colocated")
         if rollout.ranks < 1:

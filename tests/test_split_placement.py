@@ -142,3 +142,26 @@ def test_an_error_on_the_trainers_stops_the_rollout_ranks(tiny_model_dir, rl_dat
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("rl2: error:")]
     assert len(errors) == 1 and "no grader here" in errors[0]
+
+
+@pytest.mark.xdist_group("split")
+def test_split_placement_with_a_two_rank_sglang_engine(tiny_model_dir, rl_data, tmp_path, env_file):
+    """1 trainer + 2 rollout ranks sharing one TP-2 SGLang engine (the stand-in): the engine group is planned
+    among the rollout ranks (its GPUs after the trainer's), the pushed weights reach it through its own
+    bucketed push, and at K = 0 it generates with the trainer's weights after every push."""
+    from test_sglang_engine import STAND_IN
+
+    from conftest import REPO
+
+    log = tmp_path / "sglang_calls.jsonl"
+    save_dir = str(tmp_path / "run")
+    run_torchrun(args(tiny_model_dir, rl_data, save_dir, env_file, "rollout.placement=split", "rollout.ranks=2",
+                      "rollout.engine=sglang", "rollout.tp_size=2"),
+                 nproc=3, env={"PYTHONPATH": f"{STAND_IN}{os.pathsep}{REPO}", "STAND_IN_SGLANG_LOG": str(log)})
+    calls = [json.loads(line) for line in open(log)]
+    starts = [call for call in calls if call["call"] == "start"]
+    assert len(starts) == 1 and starts[0]["tp_size"] == 2 and starts[0]["base_gpu_id"] == 1
+    assert sum(call["call"] == "update_weights_from_tensor" for call in calls) > 0
+    rows = read_metrics(f"{save_dir}/metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert all(row["logp_mismatch/max"] < 1e-5 for row in rows)  # the engine holds the trainer's weights

@@ -6,6 +6,7 @@ rank of each group leads it: it owns the engine, whose TP rank i runs on GPU
 `base_gpu_id + i`, the GPU of the group's i-th rank.
 """
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -61,10 +62,22 @@ def plan_tp_group(rank: int, world_size: int, local_rank: int, local_world_size:
 
 def plan_this_rank(tp_size: int) -> TPGroupLayout:
     """`plan_tp_group` for this process, from torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE (one node
-    when run without torchrun)."""
+    when run without torchrun).
+
+    Under split placement this rank's default group is its side's (the rollout ranks, numbered from 0)
+    while LOCAL_RANK still names its GPU: the side is planned as a world of its own, on one node, its
+    GPUs offset by where the side starts on the node."""
     local_rank = int(os.environ.get("LOCAL_RANK", rank()))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
-    return plan_tp_group(rank(), world_size(), local_rank, local_world_size, tp_size)
+    full_world = int(os.environ.get("WORLD_SIZE", world_size()))
+    if world_size() == full_world:
+        return plan_tp_group(rank(), world_size(), local_rank, local_world_size, tp_size)
+    if full_world != local_world_size:
+        raise ValueError("rollout.placement=split with rollout.engine=sglang runs on one node (the rollout ranks' "
+                         f"engines on its last GPUs); this world has {full_world} ranks, {local_world_size} per node")
+    offset = local_rank - rank()
+    layout = plan_tp_group(rank(), world_size(), rank(), world_size(), tp_size)
+    return dataclasses.replace(layout, base_gpu_id=layout.base_gpu_id + offset)
 
 
 def all_tp_groups(world_size: int, tp_size: int) -> list[tuple[int, ...]]:

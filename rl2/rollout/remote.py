@@ -126,11 +126,15 @@ class RolloutServer:
         return {"trajectories": trajectories, "metrics": self.partial.metrics(trajectories, request["version"])}
 
     def _weights(self, buckets: list[list[tuple[str, tuple, torch.dtype]]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """The pushed weights, bucket by bucket: one flat tensor each (see `RemoteRollout.sync_weights`)."""
+        """The pushed weights, bucket by bucket: one flat tensor each (see `RemoteRollout.sync_weights`), on this
+        rank's GPU where it has one (SGLang's push shares them with its processes through CUDA IPC)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         for bucket in buckets:
             dtype = bucket[0][2]
             flat = broadcast_tensor(self.placement.link, torch.empty(sum(_numel(shape) for _, shape, _ in bucket),
                                                                      dtype=dtype), TRAINER)
+            if device is not None:
+                flat = flat.to(device)
             offset = 0
             for name, shape, _ in bucket:
                 yield name, flat[offset:offset + _numel(shape)].view(shape)
