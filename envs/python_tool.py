@@ -24,7 +24,8 @@ is always a tool message.
 Settings, from `rollout.env_args` in lower case (code_server_url, ...) or else the environment: CODE_SERVER_URL, PYTHON_TOOL_TIMEOUT (seconds per program, 4),
 PYTHON_TOOL_MAX_CHARS (tool output kept, 1024), PYTHON_TOOL_MAX_CALLS (calls run per turn, 8),
 PYTHON_TOOL_WORKERS (local sandbox workers, 4), PYTHON_TOOL_MEMORY_MB (1024), CODE_SERVER_RETRIES
-(retries of a failed request to the code service, 6: about 24 s of backoff). The sandbox's and the
+(retries of a failed request to the code service, 6: about 24 s of backoff), CODE_SERVER_API_KEY (sent as
+`Authorization: Bearer <key>` to a service started with --api-key). The sandbox's and the
 client's settings are read when they are first used.
 
 Put `SYSTEM_PROMPT` first in the prompts (as the system message) so the model knows the tool.
@@ -87,7 +88,8 @@ _grader = Lazy(lambda: MathGrader(workers=2, timeout=5.0))
 # Made on first use when CODE_SERVER_URL is set; one per loaded env file, so its fault counts persist.
 _code_client = Lazy(lambda: code_client.CodeClient(_setting("code_server_url", ""),
                                                    timeout=_setting("python_tool_timeout", 4.0) + 30,
-                                                   retries=_setting("code_server_retries", code_client.RETRIES)))
+                                                   retries=_setting("code_server_retries", code_client.RETRIES),
+                                                   api_key=_setting("code_server_api_key", None)))
 
 
 class ToolUnavailable(RuntimeError):

@@ -25,6 +25,7 @@ Settings, read at each call from `rollout.env_args` in lower case (search_url, .
     SEARCH_TIMEOUT   seconds per request attempt (default 10)
     SEARCH_RETRIES   further attempts after a connection error, timeout or HTTP 5xx (default 6,
                      after 0.5 s doubling up to 8 s: 23.5 s of waiting in all)
+    SEARCH_API_KEY   sent as `Authorization: Bearer <key>` to a service started with --api-key
 """
 
 import re
@@ -78,7 +79,8 @@ async def interact(messages: list[dict]) -> list[dict]:
     url = env_args.get("search_url", DEFAULT_URL)
     hits = await retrieve([query], url, topk=_setting("search_topk", 3, int),
                           timeout=_setting("search_timeout", 10.0, float),
-                          retries=_setting("search_retries", search_client.RETRIES, int), faults=faults)
+                          retries=_setting("search_retries", search_client.RETRIES, int), faults=faults,
+                          api_key=env_args.get("search_api_key", None))
     return [{"role": "tool", "content": f"<information>{passages_to_string(hits[0]).strip()}</information>"}]
 
 

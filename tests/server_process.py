@@ -31,10 +31,10 @@ class ServerProcess:
     """`python -m module *args` in a subprocess; a thread collects its log lines and its base URL
     from the line matching `ready_pattern` (one group: the URL)."""
 
-    def __init__(self, module: str, args: list[str], ready_pattern: str, name: str):
+    def __init__(self, module: str, args: list[str], ready_pattern: str, name: str, env: dict | None = None):
         self.name, self.ready_pattern = name, re.compile(ready_pattern)
         self.process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, cwd=REPO, env=python_env(),
+                                        stderr=subprocess.STDOUT, text=True, cwd=REPO, env={**python_env(), **(env or {})},
                                         start_new_session=True)
         self.lines: list[str] = []
         self.url: str | None = None

@@ -75,12 +75,13 @@ def test_the_readme_code_service_request_gets_the_answer_it_shows():
     text = open(os.path.join(REPO, "README.md")).read()
     [curl] = [line for line in readme_bash_lines() if line.startswith("curl ")]
     shown = json.loads(text[text.index("# {", text.index("curl -s localhost:8000/run")) + 2:].splitlines()[0])
+    key = "readme-test-key"
     server = ServerProcess("rl2.tools.code_server", ["--host", "127.0.0.1", "--port", "0", "--workers", "1"],
-                           r"code service ready at (http://\S+)", "code server")
+                           r"code service ready at (http://\S+)", "code server", env={"CODE_SERVER_API_KEY": key})
     try:
         url = server.wait_ready(60)
-        result = subprocess.run(shlex.split(curl.replace("localhost:8000", url.removeprefix("http://"))),
-                                capture_output=True, text=True, timeout=60)
+        curl = curl.replace("localhost:8000", url.removeprefix("http://")).replace("$CODE_SERVER_API_KEY", key)
+        result = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=60)
     finally:
         server.stop()
     answer = json.loads(result.stdout)

@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator, Sequence
 import aiohttp
 
 from rl2.coroutines import run_coroutine
+from rl2.tools.api_key import auth_headers
 from rl2.tools.faults import FaultCounter
 
 logger = logging.getLogger("rl2.tools.code_client")
@@ -68,7 +69,7 @@ class CodeClient:
 
     def __init__(self, url: str, *, concurrency: int = 8, batch_size: int = 32, timeout: float = 300.0,
                  retries: int = RETRIES, backoff: float = BACKOFF, max_backoff: float = MAX_BACKOFF,
-                 long_batch: bool = True, language: str = "python"):
+                 long_batch: bool = True, language: str = "python", api_key: str | None = None):
         if concurrency < 1 or batch_size < 1:
             raise ValueError(f"concurrency and batch_size must be at least 1, got {concurrency} and {batch_size}")
         if timeout <= 0 or retries < 0 or backoff < 0:
@@ -79,6 +80,7 @@ class CodeClient:
         self.concurrency, self.batch_size, self.timeout = concurrency, batch_size, float(timeout)
         self.retries, self.backoff, self.max_backoff = retries, float(backoff), float(max_backoff)
         self.language = language
+        self._headers = auth_headers(api_key)  # the key is sent, never shown (repr, logs, errors)
         self.endpoint = "/run/long-batch" if long_batch else "/run/batch"
         self.faults = FaultCounter()  # code_service_retries: attempts retried
         self._session: aiohttp.ClientSession | None = None
@@ -88,7 +90,8 @@ class CodeClient:
 
     def __repr__(self) -> str:
         return (f"CodeClient({self.url!r}, endpoint={self.endpoint!r}, concurrency={self.concurrency}, "
-                f"batch_size={self.batch_size}, timeout={self.timeout:g}, retries={self.retries})")
+                f"batch_size={self.batch_size}, timeout={self.timeout:g}, retries={self.retries}, "
+                f"api_key={'set' if self._headers else 'none'})")
 
     # ------------------------------------------------------------------------------------------
     # public
@@ -148,7 +151,7 @@ class CodeClient:
         return {"sub_id": uuid.uuid4().hex, "type": self.language, "solution": code, "input": stdin}
 
     def _new_session(self) -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.concurrency))
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.concurrency), headers=self._headers)
 
     @contextlib.asynccontextmanager
     async def _session_for_call(self) -> AsyncIterator[aiohttp.ClientSession]:
@@ -223,6 +226,9 @@ class CodeClient:
                 raise _Retryable(f"unreachable: {type(error).__name__}: {error}") from None
         if status >= 500 or status in RETRY_STATUSES:
             raise _Retryable(f"failed with HTTP {status}: {body[:BODY_CHARS]}")
+        if status == 401:  # the service wants a key this client does not have (or another one)
+            raise _Rejected(f"refused the request: HTTP 401 ({'wrong' if self._headers else 'no'} API key; set "
+                            f"code_server_api_key in rollout.env_args or CODE_SERVER_API_KEY)", "invalid_input")
         if status in (404, 405):  # no code service at this URL: nothing the program did
             raise _Rejected(f"has no {self.endpoint} (HTTP {status}; is the URL the service's root?): "
                             f"{body[:BODY_CHARS]}", "internal_error")

@@ -42,6 +42,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rl2.tools.api_key import api_key_from, require_api_key
 from rl2.tools.code_client import not_run_result
 from rl2.tools.http_errors import BadRequest, json_errors
 from rl2.tools.sandbox import Sandbox, SandboxError
@@ -210,6 +211,7 @@ class CodeService:
 
 
 SERVICE = web.AppKey("service", CodeService)
+API_KEY_VARIABLE = "CODE_SERVER_API_KEY"
 
 
 async def _read_json(request: web.Request) -> Any:
@@ -252,19 +254,21 @@ async def _status(request: web.Request) -> web.Response:
 
 
 def make_app(sandbox: Any, workers: int | None = None, queue_timeout: float = QUEUE_TIMEOUT,
-             max_request_mb: int = 64, output_limit: int = OUTPUT_LIMIT) -> web.Application:
+             max_request_mb: int = 64, output_limit: int = OUTPUT_LIMIT, api_key: str | None = None) -> web.Application:
     """The service's aiohttp app over `sandbox` (anything with `run(code, stdin) -> RunResult`, and
     `run(code, stdin, language=...)` for the `languages` it lists besides "python").
 
     `workers`: how many submissions run at once; give the sandbox's worker count (read from
     `sandbox.workers` when not given). `output_limit`: characters of stdout and stderr in a result.
+    With `api_key` every request but `/ping` needs `Authorization: Bearer <api_key>` (else 401).
     The app does not close the sandbox: its owner does.
     """
     workers = workers or getattr(sandbox, "workers", None)
     if not workers:
         raise ValueError("make_app needs workers= (how many programs the sandbox runs at once)")
     service = CodeService(sandbox, int(workers), queue_timeout, output_limit)
-    app = web.Application(middlewares=[json_errors], client_max_size=max_request_mb * 1024 * 1024)
+    app = web.Application(middlewares=[require_api_key(api_key, ("/ping",)), json_errors],
+                          client_max_size=max_request_mb * 1024 * 1024)
     app[SERVICE] = service
     run, run_batch, run_long_batch = _handlers(with_output=True)
     judge, judge_batch, judge_long_batch = _handlers(with_output=False)
@@ -327,6 +331,9 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"seconds /run and /run/batch let a submission wait for a worker (default {QUEUE_TIMEOUT})")
     parser.add_argument("--max-request-mb", type=int, default=64, help="largest request body accepted (default 64)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO; DEBUG logs every batch)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"requests but /ping need 'Authorization: Bearer <key>' (default: ${API_KEY_VARIABLE}; "
+                             "unset = open to whoever reaches the port)")
     return parser
 
 
@@ -341,11 +348,13 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("cannot start the sandbox: %s", error)
         return 1
     with sandbox:
+        api_key = api_key_from(args.api_key, API_KEY_VARIABLE)
         description = (f"{args.workers} workers, timeout {args.timeout:g}s, memory {args.memory_mb} MB, "
-                       f"languages: {', '.join(sandbox.languages)}, isolation: {sandbox.isolation}")
+                       f"languages: {', '.join(sandbox.languages)}, isolation: {sandbox.isolation}, "
+                       f"{'API key required' if api_key else 'no API key: open to whoever reaches the port'}")
         try:
-            asyncio.run(serve(make_app(sandbox, args.workers, args.queue_timeout, args.max_request_mb, args.output_limit),
-                              args.host, args.port, description))
+            asyncio.run(serve(make_app(sandbox, args.workers, args.queue_timeout, args.max_request_mb, args.output_limit,
+                                       api_key), args.host, args.port, description))
         except OSError as error:  # the port is taken, the address is not ours
             logger.error("cannot serve on %s:%d: %s", args.host, args.port, error)
             return 1

@@ -33,6 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rl2.tools.api_key import api_key_from, require_api_key
 from rl2.tools.http_errors import BadRequest, json_errors
 from rl2.tools.retrieval_index import SearchIndex, open_index
 
@@ -44,14 +45,18 @@ MAX_REQUEST_MB = 64
 SEARCH_CHUNK = 1024  # queries per index search
 
 _EXECUTOR = web.AppKey("executor", concurrent.futures.ThreadPoolExecutor)
+API_KEY_VARIABLE = "RETRIEVAL_API_KEY"
 
 
 def make_app(index: SearchIndex, topk: int = 3, max_queries: int = MAX_QUERIES, max_topk: int = MAX_TOPK,
-             max_request_mb: float = MAX_REQUEST_MB, search_chunk: int = SEARCH_CHUNK) -> web.Application:
-    """The aiohttp app serving `index`; `topk` is used when a request names none (or 0)."""
+             max_request_mb: float = MAX_REQUEST_MB, search_chunk: int = SEARCH_CHUNK,
+             api_key: str | None = None) -> web.Application:
+    """The aiohttp app serving `index`; `topk` is used when a request names none (or 0). With `api_key`
+    every request but `/health` needs `Authorization: Bearer <api_key>` (else 401)."""
     if not 1 <= topk <= max_topk:
         raise ValueError(f"default topk must be between 1 and max_topk={max_topk}, got {topk}")
-    app = web.Application(client_max_size=int(max_request_mb * 2**20), middlewares=[json_errors])
+    app = web.Application(client_max_size=int(max_request_mb * 2**20),
+                          middlewares=[require_api_key(api_key, ("/health",)), json_errors])
 
     async def make_executor(app: web.Application):
         app[_EXECUTOR] = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rl2-retrieval")
@@ -195,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-topk", type=int, default=MAX_TOPK)
     parser.add_argument("--max-request-mb", type=float, default=MAX_REQUEST_MB, help="request bodies at most")
     parser.add_argument("--search-chunk", type=int, default=SEARCH_CHUNK, help="queries per index search")
+    parser.add_argument("--api-key", default=None,
+                        help=f"requests but /health need 'Authorization: Bearer <key>' (default: ${API_KEY_VARIABLE}; "
+                             "unset = open to whoever reaches the port)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     logging.getLogger("bm25s").setLevel(logging.WARNING)  # it logs each step at DEBUG
@@ -209,7 +217,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"need --max-request-mb > 0 and --search-chunk >= 1, got {args.max_request_mb}, {args.search_chunk}")
     try:
         index = open_index(args.corpus, args.retriever, args.index_dir, args.encoder)
-        app = make_app(index, args.topk, args.max_queries, args.max_topk, args.max_request_mb, args.search_chunk)
+        api_key = api_key_from(args.api_key, API_KEY_VARIABLE)
+        app = make_app(index, args.topk, args.max_queries, args.max_topk, args.max_request_mb, args.search_chunk, api_key)
+        logger.info("API key required" if api_key else "no API key: open to whoever reaches the port")
     except (ValueError, ImportError, OSError) as e:
         parser.exit(1, f"{parser.prog}: error: {e}\n")
     try:

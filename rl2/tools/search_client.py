@@ -18,6 +18,7 @@ import logging
 
 import aiohttp
 
+from rl2.tools.api_key import auth_headers
 from rl2.tools.faults import FaultCounter
 
 logger = logging.getLogger(__name__)
@@ -31,14 +32,15 @@ class SearchError(RuntimeError):
 
 async def retrieve(queries: list[str], url: str, topk: int = 3, timeout: float = 10.0, retries: int = RETRIES,
                    backoff: float = BACKOFF, max_backoff: float = MAX_BACKOFF,
-                   faults: FaultCounter | None = None) -> list[list[dict]]:
+                   faults: FaultCounter | None = None, api_key: str | None = None) -> list[list[dict]]:
     """For each query, the service's hits `{"document": {"id", "contents", ...}, "score": float}`,
     best first. `timeout` is per attempt in seconds; `retries` more attempts follow a connection
     error, a timeout or an HTTP 5xx, after `backoff`, 2 * `backoff`, ... seconds (at most
-    `max_backoff` each), each counted as `search_retries` in `faults` when given."""
+    `max_backoff` each), each counted as `search_retries` in `faults` when given. `api_key` goes in the
+    `Authorization: Bearer` header (a service started with `--api-key` refuses requests without it)."""
     payload = {"queries": list(queries), "topk": topk, "return_scores": True}
     problem = ""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout), headers=auth_headers(api_key)) as session:
         for attempt in range(retries + 1):
             if attempt:
                 if faults is not None:
