@@ -15,6 +15,7 @@ setup(
         "torch>=2.6",
         "transformers>=5.0",
         "peft>=0.17",  # LoRA (actor.lora.rank, critic.lora.rank)
+        "plotly>=5",  # python -m rl2.report: its plots, offline in one HTML file
         "tokenizers",
         "datasets",
         "wandb",
@@ -27,7 +28,9 @@ setup(
         "tools": ["aiohttp", "bm25s>=0.3", "math-verify", "sympy", "pylatexenc"],
         # sglang 0.5.20 / 0.5.21 are built for torch 2.13.0 (0.5.22+ need torch 2.14.1).
         "gpu": ["sglang[srt]>=0.5.20,<0.5.22", "flash-attn", "ring-flash-attn"],
-        "test": ["pytest", "pytest-timeout", "pytest-xdist"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "tensorboard"],
+        # trainer.tensorboard=true: TensorBoard event files beside metrics.jsonl.
+        "tensorboard": ["tensorboard"],
         "dense": ["sentence-transformers", "faiss-cpu"],
     },
 )

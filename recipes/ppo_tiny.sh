@@ -52,3 +52,4 @@ torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.ppo \
     adv.estimator=reinforce adv.norm_var=true \
     trainer.total_steps="$PPO_STEPS" trainer.test_freq=20 trainer.seed="$SEED" trainer.disable_wandb=true "$@"
 echo "metrics: $OUT/ppo/metrics.jsonl, trajectories: $OUT/ppo/trajectories/"
+echo "report: $OUT/ppo/report.html (open it in a browser: plots and the trajectories, offline)"

@@ -27,7 +27,9 @@ def wandb_mode(disable_wandb: bool) -> str:
 
 
 class MetricsLogger:
-    """Writes one JSON object per step (`step` plus every metric) and mirrors it to wandb.
+    """Writes one JSON object per step (`step` plus every metric) and mirrors it to wandb and, with
+    `tensorboard`, to TensorBoard event files in `<save_dir>/tensorboard` (same names, same steps); at
+    `finish`, the run's HTML report.
 
     Only rank 0 writes; on other ranks every method is a no-op. Resuming from step N first drops
     lines for steps after N that an interrupted run wrote after its last checkpoint, so the file
@@ -43,14 +45,25 @@ class MetricsLogger:
         disable_wandb: bool,
         enabled: bool,
         resume_step: int = 0,
+        tensorboard: bool = False,
     ):
         self.enabled = enabled
-        self.run = None
+        self.run = self.tensorboard = None
+        self.save_dir = save_dir
         if not enabled:
             return
         os.makedirs(save_dir, exist_ok=True)
         self.path = os.path.join(save_dir, "metrics.jsonl")
         self._truncate_after(resume_step)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as error:
+                raise ImportError(f"trainer.tensorboard=true needs the tensorboard package: pip install tensorboard "
+                                  f"({error})") from error
+            # purge_step: a resumed run first hides the events an interrupted run wrote after its checkpoint.
+            self.tensorboard = SummaryWriter(os.path.join(save_dir, "tensorboard"),
+                                             purge_step=resume_step + 1 if resume_step else None)
         mode = wandb_mode(disable_wandb)
         if mode != "disabled":
             import wandb  # slow to import; only when used
@@ -79,11 +92,27 @@ class MetricsLogger:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.run is not None:
             self.run.log(metrics, step=step)
+        if self.tensorboard is not None:
+            for name, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(name, value, step)
+            self.tensorboard.flush()
 
     def finish(self) -> None:
+        """Close the sinks and write the run's report (`rl2.report`: `<save_dir>/report.html`)."""
         if self.run is not None:
             self.run.finish()
             self.run = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+        if self.enabled:
+            from rl2.report import write_report
+
+            try:
+                logger.info(f"report: {write_report([self.save_dir])}")
+            except Exception as error:  # the run's outputs are written; a report that fails must not fail it
+                logger.warning(f"the report could not be written: {type(error).__name__}: {error}")
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -104,6 +104,7 @@ def test_demo_learns_on_every_seed(tmp_path, seed, demo_model):
     assert min(rewards) > 0.02, rewards  # never the all-zero state GRPO cannot leave
     assert max(row["logp_mismatch/max"] for row in rows) < 1e-3
     assert "reward/mean by step" in result.stderr
+    assert f"report: {tmp_path}/ppo/report.html" in result.stdout and os.path.exists(tmp_path / "ppo" / "report.html")
 
 
 def _prepared_advantages(overrides: list[str], rewards: list[float | None]) -> list[float]:

@@ -257,3 +257,21 @@ def test_sequence_parallel_gives_the_same_curve(tiny_model_dir, sft_data, tmp_pa
                 # float32 rounding of sums in another order (~1e-6 relative; grad_norm sums ~1e5
                 # squares), carried along the curve by SGD without amplification.
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-4), (ours["step"], key)
+
+
+def test_tensorboard_holds_the_metrics_of_metrics_jsonl(tiny_model_dir, sft_data, tmp_path):
+    """trainer.tensorboard=true: the event files hold every scalar of metrics.jsonl, under the same names and
+    steps (read back with tensorboard's own reader)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    save_dir = str(tmp_path / "run")
+    run_python(sft_args(tiny_model_dir, sft_data, save_dir, 4, "trainer.tensorboard=true", "trainer.test_freq=2"))
+    assert os.path.getsize(os.path.join(save_dir, "report.html")) > 0  # every run ends by writing its report
+    events = EventAccumulator(os.path.join(save_dir, "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    rows = read_metrics(os.path.join(save_dir, "metrics.jsonl"))
+    expected = {(name, row["step"]): value for row in rows for name, value in row.items() if name != "step"}
+    got = {(name, event.step): event.value for name in events.Tags()["scalars"] for event in events.Scalars(name)}
+    assert got.keys() == expected.keys() and len(got) > 20
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key  # stored as float32

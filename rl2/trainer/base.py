@@ -230,6 +230,7 @@ class Trainer:
             experiment_name=self.config.trainer.experiment_name,
             config=config_to_dict(self.config),
             disable_wandb=self.config.trainer.disable_wandb,
+            tensorboard=self.config.trainer.tensorboard,
             enabled=is_rank0(),
             resume_step=self.step,
         )
