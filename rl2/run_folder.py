@@ -73,10 +73,11 @@ def describe_run(save_dir: str) -> str | None:
 
 
 def clear_run(save_dir: str) -> list[str]:
-    """Delete a previous run's `step<N>/` folders, `metrics.jsonl`, `trajectories/`, `tensorboard/` and marker from
+    """Delete a previous run's `step<N>/` folders, `metrics.jsonl`, `trajectories/`, `tensorboard/`, report and marker from
     `save_dir`; returns what was deleted (other files, e.g. wandb/ or eval.json, stay)."""
     paths = [os.path.join(save_dir, f"step{step}") for step in checkpoint_steps(save_dir)]
-    paths += [os.path.join(save_dir, name) for name in ("metrics.jsonl", "trajectories", "tensorboard", MARKER)]
+    paths += [os.path.join(save_dir, name)
+              for name in ("metrics.jsonl", "trajectories", "tensorboard", "report.html", "report_files", MARKER)]
     deleted = []
     for path in paths:
         if os.path.isdir(path):

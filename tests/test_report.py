@@ -58,10 +58,13 @@ def chromium() -> str:
         if shutil.which(name):
             return shutil.which(name)
     if os.geteuid() == 0 and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], capture_output=True, timeout=600,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-        if shutil.which("chromium"):
-            return shutil.which("chromium")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for commands in ([["apt-get", "install", "-y", "-qq", "chromium"]],
+                         [["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]]):
+            for command in commands:
+                subprocess.run(command, capture_output=True, timeout=600, env=env)
+            if shutil.which("chromium"):
+                return shutil.which("chromium")
     pytest.skip("no Chromium, and it cannot be installed here (apt-get install chromium needs root and apt)")
 
 

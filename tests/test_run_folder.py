@@ -53,7 +53,7 @@ def test_default_named_runs_do_not_overwrite_each_other(tiny_model_dir, tmp_path
                             cwd=str(tmp_path), check=False)
     assert bad_data.returncode != 0 and not (tmp_path / "ckpts" / "bad").exists()  # a run that never started: no trace
     assert (folder / "metrics.jsonl").read_text() == metrics and sorted(os.listdir(folder)) == [
-        "metrics.jsonl", MARKER, "step1"]
+        "metrics.jsonl", "report.html", MARKER, "step1"]
 
     resumed = run_torchrun(sft_args(tiny_model_dir, data, "trainer.total_steps=2", "trainer.load_ckpt_from=latest"),
                            cwd=str(tmp_path))

@@ -188,7 +188,7 @@ class TrainerConfig:
     disable_wandb: bool = _f(False, "do not log to wandb")
     tensorboard: bool = _f(False, "also write the metrics as TensorBoard event files to <save_dir>/tensorboard (the names of metrics.jsonl and wandb; no account, no network; `tensorboard --logdir <save_dir>`)")
     load_ckpt_from: Optional[str] = _f(None, "'latest' or a checkpoint dir to resume from")
-    overwrite: bool = _f(False, "start afresh in a save_dir that holds another run's checkpoints and metrics (its step*/ folders, metrics.jsonl, trajectories/, tensorboard/ and run.json are deleted first); without it such a run stops at start-up")
+    overwrite: bool = _f(False, "start afresh in a save_dir that holds another run's checkpoints and metrics (its step*/ folders, metrics.jsonl, trajectories/, tensorboard/, report.html and run.json are deleted first); without it such a run stops at start-up")
     seed: int = _f(42, "random seed")
     dump_trajectories: bool = _f(True, "write each step's trajectories to <save_dir>/trajectories/step_N.jsonl")
     eval_only: bool = _f(False, "RL: only evaluate actor.model_name on data.test_path (avg@k, pass@k with k = rollout.test_responses_per_prompt), write <save_dir>/eval.json and stop")
