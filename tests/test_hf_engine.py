@@ -477,17 +477,22 @@ def test_abort_and_tool_failure_during_multi_turn(model_dir, tokenizer, prompts)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     results = {}
 
+    aborts = []
+
     def slow_tool(index, generation):
         results.setdefault(index, []).append(generation)
         future = Future()
         threading.Timer(3.0, lambda: future.set_result(Turn(prompts[index] + generation.token_ids, 4))).start()
-        threading.Timer(0.1, engine.abort).start()
+        aborts.append(threading.Timer(0.1, engine.abort))
+        aborts[-1].start()
         return future
 
     start = time.perf_counter()
     engine.generate_turns([Turn(p, 4) for p in prompts[:2]], params, slow_tool, max_turns=2)
     assert time.perf_counter() - start < 2.5  # the tools (3 s) were not waited for
     assert [[g.finish_reason for g in results[i]] for i in range(2)] == [["length"]] * 2
+    for abort in aborts:  # the second tool's abort may still be on its way: not into the calls below
+        abort.join()
 
     def failing_tool(index, generation):
         future = Future()
