@@ -145,10 +145,12 @@ def test_an_error_on_the_trainers_stops_the_rollout_ranks(tiny_model_dir, rl_dat
 
 
 @pytest.mark.xdist_group("split")
-def test_split_placement_with_a_two_rank_sglang_engine(tiny_model_dir, rl_data, tmp_path, env_file):
-    """1 trainer + 2 rollout ranks sharing one TP-2 SGLang engine (the stand-in): the engine group is planned
-    among the rollout ranks (its GPUs after the trainer's), the pushed weights reach it through its own
-    bucketed push, and at K = 0 it generates with the trainer's weights after every push."""
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_split_placement_with_sglang_engines(tiny_model_dir, rl_data, tmp_path, env_file, staleness):
+    """1 trainer + 2 rollout ranks, each with its own SGLang engine (the stand-in): the engines are planned among
+    the rollout ranks (their GPUs after the trainer's), join the first trainer's weight group once, and take
+    every push from it (`update_weights_from_distributed`, never the IPC path); at K = 0 they generate with the
+    trainer's weights after every push, at K = 1 one version behind."""
     from test_sglang_engine import STAND_IN
 
     from conftest import REPO
@@ -156,12 +158,19 @@ def test_split_placement_with_a_two_rank_sglang_engine(tiny_model_dir, rl_data, 
     log = tmp_path / "sglang_calls.jsonl"
     save_dir = str(tmp_path / "run")
     run_torchrun(args(tiny_model_dir, rl_data, save_dir, env_file, "rollout.placement=split", "rollout.ranks=2",
-                      "rollout.engine=sglang", "rollout.tp_size=2"),
+                      "rollout.engine=sglang", f"rollout.max_staleness={staleness}"),
                  nproc=3, env={"PYTHONPATH": f"{STAND_IN}{os.pathsep}{REPO}", "STAND_IN_SGLANG_LOG": str(log)})
     calls = [json.loads(line) for line in open(log)]
     starts = [call for call in calls if call["call"] == "start"]
-    assert len(starts) == 1 and starts[0]["tp_size"] == 2 and starts[0]["base_gpu_id"] == 1
-    assert sum(call["call"] == "update_weights_from_tensor" for call in calls) > 0
+    assert sorted(call["base_gpu_id"] for call in starts) == [1, 2]  # after the trainer's GPU 0
+    joins = [call for call in calls if call["call"] == "init_weights_update_group"]
+    assert sorted(call["rank_offset"] for call in joins) == [1, 2] and {call["world_size"] for call in joins} == {3}
+    pushes = [call for call in calls if call["call"] == "update_weights_from_distributed"]
+    assert len(pushes) == 2 * STEPS and not any(call["call"] == "update_weights_from_tensor" for call in calls)
     rows = read_metrics(f"{save_dir}/metrics.jsonl")
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
-    assert all(row["logp_mismatch/max"] < 1e-5 for row in rows)  # the engine holds the trainer's weights
+    assert [row["async/staleness"] for row in rows] == [min(staleness, step - 1) for step in range(1, STEPS + 1)]
+    if staleness == 0:
+        assert all(row["logp_mismatch/max"] < 1e-5 for row in rows)  # the engines hold the trainer's weights
+    else:
+        assert all(row["logp_mismatch/max"] > 1e-4 for row in rows[1:])

@@ -223,3 +223,20 @@ def test_new_tp_group_with_two_ranks(tmp_path):
             "tp1": {"layout": [1, [1], 0, 1], "members": [[1, 0, 1]], "sum": 1.0},
         },
     ]
+
+
+def test_split_placement_plans_the_rollout_side_on_its_own_gpus(monkeypatch):
+    """Under split placement the rollout ranks' default group is theirs (ranks 0..N-1) while LOCAL_RANK names
+    the GPU: with 1 trainer and 2 rollout ranks on one node, the TP-2 engine starts on GPU 1."""
+    from rl2.engines import tp_group
+
+    monkeypatch.setattr(tp_group, "rank", lambda: 1)
+    monkeypatch.setattr(tp_group, "world_size", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    layout = tp_group.plan_this_rank(2)
+    assert (layout.ranks, layout.tp_rank, layout.base_gpu_id) == ((0, 1), 1, 1)
+    monkeypatch.setenv("WORLD_SIZE", "6")  # two nodes of 3
+    with pytest.raises(ValueError, match="runs on one node"):
+        tp_group.plan_this_rank(2)

@@ -77,13 +77,14 @@ class SGLangAPI:
     MultiprocessingSerializer: Any
     monkey_patch_torch_reductions: Callable[[], None]
     version: str
+    init_custom_process_group: Callable[..., Any] | None = None  # the weight group (split placement)
 
 
 def load_sglang() -> SGLangAPI:
     """Import SGLang; without it, an error that says how to install the supported version."""
     try:
         import sglang
-        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils import MultiprocessingSerializer, init_custom_process_group
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
     except ImportError as error:
@@ -95,7 +96,8 @@ def load_sglang() -> SGLangAPI:
     if not version.startswith(("0.5.20", "0.5.21")):
         logger.warning(f"SGLang {version} is installed; rl2 is written and pinned for {SGLANG_REQUIREMENT}")
     return SGLangAPI(
-        sglang.Engine, FlattenedTensorBucket, MultiprocessingSerializer, monkey_patch_torch_reductions, version
+        sglang.Engine, FlattenedTensorBucket, MultiprocessingSerializer, monkey_patch_torch_reductions, version,
+        init_custom_process_group,
     )
 
 
@@ -495,6 +497,31 @@ class SGLangEngine(Engine):
         self._on_leader(end, "weight update")
         free_ipc_handles()
         self.verified = True
+
+    def join_weight_group(self, address: str, port: int, world_size: int, group_name: str) -> None:
+        """Split placement: this engine's TP workers join the first trainer's weight group
+        (`rl2.rollout.direct_push`) as ranks 1 + group_index x tp_size + tp_rank."""
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+
+        def join() -> None:
+            check_result(self.engine.init_weights_update_group(
+                master_address=address, master_port=port, rank_offset=1 + self.layout.group_index * self.layout.tp_size,
+                world_size=world_size, group_name=group_name, backend=backend), "init_weights_update_group")
+
+        self._on_leader(join, "weight group")
+
+    def receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str) -> None:
+        """Split placement: load the weights the first trainer broadcasts over the weight group, in this order."""
+
+        def receive() -> None:
+            if "weights" in self.released:
+                check_result(self.engine.resume_memory_occupation(tags=["weights"]), "resume_memory_occupation")
+                self.released.discard("weights")
+            check_result(self.engine.update_weights_from_distributed(
+                names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=True),
+                "update_weights_from_distributed")
+
+        self._on_leader(receive, "weight update")
 
     def _serialize(self, bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Any]:
         """The bucket flattened into one tensor, and that tensor serialised as CUDA IPC handles."""

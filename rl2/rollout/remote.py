@@ -34,7 +34,8 @@ from rl2.rollout.partial import partial_extra_prompts, partial_rollout
 from rl2.rollout.service import RolloutRecords, RolloutService
 from rl2.rollout.trajectory import Trajectory
 from rl2.lora import is_lora
-from rl2.rollout.weight_sync import iter_full_weights
+from rl2.rollout.direct_push import DirectPush
+from rl2.rollout.weight_sync import engine_named_tensors, iter_full_weights
 
 logger = logging.getLogger(__name__)
 TRAINER = 0  # the first trainer's rank in `link` and in `results`
@@ -98,6 +99,13 @@ class RolloutServer:
                 reply = [service.roc_penalties(request["trajectories"])]
             elif kind == "weights":
                 service.engine.update_weights(self._weights(request["buckets"]), partial=request["partial"])
+                service.engine.wake()
+                reply = None
+            elif kind == "weight_group":
+                service.engine.join_weight_group(request["address"], request["port"], request["world"], request["group"])
+                reply = None
+            elif kind == "weights_direct":
+                service.engine.receive_weights(request["names"], request["dtypes"], request["shapes"], request["group"])
                 service.engine.wake()
                 reply = None
             elif kind == "stop":
@@ -165,6 +173,9 @@ class RemoteRollout(RolloutRecords):
         self.partial_extra = partial_extra_prompts(config) if config.rollout.partial_rollout else 0
         self.requested_prompts = False  # whether prompts went to the rollout ranks already (in this run or the one resumed)
         self.arrived: dict[int, object] = {}  # replies taken from the queue before they were asked for
+        # SGLang engines take the weights straight from the first trainer, over a group of their own
+        # (`rl2.rollout.direct_push`); the hf engines over `link`.
+        self.direct = DirectPush(config) if config.rollout.engine == "sglang" and self.first else None
         if self.first:
             self.requests: queue.Queue = queue.Queue()
             self.replies: queue.Queue = queue.Queue()
@@ -179,8 +190,11 @@ class RemoteRollout(RolloutRecords):
         while True:
             request, tensors = self.requests.get()
             broadcast_object(self.placement.link, request, TRAINER)
+            if request["kind"] == "weight_group":
+                self.direct.join(request)
             for tensor in tensors:
-                broadcast_tensor(self.placement.link, tensor, TRAINER)
+                broadcast_tensor(self.direct.group if request["kind"] == "weights_direct" else self.placement.link,
+                                 tensor, TRAINER)
             if request["kind"] == "stop":
                 return
 
@@ -257,6 +271,11 @@ class RemoteRollout(RolloutRecords):
         start = time.perf_counter()
         config = self.config
         dtype = config.rollout.dtype or config.actor.dtype
+        if config.rollout.engine == "sglang":
+            self._sync_direct(model, dtype)
+            self.version = version
+            self.timing["push"] += time.perf_counter() - start
+            return
         buckets, tensors, bucket, flat, size = [], [], [], [], 0
         limit = config.rollout.sync_bucket_mb * 2**20
         adapted_only = is_lora(model)  # the rollout ranks' hf engines keep their weights: LoRA sends what changed
@@ -276,6 +295,24 @@ class RemoteRollout(RolloutRecords):
         self._request({"kind": "weights", "buckets": buckets, "partial": adapted_only}, tensors)
         self.version = version
         self.timing["push"] += time.perf_counter() - start
+        self.timing["push_gb"] += sum(t.numel() * t.element_size() for t in tensors) / 1e9
+
+    def _sync_direct(self, model: nn.Module, dtype: str) -> None:
+        """SGLang: every weight, staged on the first trainer's device, broadcast by the sender thread to the
+        engines' workers over the weight group (made with the first push) when the rollout ranks take the
+        request, so the trainers need not wait for the batches in flight before it."""
+        names, dtypes, shapes, tensors = [], [], [], []
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        for name, tensor in engine_named_tensors(iter_full_weights(model, dtype, self.config.rollout.sync_bucket_mb), tied):
+            if self.first:
+                names.append(name)
+                dtypes.append(str(tensor.dtype).removeprefix("torch."))
+                shapes.append(list(tensor.shape))
+                tensors.append(tensor.detach().clone())  # the gathered buffer is reused by the next bucket
+        if self.first and self.direct.group is None and not self.direct.requested:
+            self._request(self.direct.group_request(self.placement.rollouts))
+        self._request({"kind": "weights_direct", "names": names, "dtypes": dtypes, "shapes": shapes,
+                       "group": self.direct.name}, tensors)
         self.timing["push_gb"] += sum(t.numel() * t.element_size() for t in tensors) / 1e9
 
     def evaluate(self, prompts: list[dict], seed: int, name: str, require_scores: bool = False) -> dict[str, float]:

@@ -191,6 +191,51 @@ class Engine:
             self.hf.flush_cache()
         return True, "Succeeded to update parameter online."
 
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
+                                  backend="nccl"):
+        """The TP workers join the trainer's group (here the one process stands for the engine's only worker:
+        the tests run TP 1 engines this way)."""
+        from sglang.srt.utils import init_custom_process_group
+
+        if self.tp_size != 1:
+            return False, "stand-in: the weight group needs tp_size=1 (one process stands for the engine's workers)"
+        self._record("init_weights_update_group", rank_offset=rank_offset, world_size=world_size, backend=backend)
+        self.weight_groups = getattr(self, "weight_groups", {})
+        self.weight_groups[group_name] = init_custom_process_group(
+            backend="gloo", init_method=f"tcp://{master_address}:{master_port}", world_size=world_size,
+            rank=rank_offset, group_name=group_name)
+        return True, "Succeeded to initialize custom process group."
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, flush_cache=True, **kwargs):
+        import torch.distributed as dist
+
+        group = getattr(self, "weight_groups", {}).get(group_name)
+        if group is None:
+            return False, f"no weight update group {group_name!r}: init_weights_update_group first"
+        if "weights" in self.released:
+            return False, "weights are released: resume_memory_occupation(['weights']) first"
+        received = []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            tensor = torch.empty(shape, dtype=dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype))
+            options = dist.BroadcastOptions()
+            options.rootRank = 0
+            group.broadcast([tensor], options).wait()
+            received.append((name, tensor))
+        self._record("update_weights_from_distributed", names=len(names), dtypes=sorted(set(map(str, dtypes))))
+        state = self.hf.model.state_dict()
+        tied = getattr(self.hf.model.config, "tie_word_embeddings", False)
+        with torch.no_grad():
+            for name, tensor in received:
+                if tied and name == "lm_head.weight":
+                    continue
+                if name not in state:
+                    self.unknown_names.append(name)
+                    continue
+                state[name].copy_(tensor)
+        if flush_cache:
+            self.hf.flush_cache()
+        return True, "Succeeded to update parameter online from distributed."
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
         parameter = self.hf.model.state_dict().get(name)
         architecture = type(self.hf.model).__name__
