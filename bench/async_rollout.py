@@ -16,12 +16,11 @@ split runs the share of the wall time the trainer and the rollout rank waited.
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from demo_runs import REPO, python, warm_up
+
 LAST_STEPS = 5
 PROMPTS, RESPONSES = 16, 8
 
@@ -46,25 +45,6 @@ async def interact(messages):
 def reward_fn(messages, answer):
     return demo_lookup.reward_fn(messages, answer)
 '''
-
-
-def python(args: list[str], log: str) -> None:
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with open(log, "w") as f:
-        done = subprocess.run([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(args[:3])} failed ({done.returncode}); see {log}")
-
-
-def warm_up(out: str, sft_steps: int) -> str:
-    """The tool demo's model, data and SFT warm-up (recipes/ppo_tiny.sh with TASK=lookup, first half)."""
-    python(["-m", "rl2.testing.tiny", f"{out}/model", "--hidden-size", "128", "--layers", "2"], f"{out}/tiny.log")
-    python(["recipes/make_demo_data.py", "--task", "lookup", "--out", f"{out}/data", "--rows", "4000"], f"{out}/data.log")
-    python(["-m", "rl2.trainer.sft", f"data.path={out}/data/sft.jsonl", "data.batch_size=64",
-            f"actor.model_name={out}/model", "actor.dtype=float32", "actor.gradient_checkpointing=false", "actor.lr=3e-3",
-            "actor.warmup_ratio=0.2", f"actor.save_dir={out}/sft", f"trainer.total_steps={sft_steps}",
-            "trainer.disable_wandb=true"], f"{out}/sft.log")
-    return f"{out}/sft/step{sft_steps}"
 
 
 SPLIT = ["rollout.placement=split", "rollout.ranks=1"]
@@ -126,7 +106,7 @@ def main() -> None:
         f.write(SLOW_LOOKUP_ENV.format(envs=os.path.join(REPO, "envs")))
     print(f"SFT warm-up ({args.sft_steps} steps) in {out}", flush=True)
     start = time.perf_counter()
-    model = warm_up(out, args.sft_steps)
+    model = warm_up(out, args.sft_steps, "lookup")
     print(f"warm-up {time.perf_counter() - start:.0f} s", flush=True)
     print(f"{'run':<21} {'seed':>4} {'samples/s':>9} {'wall s':>7} {'to ' + str(args.threshold):>8} {'final':>6} "
           f"{'resumed':>7} {'age_max':>7} {'t_idle':>6} {'r_idle':>6}", flush=True)

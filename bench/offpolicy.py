@@ -14,12 +14,11 @@ is the baseline.
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from demo_runs import python, warm_up
+
 LAST_STEPS = 5
 GAP = ["rollout.dtype=bfloat16", "actor.update_per_rollout=4"]
 SETTINGS = {
@@ -40,25 +39,6 @@ METRICS = ["offpolicy/kl_k1", "offpolicy/kl_k3", "offpolicy/token_ratio_outside"
            "offpolicy/rejected_token_ratio", "offpolicy/is_weight_mean"]
 
 
-def python(args: list[str], log: str) -> None:
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with open(log, "w") as f:
-        done = subprocess.run([sys.executable, *args], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(args[:3])} failed ({done.returncode}); see {log}")
-
-
-def warm_up(out: str, sft_steps: int) -> str:
-    """The demo's model, data and SFT warm-up (recipes/ppo_tiny.sh's first half, on one process)."""
-    python(["-m", "rl2.testing.tiny", f"{out}/model", "--hidden-size", "128", "--layers", "2"], f"{out}/tiny.log")
-    python(["recipes/make_demo_data.py", "--task", "successor", "--out", f"{out}/data", "--rows", "4000"], f"{out}/data.log")
-    python(["-m", "rl2.trainer.sft", f"data.path={out}/data/sft.jsonl", "data.batch_size=64",
-            f"actor.model_name={out}/model", "actor.dtype=float32", "actor.gradient_checkpointing=false", "actor.lr=3e-3",
-            "actor.warmup_ratio=0.2", f"actor.save_dir={out}/sft", f"trainer.total_steps={sft_steps}",
-            "trainer.disable_wandb=true"], f"{out}/sft.log")
-    return f"{out}/sft/step{sft_steps}"
-
-
 def grpo(model: str, out: str, name: str, seed: int, steps: int, extra: list[str]) -> dict:
     save_dir = f"{out}/{name}_seed{seed}"
     start = time.perf_counter()
@@ -77,7 +57,7 @@ def grpo(model: str, out: str, name: str, seed: int, steps: int, extra: list[str
               "seconds": time.perf_counter() - start}
     for key in METRICS:
         values = [row[key] for row in rows if key in row]
-        result[key] = max(values) if key == "offpolicy/max_ratio" else sum(values) / len(values) if values else None
+        result[key] = None if not values else max(values) if key == "offpolicy/max_ratio" else sum(values) / len(values)
     return result
 
 
@@ -92,7 +72,7 @@ def main() -> None:
     out = args.out or tempfile.mkdtemp(prefix="rl2-offpolicy-")
     os.makedirs(out, exist_ok=True)
     print(f"SFT warm-up ({args.sft_steps} steps) in {out}", flush=True)
-    model = warm_up(out, args.sft_steps)
+    model = warm_up(out, args.sft_steps, "successor")
     header = (f"{'setting':<16} {'seed':>4} {'first':>6} {'last':>6} {'test':>6} {'kl_k1':>9} {'kl_k3':>9} "
               f"{'outside':>8} {'max_ratio':>9} {'rejected':>8} {'weight':>7} {'s':>5}")
     print(header, flush=True)

@@ -122,9 +122,3 @@ def save_adapter(model: nn.Module, state_dict: dict[str, torch.Tensor], path: st
     config = model.peft_config["default"]
     config.base_model_name_or_path = config.base_model_name_or_path or base_model(model).config.name_or_path
     config.save_pretrained(path)
-
-
-def adapted_weight_names(model: nn.Module) -> Iterator[str]:
-    """The state-dict keys of the base weights that LoRA adapts."""
-    for prefix in lora_scalings(model):
-        yield f"{prefix}.base_layer.weight"

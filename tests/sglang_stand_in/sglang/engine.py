@@ -44,6 +44,7 @@ class Engine:
         self.released: set[str] = set()
         self.in_update = False
         self.unknown_names: list[str] = []
+        self.weight_groups: dict = {}  # init_weights_update_group's groups, by name
         # SGLang's start-up changes the calling process (server_args / _set_envs_and_config).
         os.environ.update({"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "8",
                            "CUDA_MODULE_LOADING": "AUTO", "SGLANG_RUN_ID": "stand-in"})
@@ -176,10 +177,16 @@ class Engine:
         for other in buckets[1:]:
             if [n for n, _ in other] != names or any(not torch.equal(a, b) for (_, a), (_, b) in zip(buckets[0], other)):
                 return False, "TP ranks sent different weights"
+        self._load(buckets[0], flush_cache)
+        return True, "Succeeded to update parameter online."
+
+    def _load(self, named_tensors, flush_cache: bool) -> None:
+        """Copy pushed weights into the model, as SGLang's loader does: the tied head skipped, unknown names
+        logged and ignored."""
         state = self.hf.model.state_dict()
         tied = getattr(self.hf.model.config, "tie_word_embeddings", False)
         with torch.no_grad():
-            for name, tensor in buckets[0]:
+            for name, tensor in named_tensors:
                 if tied and name == "lm_head.weight":
                     continue  # SGLang skips it and ties the head to embed_tokens
                 if name not in state:
@@ -189,7 +196,6 @@ class Engine:
                 state[name].copy_(tensor)
         if flush_cache:
             self.hf.flush_cache()
-        return True, "Succeeded to update parameter online."
 
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
                                   backend="nccl"):
@@ -200,7 +206,6 @@ class Engine:
         if self.tp_size != 1:
             return False, "stand-in: the weight group needs tp_size=1 (one process stands for the engine's workers)"
         self._record("init_weights_update_group", rank_offset=rank_offset, world_size=world_size, backend=backend)
-        self.weight_groups = getattr(self, "weight_groups", {})
         self.weight_groups[group_name] = init_custom_process_group(
             backend="gloo", init_method=f"tcp://{master_address}:{master_port}", world_size=world_size,
             rank=rank_offset, group_name=group_name)
@@ -209,7 +214,7 @@ class Engine:
     def update_weights_from_distributed(self, names, dtypes, shapes, group_name, flush_cache=True, **kwargs):
         import torch.distributed as dist
 
-        group = getattr(self, "weight_groups", {}).get(group_name)
+        group = self.weight_groups.get(group_name)
         if group is None:
             return False, f"no weight update group {group_name!r}: init_weights_update_group first"
         if "weights" in self.released:
@@ -222,18 +227,7 @@ class Engine:
             group.broadcast([tensor], options).wait()
             received.append((name, tensor))
         self._record("update_weights_from_distributed", names=len(names), dtypes=sorted(set(map(str, dtypes))))
-        state = self.hf.model.state_dict()
-        tied = getattr(self.hf.model.config, "tie_word_embeddings", False)
-        with torch.no_grad():
-            for name, tensor in received:
-                if tied and name == "lm_head.weight":
-                    continue
-                if name not in state:
-                    self.unknown_names.append(name)
-                    continue
-                state[name].copy_(tensor)
-        if flush_cache:
-            self.hf.flush_cache()
+        self._load(received, flush_cache)
         return True, "Succeeded to update parameter online from distributed."
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100):
