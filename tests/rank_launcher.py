@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 
+from rl2.launch import EXPLAINED_EXIT_CODES
 from server_process import free_port
 
 PRELOAD = ["torch", "torch.distributed.fsdp", "transformers", "datasets", "rl2.trainer.ppo", "rl2.trainer.sft",
@@ -109,32 +110,49 @@ def launch(target: list[str], nproc: int, env: dict[str, str], cwd: str, timeout
             process = context.Process(target=_run_rank, args=(target, rank_env, cwd, stdout_path, stderr_path))
             process.start()
             ranks.append(process)
-        returncode = _wait(ranks, timeout)
+        first_failed = _wait(ranks, timeout)
         with open(stdout_path) as out, open(stderr_path) as err:
             stdout, stderr = out.read(), err.read()
-    if returncode is None:
-        raise subprocess.TimeoutExpired(target, timeout, stdout, stderr)
-    return subprocess.CompletedProcess(target, returncode, stdout, stderr)
+    codes = [process.exitcode for process in ranks]
+    if first_failed is not None and distributed and codes[first_failed] not in EXPLAINED_EXIT_CODES:
+        stderr += rank_summary(first_failed, codes)  # as `rl2run`: torchrun's report, unless rl2 said why
+    if first_failed is None and any(code != 0 for code in codes):
+        raise subprocess.TimeoutExpired(target, timeout, stdout, stderr + rank_summary(None, codes))
+    return subprocess.CompletedProcess(target, 0 if first_failed is None else codes[first_failed], stdout, stderr)
+
+
+def rank_summary(first_failed: int | None, exit_codes: list[int | None]) -> str:
+    """A line naming the rank that failed first (None: none had failed) and how each rank ended."""
+    ends = ", ".join(f"rank {rank}: {_ending(code)}" for rank, code in enumerate(exit_codes))
+    head = "no rank had failed" if first_failed is None else f"rank {first_failed} failed first"
+    return f"\nrank_launcher: {head} ({ends})\n"
+
+
+def _ending(exit_code: int | None) -> str:
+    if exit_code is None:
+        return "still running"
+    if exit_code < 0:
+        return f"killed by {signal.Signals(-exit_code).name}"
+    return f"exit code {exit_code}"
 
 
 def _wait(ranks: list, timeout: float) -> int | None:
-    """The first non-zero exit status (0 if none); after a failure the others get STOP_GRACE seconds.
-    None on timeout. Every rank's process group is killed before returning."""
+    """The rank that failed first (a non-zero exit status; None if none did), once every rank has
+    ended; after a failure the others get STOP_GRACE seconds. On timeout a rank may still be running
+    when it returns. Every rank's process group is killed before returning."""
     deadline = time.monotonic() + timeout
     failed: int | None = None
     try:
         while True:
             codes = [process.exitcode for process in ranks]
             if failed is None:
-                failed = next((code for code in codes if code not in (None, 0)), None)
+                failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
                 if failed is not None:  # as torchrun does: the others are stopped at once
                     deadline = min(deadline, time.monotonic() + STOP_GRACE)
                     for process, code in zip(ranks, codes):
                         if code is None:
                             _signal_group(process.pid, signal.SIGTERM)
-            if all(code is not None for code in codes):
-                return failed or 0
-            if time.monotonic() > deadline:
+            if all(code is not None for code in codes) or time.monotonic() > deadline:
                 return failed
             time.sleep(0.02)
     finally:
@@ -144,7 +162,10 @@ def _wait(ranks: list, timeout: float) -> int | None:
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """Signal a rank and its process group: a rank that has not made its group yet (it was still starting
+    when another failed) gets the signal too."""
+    for send in (os.kill, os.killpg):
+        try:
+            send(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

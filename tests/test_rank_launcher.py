@@ -4,7 +4,7 @@ dies by a signal is run again under the real launcher."""
 import pytest
 
 import rank_launcher
-from conftest import FORK_RANKS, run_python
+from conftest import FORK_RANKS, run_python, run_torchrun
 
 pytestmark = pytest.mark.skipif(not FORK_RANKS, reason="RL2_FORK_RANKS=0: ranks are not forked")
 
@@ -24,3 +24,15 @@ def test_a_forked_run_killed_by_a_signal_runs_again_under_the_real_launcher():
     with pytest.warns(UserWarning, match="died by signal 11"):
         result = run_python(["-c", code])
     assert "ran under the real interpreter" in result.stdout
+
+
+def test_a_failed_run_names_the_rank_that_failed_first():
+    """A rank that exits non-zero without a word is named, with how every rank ended (torchrun's summary)."""
+    code = ("import os, time\n"
+            "if os.environ['RANK'] == '1':\n"
+            "    os._exit(3)\n"
+            "time.sleep(60)\n")
+    result = run_torchrun(["-c", code], check=False)
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "rank_launcher: rank 1 failed first (rank 0: killed by SIGTERM, rank 1: exit code 3)"), result.stderr

@@ -23,12 +23,20 @@ from rl2.tools.sandbox import (
     bwrap_works,
     closed_ancestor,
     expose_python_args,
+    processes_of,
     run_python,
 )
 
 UID_BASE = 610000
 WORKERS = 2
-# The `contained` check looks for any process of these uids: the tests of this file share one pytest worker.
+# The uids this file's sandboxes claim (a sandbox takes free ones from uid_base on; the module's `box` holds
+# two while later tests make theirs), which no other sandbox on the machine uses (their default is 600000
+# on): a process under one of them is one of this file's tests'. One pytest worker runs them all, in turn.
+UIDS = list(range(UID_BASE, UID_BASE + 16))
+# What a loaded machine (the suite's other workers, a training run beside it) may add to a kill and the
+# answer's way back: wall-clock bounds below are a limit plus this, far below what a missed limit costs
+# (programs that would sleep a minute, the pool's 10 s grace).
+LATE = 3.0
 pytestmark = pytest.mark.xdist_group("sandbox_uids")
 ROOT = os.geteuid() == 0
 
@@ -38,19 +46,26 @@ MODES = [
 ]
 
 
-def processes_of(uids: range) -> list[int]:
-    """Host pids whose real uid is in `uids`."""
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/status") as f:
-                    uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
-            except (OSError, StopIteration):
-                continue
-            if uid in uids:
-                found.append(int(name))
-    return found
+def describe_process(pid: int) -> str:
+    """`pid`'s state, uid, command line and its ancestors' (for a leak report)."""
+    lines = []
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:300]
+            with open(f"/proc/{pid}/status") as f:
+                uid = next(line.split()[1] for line in f if line.startswith("Uid:"))
+            namespace = os.readlink(f"/proc/{pid}/ns/pid") if os.path.exists(f"/proc/{pid}/ns/pid") else "?"
+        except (OSError, StopIteration):
+            lines.append(f"pid {pid} (gone)")
+            break
+        fields = stat[stat.rindex(")") + 2:].split()
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        lines.append(f"pid {pid} [{name}] state {fields[0]} uid {uid} {namespace}: {cmdline or '(no command line)'}")
+        pid = int(fields[1])
+    return "\n    parent ".join(lines)
 
 
 @pytest.fixture(scope="module", params=MODES)
@@ -61,18 +76,38 @@ def box(request):
         yield sandbox
 
 
+def leaked(wait: float = 0.0, before: frozenset[int] = frozenset()) -> str:
+    """A report of the processes running under the sandbox uids but not among `before` (after up to
+    `wait` seconds for them to end: a closed sandbox's processes are killed asynchronously); "" when
+    none are."""
+    wait_until(lambda: set(processes_of(UIDS)) <= before, timeout=wait)
+    return "\n".join(describe_process(pid) for pid in processes_of(UIDS) if pid not in before)
+
+
+@pytest.fixture(autouse=True)
+def nothing_leaked():
+    """No test of this file leaves a process behind under the sandbox uids: the one that does fails,
+    naming it (one that was there before is not this test's; the test that left it failed already)."""
+    before = frozenset(processes_of(UIDS))
+    yield
+    after = leaked(wait=5.0, before=before)
+    assert not after, f"the test left processes running under the sandbox uids:\n  {after}"
+
+
 @pytest.fixture
 def contained(box):
-    """After the test the sandbox still works and nothing of the program is left running."""
+    """After the test the sandbox still works and nothing of the program is left running, at once."""
     yield box
-    assert processes_of(range(UID_BASE, UID_BASE + WORKERS)) == []
+    left = "\n".join(describe_process(pid) for pid in processes_of(box.uids))
+    assert not left, f"processes of the program still run after its result came back:\n  {left}"
     assert box.run("print(1+1)").stdout == "2\n"
 
 
 def test_results_stdin_exit_codes_and_tracebacks(box):
+    start = time.monotonic()
     ok = box.run("import sys; print(sys.stdin.read().upper(), end='')", stdin="héllo\n")
     assert (ok.stdout, ok.reason, ok.exit_code, ok.ok) == ("HÉLLO\n", "ok", 0, True)
-    assert 0 < ok.wall_time < 1.0
+    assert 0 < ok.wall_time < time.monotonic() - start  # seconds, within the call
     error = box.run("x = 1\nraise ValueError('bad value')")
     assert (error.reason, error.exit_code) == ("error", 1)
     assert 'File "solution.py", line 2' in error.stderr and "ValueError: bad value" in error.stderr
@@ -131,7 +166,7 @@ def test_deadline_counts_from_before_the_program(box):
         exact = box.run("import time\ntime.sleep(0.5)", timeout=0.5)
         assert exact.reason == "timeout", exact
     joined = box.run("import os, time\nif os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\nprint('started')", timeout=0.5)
-    assert (joined.reason, joined.stdout) == ("timeout", "started\n") and joined.wall_time < 1.5
+    assert (joined.reason, joined.stdout) == ("timeout", "started\n") and joined.wall_time < 0.5 + LATE
 
 
 # Prints its clock after `quiet` seconds, every `pause` seconds; named so that the test can find it.
@@ -204,7 +239,7 @@ def test_cpp_compiles_and_runs(box):
     # code-judge's case: sleeping exactly the limit, then printing, prints nothing
     slow = box.run("#include <cstdio>\n#include <unistd.h>\nint main(){usleep(500000); printf(\"a\"); return 0;}",
                    timeout=0.5, language="cpp")
-    assert (slow.reason, slow.stdout) == ("timeout", "") and slow.wall_time < 1.5  # the limit is the run's alone
+    assert (slow.reason, slow.stdout) == ("timeout", "") and slow.wall_time < 0.5 + LATE  # the run's alone
     failing = box.run("int main(){return 3;}", language="cpp")
     assert (failing.reason, failing.exit_code) == ("error", 3)
     greedy = box.run("#include <vector>\nint main(){std::vector<char> v(1ul << 34); return v[5];}", language="cpp")
@@ -216,7 +251,7 @@ def test_compilation_has_its_own_time_limit():
     with Sandbox(workers=1, timeout=5.0, compile_timeout=0.05) as box:
         late = box.run(CPP_ECHO, stdin="ab", language="cpp")
     assert late.reason == "compile_error" and late.stderr.endswith("compilation did not finish within 0.05s")
-    assert late.wall_time < 1.0  # the compiler's limit, not the program's 5 s
+    assert late.wall_time < 0.05 + LATE  # the compiler's limit, not the program's 5 s
     with pytest.raises(ValueError, match="compile_timeout"):
         Sandbox(workers=1, compile_timeout=0)
 
@@ -237,17 +272,18 @@ def test_infinite_loop_times_out(contained):
     start = time.monotonic()
     result = contained.run("while True:\n    pass", timeout=1.0)
     assert result.reason == "timeout" and result.exit_code is None
-    assert time.monotonic() - start < 2.5
+    assert time.monotonic() - start < 1.0 + LATE
 
 
 def test_sleeping_program_hits_the_wall_clock(contained):
     result = contained.run("import time; print('start', flush=True); time.sleep(60)", timeout=0.5)
     assert (result.reason, result.stdout) == ("timeout", "start\n")
-    assert result.wall_time < 1.5
+    assert result.wall_time < 0.5 + LATE
 
 
 def test_memory_bomb(contained):
-    result = contained.run("blocks = []\nwhile True:\n    blocks.append(bytearray(10**7))")
+    # Its time limit is not what is tested: filling 256 MB took over the box's 2 s on a loaded machine.
+    result = contained.run("blocks = []\nwhile True:\n    blocks.append(bytearray(10**7))", timeout=30.0)
     assert result.reason == "memory" and "MemoryError" in result.stderr
 
 
@@ -320,7 +356,7 @@ def test_huge_output_is_cut(contained):
     start = time.monotonic()
     flood = contained.run("while True:\n    print('x' * 1000)")
     assert flood.reason == "output_limit" and flood.truncated
-    assert len(flood.stdout) == 4096 and time.monotonic() - start < 3.0
+    assert len(flood.stdout) == 4096 and time.monotonic() - start < 2.0 + LATE
     long = contained.run("print('y' * 10000)")
     assert (long.reason, long.truncated, long.exit_code, len(long.stdout)) == ("output_limit", True, 0, 4096)
 
@@ -340,7 +376,7 @@ def test_background_processes_count_and_are_killed(contained):
     )
     result = contained.run(program, timeout=1.0)
     assert (result.reason, result.exit_code, result.stdout) == ("timeout", 0, "left a daemon behind\n")
-    assert 1.0 <= result.wall_time < 2.0
+    assert 1.0 <= result.wall_time < 1.0 + LATE
     # `contained` checks that no process of the sandbox uids survives
 
 
@@ -352,17 +388,19 @@ def test_nothing_carries_over_between_programs(box):
 
 
 def test_runs_concurrently_up_to_the_pool_size(box):
+    """Four programs at once on two workers: two run at a time, never more (each prints when it started
+    and ended, on the machine's monotonic clock, which the sandbox shares)."""
     results: list[RunResult] = []
-    start = time.monotonic()
-    threads = [threading.Thread(target=lambda i=i: results.append(box.run(f"import time; time.sleep(0.3); print({i})")))
-               for i in range(4)]
+    program = "import time\nstart = time.monotonic()\ntime.sleep(1.0)\nprint({i}, start, time.monotonic())"
+    threads = [threading.Thread(target=lambda i=i: results.append(box.run(program.format(i=i)))) for i in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    elapsed = time.monotonic() - start
-    assert sorted(int(r.stdout) for r in results) == [0, 1, 2, 3]
-    assert 0.55 < elapsed < 1.1  # two at a time
+    spans = [tuple(float(x) for x in r.stdout.split()[1:]) for r in results]
+    assert sorted(int(r.stdout.split()[0]) for r in results) == [0, 1, 2, 3]
+    running_at_each_start = [sum(begin <= start < end for begin, end in spans) for start, _ in spans]
+    assert max(running_at_each_start) == 2, spans
 
 
 def descendants(pid: int) -> list[int]:
@@ -436,10 +474,93 @@ def test_a_worker_killed_during_a_program_is_replaced_and_the_program_run_again(
             assert (result.reason, result.stdout) == ("ok", "done\n")
             assert worker not in box._pool.pids()
             assert box.faults.counts() == {"sandbox_restarts": 1, "sandbox_retries": 1}
-        assert wait_until(lambda: processes_of(range(UID_BASE, UID_BASE + 1)) == [])  # the orphan died with its worker
+            assert wait_until(lambda: processes_of(box.uids) == [])  # the orphan died with its worker
     finally:
         if os.path.exists(marker):
             os.unlink(marker)
+
+
+# Starts a daemon (its own session, two forks down, named so that a leak report shows it) that sleeps a
+# minute, then sleeps itself: a program that is still running, with a process outside its group.
+WITH_DAEMON = ("import ctypes, os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+               "        ctypes.CDLL(None).prctl(15, b'rl2-daemon', 0, 0, 0)\n        time.sleep(60)\n"
+               "    os._exit(0)\nprint('started', flush=True)\ntime.sleep(60)\n")
+
+
+def program_running(box: Sandbox, processes: int) -> bool:
+    """Whether `processes` processes run under the sandbox uids (a program and what it started)."""
+    return len(processes_of(UIDS)) >= processes and bool(box._pool.busy_pids())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_closing_the_sandbox_mid_run_leaves_nothing_running(mode):
+    """A sandbox closed while a program runs (a trainer that stops, a code server shut down) kills the
+    program and its daemon too: under the uid fallback nothing but the worker held the daemon."""
+    box = Sandbox(workers=1, isolation=mode, uid_base=UID_BASE, timeout=30.0)
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        run = thread.submit(box.run, WITH_DAEMON)
+        assert wait_until(lambda: program_running(box, 2))
+        box.close()
+        assert run.result(timeout=30).reason == "sandbox_error"
+    assert processes_of(UIDS) == [], leaked()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_daemon_of_a_program_whose_worker_died_does_not_outlive_it(mode):
+    """The worker dies mid-run (killed from outside): the program is run again on a fresh worker, and the
+    daemon the first run started is gone when the result comes back, the sandbox still open."""
+    with Sandbox(workers=1, isolation=mode, uid_base=UID_BASE, timeout=1.0) as box, \
+            ThreadPoolExecutor(max_workers=1) as thread:
+        run = thread.submit(box.run, WITH_DAEMON)
+        assert wait_until(lambda: program_running(box, 2))
+        [worker] = box._pool.busy_pids()
+        os.killpg(worker, signal.SIGKILL)
+        result = run.result(timeout=60)
+        assert (result.reason, result.stdout) == ("timeout", "started\n")  # the second run, cut at its limit
+        assert box.faults.counts() == {"sandbox_restarts": 1, "sandbox_retries": 1}
+        left = leaked(wait=2.0)
+        assert not left, f"still running after the run came back:\n  {left}"
+
+
+@pytest.mark.skipif(not ROOT, reason="programs run under uids of their own only as root")
+@pytest.mark.parametrize("mode", MODES)
+def test_what_an_earlier_owner_left_under_a_uid_is_killed_when_it_is_claimed(mode):
+    """The issue-47 failure: a daemon left under a sandbox uid (by a sandbox whose process was killed, or
+    by an older rl2 that let it escape) made every later check of that uid fail until it ended by itself.
+    A sandbox that claims the uid kills it first, whichever isolation the new sandbox uses (bubblewrap's
+    namespaces hide the host's processes from its workers)."""
+    uid = UID_BASE + 12
+    left = subprocess.Popen(["sleep", "60"], user=uid, group=uid, extra_groups=[], start_new_session=True)
+    try:
+        with Sandbox(workers=1, isolation=mode, uid_base=uid) as box:
+            assert box.uids == [uid]
+            assert left.wait(timeout=10) == -signal.SIGKILL
+            assert box.run("print(1)").stdout == "1\n"
+    finally:
+        left.kill()
+        left.wait()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sandboxes_running_at_once_never_share_a_uid(mode):
+    """Two sandboxes (two code servers, env workers beside a test) get uids of their own from the same
+    uid_base, so a program of one cannot signal the other's (kill(-1) reaches every process of its uid)
+    nor use up its process limit; the uids are free again once a sandbox closes."""
+    base = UID_BASE + 10  # past those the module's `box` may hold
+    with Sandbox(workers=2, isolation=mode, uid_base=base, timeout=10.0) as first, \
+            Sandbox(workers=2, isolation=mode, uid_base=base, timeout=10.0) as second, \
+            ThreadPoolExecutor(max_workers=1) as thread:
+        if ROOT:
+            assert len(set(first.uids) | set(second.uids)) == 4, (first.uids, second.uids)
+        victim = thread.submit(first.run, "import time\nprint('started', flush=True)\ntime.sleep(3.0)\nprint('done')")
+        assert wait_until(lambda: first._pool.busy_pids() and processes_of(UIDS))
+        attack = second.run("import os, signal\nos.kill(-1, signal.SIGKILL)\nprint('sent')")
+        assert attack.reason in ("ok", "error")
+        assert victim.result(timeout=30).stdout == "started\ndone\n"
+        taken = first.uids
+    if ROOT:
+        with Sandbox(workers=2, isolation=mode, uid_base=base) as third:
+            assert third.uids == taken
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -97,6 +97,74 @@ def test_a_killed_one_step_off_run_resumes_exactly(tiny_model_dir, rl_data, tmp_
         assert max(row["partial/resumed_ratio"] for row in rows) > 0  # groups did carry over
 
 
+# The PPO command, with the second rollout rank (global rank 2) held up between the two halves of each request
+# (its size, then its bytes) once the trainer has its last batch, as a loaded machine may hold a process up:
+# gloo sends the bytes only once the receiver asks for them, so the stop reaches it after the first rollout
+# rank has confirmed it.
+HELD_UP_SECOND_ROLLOUT_RANK = """
+import os
+import pickle
+import time
+
+import torch
+import torch.distributed as dist
+
+import rl2.rollout.remote as remote
+from rl2.trainer.ppo import main
+
+LAST_STEP = os.environ["LAST_STEP_MARKER"]
+if os.environ["RANK"] == "0":
+    next_batch = remote.RemoteRollout.next_batch
+
+    def marking_the_last(self, timer=None):
+        batch = next_batch(self, timer)
+        if batch.step == int(os.environ["STEPS"]):
+            open(LAST_STEP, "w").close()
+        return batch
+
+    remote.RemoteRollout.next_batch = marking_the_last
+if os.environ["RANK"] == "2":
+    receive = remote.broadcast_object
+
+    def held_up(group, obj=None, root=0):
+        if not os.path.exists(LAST_STEP):
+            return receive(group, obj, root)
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        size = torch.zeros(1, dtype=torch.long)
+        group.broadcast([size], options).wait()
+        time.sleep(1.5)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        group.broadcast([data], options).wait()
+        return pickle.loads(data.numpy().tobytes())
+
+    remote.broadcast_object = held_up
+main()
+"""
+
+
+@pytest.mark.xdist_group("split")
+@pytest.mark.parametrize("engine", ["hf", "sglang"])
+def test_every_rollout_rank_has_the_stop_before_the_trainer_exits(tiny_model_dir, rl_data, tmp_path, env_file, engine):
+    """1 trainer + 2 rollout ranks, the second slower to take requests: the trainer exits only once every
+    rollout rank has the stop. (It exited on the first rollout rank's word, and the second, still reading,
+    lost the stop to the closed connection and exited 1 after a finished run: issue 47.)"""
+    from test_sglang_engine import STAND_IN
+
+    from conftest import REPO
+
+    script = tmp_path / "held_up_rollout_rank.py"
+    script.write_text(HELD_UP_SECOND_ROLLOUT_RANK)
+    extra = ["rollout.placement=split", "rollout.ranks=2", f"rollout.engine={engine}", "rollout.max_staleness=1"]
+    env = {"LAST_STEP_MARKER": str(tmp_path / "last_step"), "STEPS": str(STEPS)}
+    if engine == "sglang":
+        env["PYTHONPATH"] = f"{STAND_IN}{os.pathsep}{REPO}"
+    command = args(tiny_model_dir, rl_data, str(tmp_path / "run"), env_file, *extra)
+    result = run_torchrun([str(script), *command[2:]], nproc=3, env=env, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [row["step"] for row in read_metrics(f"{tmp_path}/run/metrics.jsonl")] == list(range(1, STEPS + 1))
+
+
 SLOW_RANDOM_TOOL = """
 import random
 import time

@@ -188,6 +188,41 @@ def test_two_ranks_say_a_config_error_once(tiny_model_dir, tmp_path):
         "trainer; python -m rl2.trainer.sft --help lists them)"]
 
 
+PEER_EXITS = """
+import os
+import time
+
+import torch.distributed as dist
+
+from rl2.trainer.base import run_main
+
+
+def run(config):
+    dist.init_process_group("gloo")
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os._exit(0)  # leaves without a word, while rank 0 still needs it
+    time.sleep(0.5)
+    dist.all_reduce(__import__("torch").zeros(1))
+
+
+run_main(run, "sft")
+"""
+
+
+def test_a_rank_whose_peer_exited_says_so_with_its_rank(tmp_path):
+    """A rank that loses a peer mid-collective does not exit 1 silently: one line names it, the call that
+    met the closed connection and gloo's message."""
+    script = tmp_path / "peer_exits.py"
+    script.write_text(PEER_EXITS)
+    result = run_torchrun([str(script)], check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("rl2 [rank")]
+    assert re.match(rf"rl2 \[rank 0\]: stopped: another rank exited while this one still worked with it in run "
+                    rf"\({re.escape(str(script))}:16\): .*Connection (closed|reset) by peer", line), line
+    assert f'File "{script}"' not in result.stderr  # no traceback of the rank's (torchrun adds its own report)
+
+
 def test_a_retrieval_server_on_a_taken_port_is_one_line():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from rl2.config import Config
 from rl2.distributed.placement import Placement, broadcast_object, broadcast_tensor, recv_object, send_object
-from rl2.distributed.process_group import broadcast_from_rank0, is_rank0
+from rl2.distributed.process_group import barrier, broadcast_from_rank0, is_rank0
 from rl2.engines import SamplingParams
 from rl2.metrics import PhaseTimer
 from rl2.rollout.partial import partial_extra_prompts, partial_rollout
@@ -110,6 +110,10 @@ class RolloutServer:
                 reply = None
             elif kind == "stop":
                 service.close()
+                # The trainer exits on the first rollout rank's word: every rollout rank must hold the stop
+                # by then (gloo sends a message's bytes only once its receiver asks for them; a rank that
+                # asked after the trainer exited lost the stop and exited 1 after a finished run).
+                barrier()
                 if first:
                     send_object(self.placement.results, {"stopped": True}, TRAINER)
                 return
@@ -363,5 +367,6 @@ class RemoteRollout(RolloutRecords):
             except queue.Empty:
                 logger.warning(f"the rollout ranks did not confirm they stopped within {STOP_TIMEOUT_S} s")
                 return
+            self.sender.join()  # its broadcast of the stop has ended: nothing of ours is left to send
         if is_rank0():
             logger.info("rollout ranks stopped")

@@ -22,6 +22,14 @@ Isolation, strongest first (`isolation="auto"` picks the first that works):
   workers (`preload`).
 - "none" (neither): resource limits, sessions and the timeout only. Logged as a warning.
 
+As root (bwrap or uid) every worker's uid is its own on the whole machine: a sandbox claims free uids
+from `uid_base` on (a lock file each under /run/rl2-sandbox-uids, held while it runs), so two
+sandboxes (two code servers, a trainer's env workers beside a test) never share one, and every
+process of a claimed uid belongs to that worker's programs. That makes cleanup total: when the uid
+is claimed, after each run, when a worker starts (one that replaces a dead worker) and when the
+sandbox closes, every process of the uid is killed, including any that left the worker's process
+tree (under "uid" a program's daemon outlived a worker killed mid-run, or a sandbox closed mid-run).
+
 The workers form a `rl2.tools.worker_pool.WorkerPool`: a worker that dies (a kill, the OOM killer)
 is replaced, the program it was running is run again on a fresh one, and `Sandbox.faults` counts
 what was recovered; a program that still cannot run gets reason "sandbox_error".
@@ -32,6 +40,7 @@ what was recovered; a program that still cannot run gets reason "sandbox_error".
 """
 
 import asyncio
+import fcntl
 import json
 import logging
 import os
@@ -39,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 from rl2.tools.worker_pool import WorkerFailed, WorkerPool
@@ -205,6 +215,85 @@ def worker_command(isolation: str, uid: int | None, base_dir: str | None, tmpfs_
     return wrapper + python
 
 
+UID_LOCK_DIR = "/run/rl2-sandbox-uids"
+UID_SEARCH = 100_000  # how far past uid_base a sandbox looks for free uids
+
+
+def uid_lock_dir() -> str:
+    """Where the uids' lock files live: /run (root's, one per machine), else the temporary directory."""
+    for directory in (UID_LOCK_DIR, os.path.join(tempfile.gettempdir(), "rl2-sandbox-uids")):
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            return directory
+        except OSError:
+            continue
+    raise SandboxError(f"cannot create {UID_LOCK_DIR} (the sandbox uids' locks)")
+
+
+class UidClaims:
+    """`count` uids from `first` on that no other sandbox on this machine holds: each is held by an
+    exclusive lock (flock) on its file in `lock_dir` until `release` (or this process ends)."""
+
+    def __init__(self, first: int, count: int, lock_dir: str | None = None):
+        lock_dir = lock_dir or uid_lock_dir()
+        info = os.stat(lock_dir)
+        if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+            raise SandboxError(f"{lock_dir} must be a directory of uid {os.geteuid()} that others cannot write "
+                               f"(it holds the sandbox uids' locks)")
+        self.uids: list[int] = []
+        self._files: list[int] = []
+        for uid in range(first, first + UID_SEARCH):
+            if len(self.uids) == count:
+                break
+            fd = os.open(os.path.join(lock_dir, f"{uid}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another sandbox's
+                os.close(fd)
+                continue
+            self.uids.append(uid)
+            self._files.append(fd)
+        if len(self.uids) < count:
+            self.release()
+            raise SandboxError(f"no {count} free sandbox uids in {first}..{first + UID_SEARCH - 1}")
+
+    def release(self) -> None:
+        for fd in self._files:
+            os.close(fd)
+        self._files, self.uids = [], []
+
+
+def kill_processes_of(uids: list[int], wait: float = 5.0) -> None:
+    """SIGKILL every process running under one of `uids` (sandbox uids: their programs and whatever
+    these left), from a helper that takes each uid in turn, then wait up to `wait` s for them to end."""
+    if not uids:
+        return
+    kill = shutil.which("kill", path="/usr/bin:/bin")
+    for uid in uids:
+        if kill is not None:  # kill(-1) as the uid: every process it may signal, which is every one of the uid
+            subprocess.run([kill, "-9", "-1"], user=uid, group=uid, extra_groups=[], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"}, cwd="/")
+    deadline = time.monotonic() + wait
+    while processes_of(uids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def processes_of(uids: list[int]) -> list[int]:
+    """Pids of the processes whose real uid is one of `uids`, but those that have ended (zombies not
+    yet reaped by their parent)."""
+    found, wanted = [], set(uids)
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if line.startswith(("State:", "Uid:")))
+            except (OSError, ValueError):
+                continue
+            if "Uid" in fields and int(fields["Uid"].split()[0]) in wanted and fields["State"].split()[0] not in "ZX":
+                found.append(int(name))
+    return found
+
+
 def _worker_environment() -> dict[str, str]:
     """The worker's whole environment: nothing of the parent's (secrets, tokens) is passed on."""
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -244,6 +333,9 @@ class Sandbox:
         kind = resolve_isolation(isolation)
         privileged = os.geteuid() == 0 and kind != "none"
         self._closed = False
+        self._claims = UidClaims(uid_base, workers) if privileged else None
+        self.uids = list(self._claims.uids) if self._claims else []  # the programs' uids, this sandbox's alone
+        kill_processes_of(self.uids)  # left by an earlier owner that died before it could clean up
         self._base_dir = None if kind == "bwrap" else tempfile.mkdtemp(prefix="rl2-sandbox-")
         if self._base_dir:
             os.chmod(self._base_dir, 0o711)  # programs under other uids reach their own dirs, cannot list
@@ -253,7 +345,7 @@ class Sandbox:
             if self._base_dir:  # one directory each: a worker wipes its own after every program
                 base_dir = os.path.join(self._base_dir, f"worker{i}")
                 os.mkdir(base_dir, 0o711)
-            uid = uid_base + i if privileged else None
+            uid = self.uids[i] if privileged else None
             commands.append(worker_command(kind, uid, base_dir, tmpfs_mb, list(preload)))
         try:
             self._pool = WorkerPool("sandbox", commands, retries=RETRIES, env=_worker_environment())
@@ -266,7 +358,7 @@ class Sandbox:
         self.faults = self._pool.faults
         # What the workers can run (C++ needs g++ where they run).
         self.languages = tuple(self._pool.ready_frames()[0]["languages"])
-        self.isolation = self._describe(kind, privileged, uid_base, workers)
+        self.isolation = self._describe(kind, privileged)
         # Weaker than namespaces (shared /tmp, or no isolation at all): a warning, seen where logging is not
         # configured (a notebook, an env worker process, whose stderr reaches the run's).
         log = logger.info if kind == "bwrap" else logger.warning
@@ -275,10 +367,10 @@ class Sandbox:
         if kind == "uid" and closed:
             logger.warning("sandbox: the interpreter is under %s, which uid %d cannot read: programs can import only "
                            "the modules preloaded in the workers (%s); install bubblewrap to lift this",
-                           ", ".join(closed), uid_base, ", ".join(preload))
+                           ", ".join(closed), self.uids[0], ", ".join(preload))
 
-    def _describe(self, kind: str, privileged: bool, uid_base: int, workers: int) -> str:
-        uids = f"uids {uid_base}-{uid_base + workers - 1}" if privileged else "the caller's uid"
+    def _describe(self, kind: str, privileged: bool) -> str:
+        uids = f"uids {', '.join(map(str, self.uids))}" if privileged else "the caller's uid"
         if kind == "bwrap":
             return (f"bwrap (new mount/pid/net/ipc namespaces, read-only root, private /tmp; programs run under {uids})")
         if kind == "uid":
@@ -317,11 +409,17 @@ class Sandbox:
         return await asyncio.to_thread(self.run, code, stdin, timeout, memory_mb, language)
 
     def close(self) -> None:
+        """Stop the workers and kill every process of the sandbox's uids (a program running now, and
+        what it started), then give the uids back."""
         self._closed = True
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.close()
-        if self._base_dir:
+        claims = getattr(self, "_claims", None)
+        if claims is not None and claims.uids:
+            kill_processes_of(claims.uids)
+            claims.release()
+        if getattr(self, "_base_dir", None):
             shutil.rmtree(self._base_dir, ignore_errors=True)
 
     def __enter__(self) -> "Sandbox":

@@ -6,7 +6,8 @@ For each program the worker forks a child that puts itself in a new session, tak
 output files, sets resource limits, drops to the worker's own unprivileged uid (when the worker
 runs as root), arranges to die with the worker, enters a fresh temporary directory and executes the
 code. The worker waits with a wall-clock deadline, then kills everything the program left behind: it
-is a child subreaper, so every orphaned descendant is re-parented to it and found by scanning /proc.
+is a child subreaper, so every orphaned descendant is re-parented to it and found by scanning /proc;
+then (with a uid of its own) every process of that uid, wherever it is.
 
 Standalone on purpose (no rl2 imports): it runs under `python -I` with a scrubbed environment.
 Protocol on fds 0/1: frames of a 4-byte big-endian length and a JSON object; the first frame the
@@ -114,6 +115,23 @@ def kill_descendants() -> None:
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
+
+
+def kill_uid(uid: int) -> None:
+    """Kill every process of `uid` that we can see (ours in the namespace; the host's under the uid
+    fallback): what a program left outside our process tree, e.g. a daemon of a program whose previous
+    worker was killed mid-run. The uid is this worker's alone (`rl2.tools.sandbox.UidClaims`)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.kill(-1, signal.SIGKILL)  # every process this uid may signal, but this one
+        except BaseException:
+            pass
+        os._exit(0)
+    os.waitpid(pid, 0)
 
 
 def flush_output() -> None:
@@ -443,6 +461,8 @@ def run(request: dict, base_dir: str, io_dir: str, scratch_dirs: list[str], keep
     try:
         return run_program(request, run_dir, paths, uid, compilers)
     finally:
+        if uid is not None:
+            kill_uid(uid)
         clear_scratch(scratch_dirs, keep)
         if shared_before:
             clear_owned(shared_before, uid)
@@ -471,6 +491,8 @@ def main() -> None:
     base_dir = settings["base_dir"]  # private to this sandbox: everything in it but io_dir is wiped after each run
     io_dir = tempfile.mkdtemp(dir=base_dir, prefix=".io-")  # mode 0700: the program cannot open it by path
     uid = settings["uid"]
+    if uid is not None:  # a worker that replaces a dead one: what its programs left
+        kill_uid(uid)
     scratch_dirs = [base_dir] + (["/dev/shm"] if settings["in_namespace"] else [])
     # What survives the wipe: our io files, and the interpreter's own paths bound in under /tmp.
     keep = {io_dir} | {os.path.join(base_dir, name) for name in settings["keep"]}

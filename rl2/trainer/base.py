@@ -5,6 +5,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -90,7 +91,8 @@ def run_main(run: Callable[[Config], Any], command: str) -> None:
     A mistake the user can fix (a bad config, data, env file or checkpoint) ends every rank with one
     `rl2: error:` line from rank 0 and exit code 2; Ctrl-C (or torchrun forwarding it) ends every rank
     with one line from rank 0 saying where to resume, exit code 130; a rank whose peer exited first
-    stops quietly (the peer said why). Under `rl2run` nothing else is printed."""
+    stops with exit code 1 and one line naming itself (the peer says why it exited). Under `rl2run`
+    nothing else is printed for the first two."""
     config: Config | None = None
 
     def on_interrupt(signum, frame) -> None:
@@ -107,9 +109,22 @@ def run_main(run: Callable[[Config], Any], command: str) -> None:
         stop_on_user_error(error)
     except RuntimeError as error:
         if any(sign in str(error) for sign in PEER_GONE):
-            os._exit(1)
+            stop_after_peer_exit(error)
         raise
     exit_process(0)
+
+
+def stop_after_peer_exit(error: RuntimeError) -> None:
+    """End this rank with exit code 1 and one line naming it and the error, when a peer rank exited
+    while this one still needed it (the peer's own output says why it exited, if it failed)."""
+    this_rank = int(os.environ.get("RANK", "0"))  # torchrun's: split placement's sides number their ranks anew
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    frames = traceback.extract_tb(error.__traceback__)
+    where = next((f" in {frame.name} ({frame.filename}:{frame.lineno})" for frame in reversed(frames)
+                  if f"{os.sep}torch{os.sep}" not in frame.filename), "")  # the call that met the closed connection
+    print(f"rl2 [rank {this_rank}]: stopped: another rank exited while this one still worked with it{where}: "
+          f"{first_line}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def start_run(config: Config, main_section: str = "actor"):
