@@ -265,14 +265,13 @@ class UidClaims:
 
 def kill_processes_of(uids: list[int], wait: float = 5.0) -> None:
     """SIGKILL every process running under one of `uids` (sandbox uids: their programs and whatever
-    these left), from a helper that takes each uid in turn, then wait up to `wait` s for them to end."""
+    these left), then wait up to `wait` s for them to end. Needs root: the worker script, started in
+    its sweep mode, takes each uid in turn and kills every process that uid may signal."""
     if not uids:
         return
-    kill = shutil.which("kill", path="/usr/bin:/bin")
-    for uid in uids:
-        if kill is not None:  # kill(-1) as the uid: every process it may signal, which is every one of the uid
-            subprocess.run([kill, "-9", "-1"], user=uid, group=uid, extra_groups=[], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"}, cwd="/")
+    with open(WORKER_SCRIPT, encoding="utf-8") as f:
+        subprocess.run([sys.executable, "-I", "-c", f.read(), json.dumps({"kill_uids": uids})],
+                       env=_worker_environment(), cwd="/", stdout=subprocess.DEVNULL, check=False)
     deadline = time.monotonic() + wait
     while processes_of(uids) and time.monotonic() < deadline:
         time.sleep(0.01)

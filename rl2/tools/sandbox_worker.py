@@ -11,7 +11,8 @@ then (with a uid of its own) every process of that uid, wherever it is.
 
 Standalone on purpose (no rl2 imports): it runs under `python -I` with a scrubbed environment.
 Protocol on fds 0/1: frames of a 4-byte big-endian length and a JSON object; the first frame the
-worker sends is {"ready": ...}; each request gets one response.
+worker sends is {"ready": ...}; each request gets one response. Started with {"kill_uids": [...]}
+instead of a worker's settings, it kills every process of those uids and exits.
 """
 
 import builtins
@@ -470,6 +471,10 @@ def run(request: dict, base_dir: str, io_dir: str, scratch_dirs: list[str], keep
 
 def main() -> None:
     settings = json.loads(sys.argv[1])
+    if "kill_uids" in settings:  # not a worker: the sandbox's sweep of its uids (it runs as root)
+        for uid in settings["kill_uids"]:
+            kill_uid(uid)
+        return
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1 and not settings["in_namespace"]:
         return  # the parent died before we set the death signal
