@@ -13,7 +13,7 @@ that only reads the weights and each row's keys and values once, at the GPU's me
 (3.35 TB/s, H100 SXM); the engine's share of it is printed.
 
     python bench/gpu_rollout.py [--shape 0.5b] [--batches 128 512] [--new-tokens 256]
-    python bench/gpu_rollout.py --shape tiny --batches 16 --new-tokens 16 --max-prompt 48   # CPU
+    python bench/gpu_rollout.py --shape tiny --batches 16 --new-tokens 16 --min-prompt 8 --max-prompt 48   # CPU
 """
 
 import argparse

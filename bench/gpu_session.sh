@@ -9,14 +9,19 @@
 #           bash bench/gpu_session.sh train         # bench/gpu_train.py (issue 15's targets)
 #           bash bench/gpu_session.sh demo          # the GRPO demo on one GPU, then the tool demo
 #
+# Arguments after the stage go to its script (`train --shapes 0.5b --steps 2`); STAGE_TIMEOUT (seconds)
+# bounds a stage (each demo half) so that several stages fit one call.
+#
 # Record what they print in bench/RESULTS.md with the date and device.
 set -euo pipefail
-STAGE=${1:?usage: bash bench/gpu_session.sh wheels|checks|rollout|train|demo}
+STAGE=${1:?usage: bash bench/gpu_session.sh wheels|checks|rollout|train|demo [script arguments]}
+shift
 cd "$(dirname "$0")/.."
 
 # Versions as on the CPU machines where the suite passes; pure-Python sdists are built into wheels here.
 WHEELS="transformers==5.23.0 tokenizers==0.23.3 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 omegaconf==2.4.0
-antlr4-python3-runtime==4.13.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 pylatexenc==2.11 bm25s==0.3.16"
+antlr4-python3-runtime==4.13.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 pylatexenc==2.11 bm25s==0.3.16
+plotly==7.1.0"
 
 if [ "$STAGE" = wheels ]; then
   mkdir -p .whl
@@ -31,17 +36,18 @@ fi
 
 OUT=${OUT:-outputs/gpu_session}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+[ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; }
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 (nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || echo "no GPU") | tee "$OUT/$STAGE.txt"
 case "$STAGE" in
-  checks) timeout 540 python3 bench/gpu_checks.py 2>&1 | tee -a "$OUT/checks.txt" ;;
-  rollout) timeout 560 python3 bench/gpu_rollout.py 2>&1 | tee -a "$OUT/rollout.txt" ;;
-  train) timeout 560 python3 bench/gpu_train.py 2>&1 | tee -a "$OUT/train.txt" ;;
+  checks) timeout "${STAGE_TIMEOUT:-540}" python3 bench/gpu_checks.py "$@" 2>&1 | tee -a "$OUT/checks.txt" ;;
+  rollout) timeout "${STAGE_TIMEOUT:-560}" python3 bench/gpu_rollout.py "$@" 2>&1 | tee -a "$OUT/rollout.txt" ;;
+  train) timeout "${STAGE_TIMEOUT:-560}" python3 bench/gpu_train.py "$@" 2>&1 | tee -a "$OUT/train.txt" ;;
   demo)
-    (NPROC=1 OUT=/tmp/demo timeout 270 bash recipes/ppo_tiny.sh 2>&1 | tail -40) \
+    (NPROC=1 OUT=/tmp/demo timeout "${STAGE_TIMEOUT:-270}" bash recipes/ppo_tiny.sh "$@" 2>&1 | tail -40) \
         | tee -a "$OUT/demo.txt"
-    (TASK=lookup NPROC=1 OUT=/tmp/demo_tool timeout 270 bash recipes/ppo_tiny.sh 2>&1 | tail -40) \
-        | tee -a "$OUT/demo.txt" ;;
+    (TASK=lookup NPROC=1 OUT=/tmp/demo_tool timeout "${STAGE_TIMEOUT:-270}" bash recipes/ppo_tiny.sh "$@" 2>&1 \
+        | tail -40) | tee -a "$OUT/demo.txt" ;;
   *) echo "unknown stage $STAGE" >&2; exit 2 ;;
 esac

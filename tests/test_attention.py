@@ -19,6 +19,7 @@ from rl2.kernels.attention import (
     varlen_attention,
 )
 from rl2.distributed.packing import pack_micro_batch
+from rl2.engines.kv_slots import prefill_attention
 
 pytestmark = pytest.mark.gpu_pins  # also under the transformers that the gpu extra pins
 
@@ -45,6 +46,24 @@ def test_auto_on_cpu_is_the_loop_and_explicit_choices_are_checked():
         choose_attention(CUDA, "sdpa", ALL)
     cpu = available_attention(torch.device("cpu"))
     assert not cpu["flash_attention_2"] and not cpu["torch_varlen"] and cpu["sdpa_loop"]
+
+
+def test_float32_on_cuda_never_gets_a_flash_kernel(monkeypatch):
+    """The flash kernels take fp16/bf16 only: the fp32 demo on a GPU once failed at its first SFT step with
+    torch's "FlashAttention only support fp16 and bf16 data type"."""
+    monkeypatch.setattr("rl2.kernels.attention.flash_attn_loads", lambda: True)
+    monkeypatch.setattr("rl2.kernels.attention.torch_varlen_kernel", lambda: object())
+    assert available_attention(CUDA, torch.bfloat16)["torch_varlen"]
+    assert available_attention(CUDA, torch.float16)["flash_attention_2"]
+    fp32 = available_attention(CUDA, torch.float32)
+    assert not fp32["flash_attention_2"] and not fp32["torch_varlen"] and fp32["flex_attention"]
+    assert choose_attention(CUDA, "auto", dtype=torch.float32) == "flex_attention"
+    assert choose_attention(CUDA, "auto", dtype=torch.bfloat16) == "flash_attention_2"
+    with pytest.raises(ValueError, match="torch_varlen cannot run on cuda: it needs bfloat16 or float16 "
+                                         r"\(the model computes in float32\)"):
+        choose_attention(CUDA, "torch_varlen", dtype=torch.float32)
+    assert prefill_attention(CUDA, "auto", dtype=torch.float32) == "sdpa_loop"
+    assert prefill_attention(CUDA, "auto", dtype=torch.bfloat16) == "flash_attention_2"
 
 
 def test_registered_names():

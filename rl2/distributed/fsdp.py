@@ -67,7 +67,7 @@ def load_fsdp_model(
         model = model_cls.from_config(
             config,
             dtype=torch.float32,
-            attn_implementation=attn_implementation or packed_attention_implementation(device, attention),
+            attn_implementation=attn_implementation or packed_attention_implementation(device, attention, DTYPES[dtype]),
         )
     if prepare is not None:
         prepare(model)

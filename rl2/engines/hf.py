@@ -121,7 +121,7 @@ class HFEngine(Engine):
         cuda = self.device.type == "cuda"
         self.sync_interval = sync_interval or (8 if cuda else 1)
         self.max_prefill_tokens = max_prefill_tokens
-        self.prefill_attention = prefill_attention(self.device, attn_implementation)
+        self.prefill_attention = prefill_attention(self.device, attn_implementation, dtype=DTYPES[dtype])
         logger.info(f"hf engine prefill attention on {self.device.type}: {self.prefill_attention}"
                     + (" (auto)" if attn_implementation == "auto" else ""))
         self.model = AutoModelForCausalLM.from_pretrained(

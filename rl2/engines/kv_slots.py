@@ -215,9 +215,11 @@ def _packed_prefill_attention(query, key, value, layer_keys, layer_values, plan:
     raise ValueError(f"unknown prefill attention {plan.attention!r}")
 
 
-def prefill_attention(device: torch.device, requested: str = "auto", available: dict[str, bool] | None = None) -> str:
-    """The kernel the engine prefills with on `device` (one of ATTENTION_CHOICES): `auto` takes
-    flash-attn, else torch's varlen kernel on CUDA, and the per-sequence loop elsewhere. Flex attention is
+def prefill_attention(device: torch.device, requested: str = "auto", available: dict[str, bool] | None = None,
+                      dtype: torch.dtype | None = None) -> str:
+    """The kernel the engine prefills with on `device` for a model in `dtype` (one of ATTENTION_CHOICES):
+    `auto` takes flash-attn, else torch's varlen kernel on CUDA in half precision, and the per-sequence
+    loop elsewhere. Flex attention is
     refused: the engine's rows change length every call, so it would run uncompiled and materialise every
     score (compiled, it would recompile per row length)."""
     if requested == "flex_attention":
@@ -225,11 +227,11 @@ def prefill_attention(device: torch.device, requested: str = "auto", available: 
                          "call, so flex attention would run uncompiled over the full score matrix; use auto, "
                          "flash_attention_2, torch_varlen or sdpa_loop (flex attention stays available for training)")
     if requested == "auto":
-        available = available if available is not None else available_attention(device)
+        available = available if available is not None else available_attention(device, dtype)
         if device.type == "cuda":
             return next(name for name in ("flash_attention_2", "torch_varlen", "sdpa_loop") if available[name])
         return "sdpa_loop"
-    return choose_attention(device, requested, available)
+    return choose_attention(device, requested, available, dtype)
 
 
 def register_slot_attention() -> str:

@@ -167,23 +167,28 @@ def flash_attn_loads() -> bool:
     return True
 
 
-def available_attention(device: torch.device) -> dict[str, bool]:
-    """Which packed-row attention implementations can run on `device`."""
-    cuda = device.type == "cuda"
+HALF_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def available_attention(device: torch.device, dtype: torch.dtype | None = None) -> dict[str, bool]:
+    """Which packed-row attention implementations can run on `device` in `dtype` (None: any dtype).
+    The flash kernels (flash-attn's and torch's varlen) take fp16/bf16 only."""
+    flash = device.type == "cuda" and (dtype is None or dtype in HALF_PRECISION)
     return {
-        "flash_attention_2": cuda and flash_attn_loads(),
-        "torch_varlen": cuda and torch_varlen_kernel() is not None,
+        "flash_attention_2": flash and flash_attn_loads(),
+        "torch_varlen": flash and torch_varlen_kernel() is not None,
         "flex_attention": importlib.util.find_spec("torch.nn.attention.flex_attention") is not None,
         "sdpa_loop": True,
     }
 
 
-def choose_attention(device: torch.device, requested: str = "auto", available: dict[str, bool] | None = None) -> str:
-    """The implementation `requested` (one of ATTENTION_CHOICES) resolves to on `device`; an error
-    names what is missing when an explicit choice cannot run there."""
+def choose_attention(device: torch.device, requested: str = "auto", available: dict[str, bool] | None = None,
+                     dtype: torch.dtype | None = None) -> str:
+    """The implementation `requested` (one of ATTENTION_CHOICES) resolves to on `device` for a model
+    computing in `dtype`; an error names what is missing when an explicit choice cannot run there."""
     if requested not in ATTENTION_CHOICES:
         raise ValueError(f"attn_implementation must be one of {ATTENTION_CHOICES}, got {requested!r}")
-    available = available if available is not None else available_attention(device)
+    available = available if available is not None else available_attention(device, dtype)
     if requested == "auto":
         if device.type != "cuda":
             return "sdpa_loop"
@@ -191,14 +196,17 @@ def choose_attention(device: torch.device, requested: str = "auto", available: d
     if not available[requested]:
         needs = {"flash_attention_2": "CUDA and the flash-attn package", "torch_varlen": "CUDA and torch >= 2.10",
                  "flex_attention": "torch >= 2.5"}[requested]
+        if requested != "flex_attention" and device.type == "cuda" and dtype not in (None, *HALF_PRECISION):
+            needs = f"bfloat16 or float16 (the model computes in {str(dtype).removeprefix('torch.')})"
         raise ValueError(f"attn_implementation={requested} cannot run on {device.type}: it needs {needs}")
     return requested
 
 
-def packed_attention_implementation(device: torch.device, requested: str = "auto") -> str:
-    """The transformers attention name for packed training rows on `device` (see `choose_attention`),
-    registering ours where needed; logs the choice."""
-    choice = choose_attention(device, requested)
+def packed_attention_implementation(device: torch.device, requested: str = "auto",
+                                    dtype: torch.dtype | None = None) -> str:
+    """The transformers attention name for packed training rows on `device` in `dtype` (see
+    `choose_attention`), registering ours where needed; logs the choice."""
+    choice = choose_attention(device, requested, dtype=dtype)
     logger.info(f"packed-row attention on {device.type}: {choice}" + (" (auto)" if requested == "auto" else ""))
     if choice == "sdpa_loop":
         AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
