@@ -22,6 +22,7 @@ setup(
         "tqdm",
         "omegaconf",
         "pyyaml",
+        "jsonschema",  # native function calling: a tool call's arguments checked against its schema
     ],
     extras_require={
         # rl2.tools: the code sandbox service, the search service and client, the math grader.

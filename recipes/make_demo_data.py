@@ -6,6 +6,9 @@
 - `lookup`: "What is the code of the red fox box?" where the code is a hash of the name that only
   the env's `lookup` tool knows. The warm-up shows both guessing and calling the tool (then
   copying its answer); RL has to learn that calling the tool pays.
+- `tools`: the same task with native function calling: the warm-up's calls are structured
+  `tool_calls` of `lookup(box="red fox")` (`envs/demo_tools.py`), its rows carry the tool's schema
+  in a `tools` column, and the chat template writes both.
 
     python recipes/make_demo_data.py --task largest --out /tmp/demo_largest
 """
@@ -16,8 +19,11 @@ import os
 import random
 import sys
 
+from transformers.utils import get_json_schema
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "envs"))
 from demo_lookup import secret_code, tool_reply  # noqa: E402  (the env file owns the secret)
+from demo_tools import lookup  # noqa: E402
 
 
 def successor_rows(rng: random.Random, n: int) -> tuple[list[dict], list[dict]]:
@@ -55,6 +61,28 @@ def lookup_rows(rng: random.Random, n: int) -> tuple[list[dict], list[dict]]:
     return sft, rl
 
 
+def tools_rows(rng: random.Random, n: int) -> tuple[list[dict], list[dict]]:
+    sft, rl = [], []
+    schema = get_json_schema(lookup)
+    for _ in range(n):
+        colour, thing = rng.choice(COLOURS), rng.choice(THINGS)
+        code = secret_code(colour, thing)
+        prompt = [{"role": "user", "content": f"What is the code of the {colour} {thing} box?"}]
+        if rng.random() < 0.5:
+            call = {"id": "call_0", "type": "function",
+                    "function": {"name": "lookup", "arguments": {"box": f"{colour} {thing}"}}}
+            reply = [
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "name": "lookup", "content": tool_reply(code)},
+                {"role": "assistant", "content": f"The answer is {code}."},
+            ]
+        else:
+            reply = [{"role": "assistant", "content": f"The answer is {rng.randint(0, 9)}."}]
+        sft.append({"messages": prompt + reply, "tools": [schema]})
+        rl.append({"messages": prompt, "answer": str(code)})
+    return sft, rl
+
+
 def write_jsonl(path: str, rows: list[dict]) -> None:
     with open(path, "w") as f:
         for row in rows:
@@ -63,14 +91,14 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=["successor", "lookup"], required=True)
+    parser.add_argument("--task", choices=["successor", "lookup", "tools"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--test-rows", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    make = successor_rows if args.task == "successor" else lookup_rows
+    make = {"successor": successor_rows, "lookup": lookup_rows, "tools": tools_rows}[args.task]
     sft, train = make(rng, args.rows)
     _, test = make(rng, args.test_rows)
     os.makedirs(args.out, exist_ok=True)

@@ -6,7 +6,10 @@
 #                             makes the policy use it every time.
 #   TASK=lookup               multi-turn: the code of a box is known only to the env's lookup tool;
 #                             the warm-up calls the tool half the time and guesses otherwise; RL
-#                             learns that calling the tool pays.
+#                             learns that calling the tool pays (the tool through interact(messages)).
+#   TASK=tools                the same with native function calling: lookup(box) is a
+#                             typed function in envs/demo_tools.py, its schema in Qwen2.5's chat
+#                             template (the tiny model's), calls parsed from <tool_call> JSON.
 #
 # Both stages warm the lr up: Adam's first steps move every weight by ~lr whatever its gradient, which
 # at full lr once sent the warm-up into a long plateau (SFT seed 10) and the policy into an all-zero-
@@ -18,17 +21,19 @@ set -euo pipefail
 TASK=${TASK:-successor}
 OUT=${OUT:-outputs/ppo_tiny_$TASK}
 NPROC=${NPROC:-2}
-SFT_STEPS=${SFT_STEPS:-200}
 PPO_STEPS=${PPO_STEPS:-60}
 SEED=${SEED:-42}
 case "$TASK" in
   successor) TURNS=1; NEW_TOKENS=12 ;;
   lookup) TURNS=2; NEW_TOKENS=16 ;;
-  *) echo "TASK must be successor or lookup, not $TASK" >&2; exit 2 ;;
+  tools) TURNS=2; NEW_TOKENS=64; TEMPLATE=${TEMPLATE:-qwen2.5}; SFT_STEPS=${SFT_STEPS:-100} ;;
+  *) echo "TASK must be successor, lookup or tools, not $TASK" >&2; exit 2 ;;
 esac
+TEMPLATE=${TEMPLATE:-chatml}
+SFT_STEPS=${SFT_STEPS:-200}
 export WANDB_MODE=${WANDB_MODE:-disabled}
 mkdir -p "$OUT"
-[ -f "$OUT/model/config.json" ] || python -m rl2.testing.tiny "$OUT/model" --hidden-size 128 --layers 2
+[ -f "$OUT/model/config.json" ] || python -m rl2.testing.tiny "$OUT/model" --hidden-size 128 --layers 2 --template "$TEMPLATE"
 python recipes/make_demo_data.py --task "$TASK" --out "$OUT/data" --rows 4000
 
 echo "== SFT warm-up ($SFT_STEPS steps)"

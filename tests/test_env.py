@@ -118,7 +118,7 @@ def test_interactions_report_errors_and_need_interact(tmp_path, workers):
             result = interact(chat("a")).result(timeout=5)
     assert result.value == [] and result.error == "interact raised ValueError: no tool here"
     with Env(env_path("reward_only.py")) as env:
-        with pytest.raises(EnvError, match="does not define interact"):
+        with pytest.raises(EnvError, match="defines neither interact"):
             with env.interactions():
                 pass
 

@@ -8,22 +8,25 @@ whose first character lies in an assistant message's content or end-of-turn toke
 from rl2.data.rows import DataError
 
 
-def tokenize_conversation(messages: list[dict], tokenizer, max_length: int | None) -> dict:
-    """Tokenize a conversation with the tokenizer's chat template. Returns `input_ids`, `loss_mask`
-    (1 on every assistant message's content and end-of-turn token, 0 elsewhere) and `truncated`
-    (whether it was cut to `max_length` tokens, keeping the start). Needs a fast tokenizer."""
-    return _tokenize_conversation(messages, tokenizer, max_length, loss_from=0)
+def tokenize_conversation(messages: list[dict], tokenizer, max_length: int | None,
+                          tools: list[dict] | None = None) -> dict:
+    """Tokenize a conversation (with the tool schemas `tools`, where given) with the tokenizer's chat
+    template. Returns `input_ids`, `loss_mask` (1 on every assistant message's content, its tool calls as
+    the template writes them and its end-of-turn token, 0 elsewhere) and `truncated` (whether it was cut to
+    `max_length` tokens, keeping the start). Needs a fast tokenizer."""
+    return _tokenize_conversation(messages, tokenizer, max_length, loss_from=0, tools=tools)
 
 
-def _tokenize_conversation(messages: list[dict], tokenizer, max_length: int | None, loss_from: int) -> dict:
+def _tokenize_conversation(messages: list[dict], tokenizer, max_length: int | None, loss_from: int,
+                           tools: list[dict] | None = None) -> dict:
     """As tokenize_conversation, with only assistant messages at index >= `loss_from` in the loss."""
-    text = render_chat(messages, tokenizer, add_generation_prompt=False)
+    text = render_chat(messages, tokenizer, add_generation_prompt=False, tools=tools)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or i < loss_from:
             continue
-        start = len(_render_prefix(messages[:i], tokenizer, text, add_generation_prompt=True))
-        end = len(_render_prefix(messages[: i + 1], tokenizer, text, add_generation_prompt=False))
+        start = len(_render_prefix(messages[:i], tokenizer, text, add_generation_prompt=True, tools=tools))
+        end = len(_render_prefix(messages[: i + 1], tokenizer, text, add_generation_prompt=False, tools=tools))
         # The turn's rendering may end with separators after the end-of-turn token ("<|im_end|>\n");
         # the model should learn to stop, not to emit the separator.
         eos = text.rfind(tokenizer.eos_token, start, end) if tokenizer.eos_token else -1
@@ -40,16 +43,18 @@ def _tokenize_conversation(messages: list[dict], tokenizer, max_length: int | No
     return {"input_ids": input_ids, "loss_mask": loss_mask, "truncated": truncated}
 
 
-def render_chat(messages: list[dict], tokenizer, add_generation_prompt: bool) -> str:
-    """`messages` as text through the tokenizer's chat template."""
+def render_chat(messages: list[dict], tokenizer, add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    """`messages` (and the tool schemas `tools`, where given) as text through the tokenizer's chat template."""
     # tokenize=False: in transformers 5 tokenize=True returns a BatchEncoding, and tokenizing the
     # rendered text ourselves keeps input_ids identical to a plain tokenization of the text.
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
-def _render_prefix(messages: list[dict], tokenizer, full_text: str, add_generation_prompt: bool) -> str:
+def _render_prefix(messages: list[dict], tokenizer, full_text: str, add_generation_prompt: bool,
+                   tools: list[dict] | None = None) -> str:
     """Render the first messages of a conversation, checking that this is a prefix of `full_text`."""
-    prefix = render_chat(messages, tokenizer, add_generation_prompt=add_generation_prompt)
+    prefix = render_chat(messages, tokenizer, add_generation_prompt=add_generation_prompt, tools=tools)
     if not full_text.startswith(prefix):
         raise DataError(
             f"the chat template is not prefix-consistent: rendering the first {len(messages)} messages "

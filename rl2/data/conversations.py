@@ -6,6 +6,7 @@ from typing import Any
 import datasets
 import torch
 
+from rl2.chat.tools import Tool, row_tools
 from rl2.data.chat_template import _tokenize_conversation, render_chat, tokenize_conversation
 from rl2.data.rows import Columns, DataError, load_rows, parse_messages, parse_prompt, validate_rows
 
@@ -14,7 +15,9 @@ logger = logging.getLogger(__name__)
 
 class _ConversationDataset(torch.utils.data.Dataset):
     """Rows loaded from a path (or given), validated eagerly for `kind`, tokenized lazily; the
-    conversation is read from the `columns.messages_key` column."""
+    conversation is read from the `columns.messages_key` column. The chat template renders each row with
+    the tool schemas of its `tools` column (OpenAI-style schemas, or names of `tools`, the env file's),
+    else with all of `tools`, else with none."""
 
     kind: str
 
@@ -25,6 +28,7 @@ class _ConversationDataset(torch.utils.data.Dataset):
         max_length: int | None,
         source: str | None = None,
         columns: Columns = Columns(),
+        tools: dict[str, Tool] | None = None,
     ):
         if isinstance(path_or_rows, str):
             self.rows = load_rows(path_or_rows)
@@ -33,7 +37,11 @@ class _ConversationDataset(torch.utils.data.Dataset):
             self.rows = path_or_rows
             self.source = source or "<rows>"
         self.columns = columns
+        self.tools = tools or {}
         validate_rows(self.rows, self.kind, self.source, columns)
+        self.has_tools_column = "tools" in self.rows.column_names
+        for i in range(len(self.rows) if self.has_tools_column else 0):
+            self._tools(i)  # a malformed tools cell fails here, naming its row
         self.tokenizer = tokenizer
         self.max_length = max_length
         # Counted in the process that calls __getitem__ (a DataLoader worker's count stays there).
@@ -46,6 +54,16 @@ class _ConversationDataset(torch.utils.data.Dataset):
         key = self.columns.messages_key
         return parse_messages(self.rows[i][key], f"{self.source}, row {i + 1}", key)
 
+    def _tools(self, i: int) -> list[dict] | None:
+        """The tool schemas row `i` is rendered with (None: no tools)."""
+        value = self.rows[i]["tools"] if self.has_tools_column else None
+        if value is None:
+            return [tool.schema for tool in self.tools.values()] or None
+        try:
+            return row_tools(value, self.tools, f"{self.source}, row {i + 1}") or None
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
+
 
 class SFTDataset(_ConversationDataset):
     """SFT conversations; item: {"input_ids", "loss_mask"} as LongTensors of at most max_length tokens."""
@@ -53,7 +71,7 @@ class SFTDataset(_ConversationDataset):
     kind = "sft"
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        tokens = tokenize_conversation(self._messages(i), self.tokenizer, self.max_length)
+        tokens = tokenize_conversation(self._messages(i), self.tokenizer, self.max_length, self._tools(i))
         self.num_truncated += tokens["truncated"]
         return {"input_ids": torch.tensor(tokens["input_ids"]), "loss_mask": torch.tensor(tokens["loss_mask"])}
 
@@ -70,7 +88,8 @@ class PairDataset(_ConversationDataset):
         item, truncated = {}, False
         for field in ("chosen", "rejected"):
             conversation = messages + [{"role": "assistant", "content": row[field]}]
-            tokens = _tokenize_conversation(conversation, self.tokenizer, self.max_length, loss_from=len(messages))
+            tokens = _tokenize_conversation(conversation, self.tokenizer, self.max_length, loss_from=len(messages),
+                                            tools=self._tools(i))
             truncated |= tokens["truncated"]
             item[field] = {
                 "input_ids": torch.tensor(tokens["input_ids"]),
@@ -101,10 +120,11 @@ class RLDataset(_ConversationDataset):
         max_length: int | None,
         source: str | None = None,
         columns: Columns = Columns(),
+        tools: dict[str, Tool] | None = None,
     ):
-        super().__init__(path_or_rows, tokenizer, max_length, source, columns)
+        super().__init__(path_or_rows, tokenizer, max_length, source, columns, tools)
         if columns.apply_chat_template:
-            texts = [render_chat(self._messages(i), tokenizer, True) for i in range(len(self.rows))]
+            texts = [render_chat(self._messages(i), tokenizer, True, self._tools(i)) for i in range(len(self.rows))]
         else:
             texts = [self._prompt_text(i) for i in range(len(self.rows))]
         prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
@@ -141,4 +161,5 @@ class RLDataset(_ConversationDataset):
             "prompt_ids": self.prompt_ids[i],
             "messages": self._prompt_messages(row_index),
             "answer": self.rows[row_index]["answer"] if self.has_answers else None,
+            "tools": self._tools(row_index) if self.columns.apply_chat_template else None,
         }

@@ -351,6 +351,9 @@ def parse_messages(value: Any, where: str, key: str = "messages") -> list[dict]:
             raise DataError(f"{where}, field {key!r}: messages[{i}] has no 'role'")
         if role not in ROLES:
             raise DataError(f"{where}, field {key!r}: messages[{i}] has role {role!r}; expected one of {ROLES}")
+        if "tool_calls" in message:
+            message["tool_calls"] = _parse_tool_calls(message["tool_calls"], f"{where}, field {key!r}: messages[{i}]")
+            message.setdefault("content", "")  # OpenAI's null content beside tool calls
         if not isinstance(message.get("content"), str):
             raise DataError(
                 f"{where}, field {key!r}: messages[{i}] 'content' should be a string, "
@@ -358,6 +361,33 @@ def parse_messages(value: Any, where: str, key: str = "messages") -> list[dict]:
             )
         messages.append(message)
     return messages
+
+
+def _parse_tool_calls(value: Any, where: str) -> list[dict]:
+    """An assistant message's `tool_calls` as chat templates take them: `{"id", "type": "function",
+    "function": {"name", "arguments": dict}}`, arguments given as a JSON string decoded, the nulls arrow
+    adds dropped; DataError naming the call that is malformed."""
+    if not isinstance(value, list):
+        raise DataError(f"{where} 'tool_calls' should be a list, got {_type_name(value)}")
+    calls = []
+    for j, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise DataError(f"{where} tool_calls[{j}] should be "
+                            '{"type": "function", "function": {"name": ..., "arguments": {...}}}')
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where} tool_calls[{j}] arguments are a string that is not JSON ({e.msg})") from None
+        arguments = {} if arguments is None else arguments
+        if not isinstance(arguments, dict):
+            raise DataError(f"{where} tool_calls[{j}] arguments should be a JSON object, got {_type_name(arguments)}")
+        arguments = {name: item for name, item in arguments.items() if item is not None}
+        call = {name: item for name, item in call.items() if item is not None}
+        calls.append({**call, "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return calls
 
 
 def _type_name(value: Any) -> str:

@@ -4,11 +4,16 @@ interaction step, called a batch at a time.
 An env file (`rollout.env_path`) defines
 
     def reward_fn(messages: list[dict], answer) -> float: ...    # required
-    def interact(messages: list[dict]) -> list[dict]: ...        # required when rollout.max_turns > 1
+    def interact(messages: list[dict]) -> list[dict]: ...        # required when rollout.max_turns > 1 without TOOLS
+    TOOLS = [search, python]                                      # native function calling (rl2.chat.tools)
 
 `messages` is the whole conversation so far (ending with the assistant's last message) and `answer`
 the dataset row's answer. `interact` returns the messages to append, usually
 `{"role": "tool", "content": ...}`; an empty list ends the trajectory. Either may be `async def`.
+With `TOOLS` (functions with type hints and docstrings, see `rl2.chat.tools`) the model calls them in its
+own format (`rollout.tool_parser`, or the file's `parse_tool_calls(text)`); each call runs as a sync
+function runs below, with `rollout.tool_timeout`; what the model got wrong comes back to it as the tool's
+message, what the infrastructure got wrong (`rl2.tools.ToolUnavailable`) is an env error.
 Loading (and what a broken file gets) is `rl2.rollout.env_file`.
 
 Where the functions run:
@@ -37,16 +42,19 @@ import concurrent.futures
 import contextlib
 import copy
 import inspect
+import json
 import logging
 import math
 import numbers
 import os
 import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from rl2.chat.tools import Tool, ToolUnavailable, argument_problem, tools_from_entries
 from rl2.config import RolloutConfig
 from rl2.coroutines import run_coroutine
 from rl2.rollout.env_file import (  # noqa: F401  (EnvArgs, EnvError: env files and callers import them from here)
@@ -93,6 +101,43 @@ class _Outcome:
     value: Any = None
     error: str | None = None
     note: str = ""  # more for the log: where in the env file, what became of a hung call
+    unavailable: bool = False  # the call could not run for want of infrastructure (ToolUnavailable, pool closed)
+
+
+@dataclass
+class ToolResult:
+    """The outcome of one tool call: the text of its tool message, and what went wrong, if anything."""
+
+    content: str
+    error: str | None = None  # the model's mistake (unknown tool, bad arguments, the tool raised or timed out): still a message
+    env_error: str | None = None  # the infrastructure's: no message, the trajectory ends and is left out of training
+    seconds: float = 0.0
+
+
+class Interactions:
+    """Calls into the env file one at a time, each a future, on an event loop of the env's own (`Env.interactions`):
+    `interactions(messages)` for `interact`, `interactions.call_tools(calls)` for the tool calls of a turn."""
+
+    def __init__(self, env: "Env", loop: asyncio.AbstractEventLoop, semaphore: asyncio.Semaphore):
+        self.env, self.loop, self.semaphore = env, loop, semaphore
+
+    def __call__(self, messages: list[dict]) -> "concurrent.futures.Future[EnvResult]":
+        async def one() -> EnvResult:
+            async with self.semaphore:
+                return await self.env._call("interact", self.env._interact, (messages,))
+
+        return asyncio.run_coroutine_threadsafe(one(), self.loop)
+
+    def call_tools(self, calls: list[tuple[str, dict]]) -> "concurrent.futures.Future[list[ToolResult]]":
+        """The results of `(tool name, arguments)` calls, run concurrently, in order."""
+        async def one(name: str, arguments: dict) -> ToolResult:
+            async with self.semaphore:
+                return await self.env.call_tool(name, arguments)
+
+        async def every() -> list[ToolResult]:
+            return list(await asyncio.gather(*(one(name, arguments) for name, arguments in calls)))
+
+        return asyncio.run_coroutine_threadsafe(every(), self.loop)
 
 
 class Env:
@@ -114,6 +159,7 @@ class Env:
         args: dict[str, Any] | None = None,
         workers: int | None = None,
         memory_mb: int = 8192,
+        tool_timeout: float | None = None,
     ):
         if timeout <= 0:
             raise ValueError(f"env timeout must be positive, got {timeout}")
@@ -130,8 +176,13 @@ class Env:
 
         module = load_env_file(self.path, EnvArgs(self._args, self.path))
         self._reward_fn = env_function(module, self.path, "reward_fn", ("messages", "answer"), required=True)
-        self._interact = env_function(module, self.path, "interact", ("messages",), required=need_interact)
+        self.tools = env_tools(module, self.path)
+        self.has_tools = bool(self.tools)
+        self.tool_timeout = float(tool_timeout or timeout)
+        self._interact = env_function(module, self.path, "interact", ("messages",),
+                                      required=need_interact and not self.has_tools)
         self.has_interact = self._interact is not None
+        self.parse_tool_calls = env_function(module, self.path, "parse_tool_calls", ("text",), required=False)
         self._roc_penalty = env_function(module, self.path, "roc_penalty", ("messages",), required=False)
         self.has_roc_penalty = self._roc_penalty is not None
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rl2-env")
@@ -147,7 +198,7 @@ class Env:
         """The env file of `rollout.env_path` with the run's env settings."""
         return cls(rollout.env_path, timeout=rollout.env_timeout, concurrency=rollout.env_concurrency,
                    need_interact=need_interact, args=rollout.env_args, workers=rollout.env_workers,
-                   memory_mb=rollout.env_worker_memory_mb)
+                   memory_mb=rollout.env_worker_memory_mb, tool_timeout=rollout.tool_timeout)
 
     @property
     def mode(self) -> str:
@@ -168,13 +219,13 @@ class Env:
         return self._run_batch("interact", self._interact, [(messages,) for messages in conversations])
 
     @contextlib.contextmanager
-    def interactions(self) -> Iterator[Callable[[list[dict]], "concurrent.futures.Future[EnvResult]"]]:
-        """A function that starts one `interact(messages)` call and returns a future of its
-        `EnvResult`, for a rollout that takes each trajectory's next turn as soon as its tool
-        answers. The calls run concurrently (at most `concurrency` at once) on an event loop of
-        their own, in a thread, until the block ends; calls still running then are cancelled."""
-        if not self.has_interact:
-            raise EnvError(f"env file {self.path} does not define interact(messages)")
+    def interactions(self) -> Iterator[Interactions]:
+        """`Interactions`: starts one `interact(messages)` call (or a turn's tool calls) and returns a
+        future of its `EnvResult` (`ToolResult`s), for a rollout that takes each trajectory's next turn as
+        soon as its tools answer. The calls run concurrently (at most `concurrency` at once) on an event
+        loop of their own, in a thread, until the block ends; calls still running then are cancelled."""
+        if not (self.has_interact or self.has_tools):
+            raise EnvError(f"env file {self.path} defines neither interact(messages) nor TOOLS")
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         loop = asyncio.new_event_loop()
@@ -186,13 +237,6 @@ class Env:
 
         semaphore = asyncio.run_coroutine_threadsafe(make_semaphore(), loop).result()
 
-        async def one(messages: list[dict]) -> EnvResult:
-            async with semaphore:
-                return await self._call("interact", self._interact, (messages,))
-
-        def submit(messages: list[dict]) -> "concurrent.futures.Future[EnvResult]":
-            return asyncio.run_coroutine_threadsafe(one(messages), loop)
-
         async def cancel_the_rest() -> None:
             tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
             for task in tasks:
@@ -200,12 +244,37 @@ class Env:
             await asyncio.gather(*tasks, return_exceptions=True)
 
         try:
-            yield submit
+            yield Interactions(self, loop, semaphore)
         finally:
             asyncio.run_coroutine_threadsafe(cancel_the_rest(), loop).result()
             loop.call_soon_threadsafe(loop.stop)
             thread.join()
             loop.close()
+
+    async def call_tool(self, name: str, arguments: dict) -> ToolResult:
+        """Run one call of the tool `name` (in an env worker if it is sync, as `reward_fn` runs), within
+        `tool_timeout`; an unknown name or arguments that do not fit its schema are the model's mistake."""
+        tool = self.tools.get(name)
+        if tool is None:
+            error = f"there is no tool named {name!r} (the tools are: {', '.join(self.tools)})"
+            return ToolResult(f"Error: {error}", error=f"unknown tool {name!r}")
+        problem = argument_problem(tool, arguments)
+        if problem is not None:
+            return ToolResult(f"Error: {problem}", error=problem)
+        start = time.perf_counter()
+        if self._in_workers(tool.function):
+            outcome = await asyncio.get_running_loop().run_in_executor(
+                self._dispatcher(), self._call_worker, f"tool:{name}", (arguments,), self.tool_timeout)
+        else:
+            outcome = await self._call_here(f"tool {name}", _keyword_call(tool), (arguments,), self.tool_timeout)
+        seconds = time.perf_counter() - start
+        if outcome.error is None:
+            return ToolResult(tool_text(outcome.value), seconds=seconds)
+        error = outcome.error.replace(f"tool:{name}", name).replace(f"tool {name}", name)
+        if outcome.unavailable:
+            logger.warning("env %s: tool %s could not run: %s%s", self.path, name, error, outcome.note)
+            return ToolResult("", env_error=f"tool {name}: {error}", seconds=seconds)
+        return ToolResult(f"Error: {error}", error=error, seconds=seconds)
 
     def roc_penalties(self, conversations: list[list[dict]]) -> list[EnvResult]:
         """The env file's `roc_penalty(messages)` for each conversation (GRPO-RoC); an error where a
@@ -300,13 +369,14 @@ class Env:
     def _in_workers(self, fn: Callable) -> bool:
         return self.workers > 0 and not _is_async(fn)
 
-    async def _call_here(self, name: str, fn: Callable, args: tuple) -> _Outcome:
+    async def _call_here(self, name: str, fn: Callable, args: tuple, timeout: float | None = None) -> _Outcome:
         """Call `fn` in this process: on the event loop (async) or in a thread (sync)."""
+        timeout = timeout or self.timeout
         try:
-            return await asyncio.wait_for(self._invoke(name, fn, copy.deepcopy(args)), self.timeout)
+            return await asyncio.wait_for(self._invoke(name, fn, copy.deepcopy(args)), timeout)
         except asyncio.TimeoutError:  # only ours: the function's own exceptions come back in the outcome
             note = "" if _is_async(fn) else " (a sync function cannot be stopped in a thread: it keeps running)"
-            return _Outcome(error=f"{name} timed out after {self.timeout}s", note=note)
+            return _Outcome(error=f"{name} timed out after {timeout}s", note=note)
 
     async def _invoke(self, name: str, fn: Callable, args: tuple) -> _Outcome:
         try:
@@ -317,18 +387,21 @@ class Env:
                 result = await result
             return _Outcome(result)
         except Exception as exc:
-            return _Outcome(error=f"{name} raised {describe_exception(exc)}", note=where(exc, self.path))
+            return _Outcome(error=f"{name} raised {describe_exception(exc)}", note=where(exc, self.path),
+                            unavailable=isinstance(exc, ToolUnavailable))
 
-    def _call_worker(self, name: str, args: tuple) -> _Outcome:
-        """Call the sync function `name` in an env worker process (blocking; runs in a thread)."""
+    def _call_worker(self, name: str, args: tuple, timeout: float | None = None) -> _Outcome:
+        """Call the sync function `name` (`tool:<name>` for a tool) in an env worker process (blocking;
+        runs in a thread)."""
+        timeout = timeout or self.timeout
         try:
-            response = self._workers_pool().call((name, args), self.timeout)
+            response = self._workers_pool().call((name, args), timeout)
         except WorkerTimeout:
-            return _Outcome(error=f"{name} timed out after {self.timeout}s",
+            return _Outcome(error=f"{name} timed out after {timeout}s",
                             note=" (its env worker process was killed and replaced)")
         except WorkerFailed as failure:
             if not failure.how:  # the pool is closed
-                return _Outcome(error=f"{name} could not run: {failure}")
+                return _Outcome(error=f"{name} could not run: {failure}", unavailable=True)
             said = _relevant_lines(failure.stderr_tail, self.path)
             return _Outcome(error=f"{name} crashed its env worker process, which was replaced: it {failure.how}"
                                   + (f"; it wrote: {one_line(' | '.join(said))}" if said else ""))
@@ -336,7 +409,8 @@ class Env:
             self._worker_faults[response["pid"]] = response["faults"]
         if "raised" in response:
             raised = response["raised"]
-            return _Outcome(error=f"{name} raised {raised['exception']}", note=raised["where"])
+            return _Outcome(error=f"{name} raised {raised['exception']}", note=raised["where"],
+                            unavailable=raised.get("unavailable", False))
         return _Outcome(response["value"])
 
     def _dispatcher(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -367,6 +441,32 @@ class Env:
 
 # ----------------------------------------------------------------------------------------------
 # helpers
+
+
+def env_tools(module: Any, path: str) -> dict[str, Tool]:
+    """The tools of the env file's `TOOLS`, by name (none without it); `EnvError` for a broken entry."""
+    if getattr(module, "TOOLS", None) is None:
+        return {}
+    try:
+        return tools_from_entries(module.TOOLS, f"env file {path}")
+    except ValueError as exc:
+        raise EnvError(str(exc)) from None
+
+
+def tool_text(value: Any) -> str:
+    """A tool's return value as its message's content: text as it is, anything else as JSON."""
+    if isinstance(value, str):
+        return value
+    return "" if value is None else json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _keyword_call(tool: Tool) -> Callable:
+    """The tool as a function of one argument, the dict of its keyword arguments (async if the tool is)."""
+    if tool.is_async:
+        async def call_async(arguments: dict) -> Any:
+            return await tool.function(**arguments)
+        return call_async
+    return lambda arguments: tool.function(**arguments)
 
 
 def _is_async(fn: Callable) -> bool:

@@ -5,8 +5,9 @@ as a plain script would (`python -m rl2.rollout.env_worker PATH ARGS MEMORY_MB`,
 Signal-based timeouts (math-verify's `parse` / `verify`, sympy with alarms) work here; a crash, a
 hang or a memory blow-up in the user's code ends this process, not the run: the pool replaces it.
 
-Request (pickled): `(function name, args)`. Response: `{"value": result}` or `{"raised": {"exception",
-"where"}}`, each with `"faults"` (the running totals of the module's own pools' faults)
+Request (pickled): `(function name, args)`, or `("tool:<name>", (arguments,))` for a tool of the file's
+`TOOLS`, called with the arguments as keywords. Response: `{"value": result}` or `{"raised": {"exception",
+"where", "unavailable"}}` (unavailable: it was `rl2.tools.ToolUnavailable`), each with `"faults"` (the running totals of the module's own pools' faults)
 and `"pid"`.
 """
 
@@ -20,6 +21,7 @@ import resource
 import sys
 from typing import Any
 
+from rl2.chat.tools import Tool, ToolUnavailable, tools_from_entries
 from rl2.rollout.env_file import EnvArgs, EnvError, describe_exception, load_env_file, module_fault_counts, where
 from rl2.tools.worker_pool import PICKLE, serve
 
@@ -37,17 +39,22 @@ def limit_memory(megabytes: int) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
-def call(module: Any, path: str, memory_mb: int, request: tuple[str, tuple]) -> dict:
-    """Run one env function and describe its outcome."""
+def call(module: Any, path: str, memory_mb: int, request: tuple[str, tuple], tools: dict[str, Tool] | None = None
+         ) -> dict:
+    """Run one env function (or one of its `tools`) and describe its outcome."""
     name, args = request
     try:
-        result = getattr(module, name)(*args)
+        if name.startswith("tool:"):
+            result = (tools or {})[name.removeprefix("tool:")].function(**args[0])
+        else:
+            result = getattr(module, name)(*args)
         if inspect.isawaitable(result):  # a plain function returning a coroutine
             result = asyncio.run(_awaited(result))
         pickle.dumps(result)  # fails here, with a message, rather than in the frame writer
         response: dict[str, Any] = {"value": result}
     except Exception as exc:  # the function's, or its value cannot be sent back
-        response = {"raised": {"exception": describe_exception(exc, memory_mb), "where": where(exc, path)}}
+        response = {"raised": {"exception": describe_exception(exc, memory_mb), "where": where(exc, path),
+                               "unavailable": isinstance(exc, ToolUnavailable)}}
     response["faults"] = module_fault_counts(module)
     response["pid"] = os.getpid()
     return response
@@ -63,9 +70,10 @@ def main() -> None:
     limit_memory(memory_mb)
     try:
         module = load_env_file(path, EnvArgs(args, path))
-    except EnvError as error:
+        tools = tools_from_entries(module.TOOLS, path) if getattr(module, "TOOLS", None) is not None else {}
+    except (EnvError, ValueError) as error:
         sys.exit(f"rl2 env worker: {error}")
-    serve(lambda request: call(module, path, memory_mb, request), PICKLE)
+    serve(lambda request: call(module, path, memory_mb, request, tools), PICKLE)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""Multi-turn rollouts: generate → interact → append the tool's tokens → generate again.
+"""Multi-turn rollouts: generate → run the tools (or `interact`) → append the tools' tokens → generate again.
 
 Trajectories are kept as token ids (token-in, token-out): the model's tokens are never
-re-tokenised. Tool messages are rendered by the chat template as the text the template adds
-after the conversation so far, so the trajectory equals the templated conversation. With raw
-prompts (`apply_chat_template=False`: base models, as Search-R1 trains them) there is no template:
-a tool's messages are appended as their plain text and the model continues after it.
+re-tokenised. With native function calling (an env file with `TOOLS`) each turn's text is parsed into
+`tool_calls` (`ToolCalling`), the calls run, and their results become tool messages; otherwise the env's
+`interact(messages)` gives the new messages. Either way they are appended as the tokens the chat
+template adds after the assistant turn (`rl2.chat.bridge`), so the trajectory is the templated
+conversation. With raw prompts (`apply_chat_template=False`: base models, as Search-R1 trains them)
+there is no template: a tool's messages are appended as their plain text and the model continues after it.
 """
 
 import contextlib
@@ -12,14 +14,33 @@ import copy
 import logging
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from rl2.data.chat_template import render_chat
+from rl2.chat.bridge import bridge_text
+from rl2.chat.tool_parsers import FunctionToolParser, ToolParser, get_tool_parser
+from rl2.config import RolloutConfig
 from rl2.engines import Engine, Generation, SamplingParams, Turn
-from rl2.rollout.env import Env, EnvResult
+from rl2.rollout.env import Env, EnvResult, Interactions, ToolResult
 from rl2.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ToolCalling:
+    """Native function calling in a rollout: how a turn's calls are parsed, and how many of them run."""
+
+    parser: ToolParser
+    max_calls: int = 8
+
+    @classmethod
+    def for_env(cls, env: Env | None, config: RolloutConfig) -> "ToolCalling | None":
+        """For an env file with `TOOLS`: its own `parse_tool_calls`, else `rollout.tool_parser`."""
+        if env is None or not env.has_tools:
+            return None
+        parser = FunctionToolParser(env.parse_tool_calls) if env.parse_tool_calls else get_tool_parser(config.tool_parser)
+        return cls(parser, config.max_tool_calls)
 
 
 def rollout(
@@ -34,14 +55,17 @@ def rollout(
     first_group: int = 0,
     apply_chat_template: bool = True,
     version: int = 0,
+    tool_calling: ToolCalling | None = None,
 ) -> list[Trajectory]:
-    """`responses_per_prompt` trajectories for each prompt ({"prompt_ids", "messages", "answer"}),
+    """`responses_per_prompt` trajectories for each prompt ({"prompt_ids", "messages", "answer"}, and
+    "tools": the schemas the prompt was rendered with),
     grouped by prompt, of at most `max_turns` generations and `max_length` tokens in all.
     `apply_chat_template` says how the prompts were made (`RLDataset`), and so how tool messages
     are appended: through the chat template, or as plain text (`observation_tokens`). `version` is
     the policy version that samples (recorded per token)."""
     trajectories = new_trajectories(prompts, responses_per_prompt, first_group, version)
-    continue_rollout(engine, env, tokenizer, trajectories, params, max_turns, max_length, apply_chat_template, version)
+    continue_rollout(engine, env, tokenizer, trajectories, params, max_turns, max_length, apply_chat_template, version,
+                     tool_calling=tool_calling)
     return trajectories
 
 
@@ -58,6 +82,7 @@ def new_trajectories(prompts: list[dict], responses_per_prompt: int, first_group
             logprobs=[0.0] * len(prompt["prompt_ids"]),
             versions=[-1] * len(prompt["prompt_ids"]),
             started=version,
+            tools=copy.deepcopy(prompt.get("tools")),
         )
         for g, prompt in enumerate(prompts)
         for _ in range(responses_per_prompt)
@@ -89,15 +114,17 @@ def continue_rollout(
     version: int = 0,
     on_done: Callable[[Trajectory], None] | None = None,
     pause: Pause | None = None,
+    tool_calling: ToolCalling | None = None,
 ) -> None:
     """Take `trajectories` on from where each stands (`Trajectory.stage`): new ones from their first
     turn, paused ones from inside their turn (the tokens drawn so far kept, the same random stream
     continued) or from their tool call. Each one that ends is passed to `on_done` (from the engine's
     thread or a tool's, one at a time); after `pause.now()` the call returns at once and the unfinished
     ones keep what they have, to be continued by a later call (a tool call still running is cancelled
-    and made again)."""
-    if max_turns > 1 and (env is None or not env.has_interact):
-        raise ValueError("rollout.max_turns > 1 needs an env file that defines interact(messages)")
+    and made again). With `tool_calling` each turn's calls are parsed and run; a turn without one goes
+    to the env's `interact` if it has one, else ends the episode."""
+    if max_turns > 1 and (env is None or not (env.has_interact or env.has_tools)):
+        raise ValueError("rollout.max_turns > 1 needs an env file that defines interact(messages) or TOOLS")
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos and tokenizer.eos_token_id is not None:
         stop_ids.add(tokenizer.eos_token_id)
@@ -129,11 +156,18 @@ def continue_rollout(
         trajectory.stage = "generate"
         return _turn(trajectory, params, max_length)
 
-    with env.interactions() if max_turns > 1 else contextlib.nullcontext() as interact:
+    with env.interactions() if max_turns > 1 else contextlib.nullcontext() as interactions:
 
         def ask_tool(trajectory: Trajectory) -> Future:
             trajectory.stage = "interact"
-            return _then(interact(trajectory.messages), lambda result: next_turn(trajectory, result))
+            if trajectory.pending_calls:
+                answered = _run_calls(interactions, trajectory, tool_calling.max_calls)
+            elif env.has_interact:
+                answered = interactions(trajectory.messages)
+            else:  # no call, and nobody else to answer: the episode ends
+                answered = Future()
+                answered.set_result(EnvResult([], None))
+            return _then(answered, lambda result: next_turn(trajectory, result))
 
         def on_generation(index: int, generation: Generation) -> Future | None:
             trajectory = active[index]
@@ -141,6 +175,8 @@ def continue_rollout(
             _append_generation(trajectory, generation, tokenizer, stop_ids, max_length, version, paused)
             if paused and not trajectory.done and trajectory.turn_start >= 0:
                 return None
+            if tool_calling is not None:
+                _parse_calls(trajectory, tool_calling.parser)
             if trajectory.turns == max_turns:
                 trajectory.done = True
             if trajectory.done:
@@ -150,6 +186,58 @@ def continue_rollout(
 
         first = [ask_tool(t) if t.stage == "interact" else _turn(t, params, max_length) for t in active]
         engine.generate_turns(first, params, on_generation, max_turns)  # also with none: a lockstep engine's call
+
+
+def _parse_calls(trajectory: Trajectory, parser: ToolParser) -> None:
+    """Read the tool calls out of the turn just generated: its message gets the text outside them as
+    `content` and the calls that parsed as `tool_calls` (the ones that did not stay in the text, so the
+    message keeps all the model said); every call, parsed or not, waits in `pending_calls` for its answer."""
+    message = trajectory.messages[-1]
+    parsed = parser.parse(message["content"], trajectory.tools)
+    if not parsed.calls:
+        return
+    calls = []
+    for call in parsed.calls:
+        calls.append({"id": parser.call_id(trajectory.calls_made), "name": call.name, "arguments": call.arguments,
+                      "error": call.error})
+        trajectory.calls_made += 1
+    unparsed = [call.raw for call in parsed.calls if call.error is not None]
+    message["content"] = "\n".join([parsed.content, *unparsed]).strip() if unparsed else parsed.content
+    well_formed = [call for call in calls if call["error"] is None]
+    if well_formed:
+        message["tool_calls"] = [{"id": call["id"], "type": "function",
+                                  "function": {"name": call["name"], "arguments": call["arguments"]}}
+                                 for call in well_formed]
+    trajectory.pending_calls = calls
+
+
+def _run_calls(interactions: Interactions, trajectory: Trajectory, max_calls: int) -> Future:
+    """A future of the `EnvResult` of the trajectory's pending calls: one tool message per call, in order
+    (a call that did not parse, or past `max_calls`, is answered with what was wrong), and the first
+    infrastructure error, if any (then the episode ends)."""
+    calls = trajectory.pending_calls
+    runnable = [call for call in calls[:max_calls] if call["error"] is None]
+    results = interactions.call_tools([(call["name"], call["arguments"]) for call in runnable])
+
+    def tool_messages(outcomes: list[ToolResult]) -> EnvResult:
+        by_id = {call["id"]: outcome for call, outcome in zip(runnable, outcomes)}
+        messages, env_error = [], None
+        for i, call in enumerate(calls):
+            outcome = by_id.get(call["id"])
+            if outcome is None:
+                why = call["error"] or f"not run: at most {max_calls} tool calls are run per turn"
+                outcome = ToolResult(f"Error: {why}", error=why)
+            env_error = env_error or outcome.env_error
+            known = call["name"] in interactions.env.tools  # a name the model made up is counted as "(unknown)"
+            if outcome.env_error is None:  # an infrastructure failure counts in env_errors
+                trajectory.tool_stats.append({"name": call["name"] if known else "(unknown)",
+                                              "error": outcome.error is not None, "seconds": outcome.seconds})
+            messages.append({"role": "tool", "tool_call_id": call["id"], "name": call["name"] or "unknown",
+                             "content": outcome.content})
+        trajectory.pending_calls = []
+        return EnvResult(messages, env_error)
+
+    return _then(results, tool_messages)
 
 
 def _turn(trajectory: Trajectory, params: SamplingParams, max_length: int | None) -> Turn:
@@ -222,7 +310,8 @@ def _append_generation(
 def _append_observation(
     trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None, apply_chat_template: bool
 ) -> None:
-    tokens = observation_tokens(tokenizer, trajectory.token_ids, trajectory.messages, new_messages, apply_chat_template)
+    tokens = observation_tokens(tokenizer, trajectory.token_ids, trajectory.messages, new_messages, apply_chat_template,
+                                trajectory.tools)
     trajectory.messages.extend(new_messages)
     room = _room(trajectory, max_length)
     if len(tokens) >= room:
@@ -238,49 +327,26 @@ def _append_observation(
 
 
 def observation_tokens(
-    tokenizer, token_ids: list[int], messages: list[dict], new_messages: list[dict], apply_chat_template: bool = True
+    tokenizer, token_ids: list[int], messages: list[dict], new_messages: list[dict], apply_chat_template: bool = True,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """Token ids to append after `token_ids` (the trajectory so far, which renders `messages`)
-    so that it renders `messages + new_messages` followed by the generation prompt.
+    """Token ids to append after `token_ids` (the trajectory so far, ending with the assistant turn that is
+    `messages[-1]`) so that it continues with `new_messages` and the next generation prompt.
 
-    The text is what the chat template adds after the trajectory's text: the end of the
-    assistant turn the model did not generate (e.g. the newline after `<|im_end|>`, or the whole
-    end-of-turn marker when a stop string ended the turn), the new messages and the next
-    assistant header. With `apply_chat_template=False` (raw prompts) it is the new messages'
-    contents, concatenated as they are (no roles, no separators: the env's text is what the model
-    reads), tokenized without special tokens.
+    Through the chat template (rendered with `tools`), it is the bridge of `rl2.chat.bridge`: the end of the
+    assistant turn the model did not generate (e.g. the newline after `<|im_end|>`, or the whole end-of-turn
+    marker when a stop string ended the turn), the new messages and the next assistant header. With
+    `apply_chat_template=False` (raw prompts) it is the new messages' contents, concatenated as they are
+    (no roles, no separators: the env's text is what the model reads), tokenized without special tokens.
     """
     if not apply_chat_template:
         text = "".join(message["content"] for message in new_messages)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    after = render_chat(messages + new_messages, tokenizer, add_generation_prompt=True)
-    so_far = tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    if after.startswith(so_far):
-        text = after[len(so_far) :]
-    else:
-        text = _observation_text_by_template(tokenizer, token_ids[-1], messages, after)
+    last = token_ids[-1] if token_ids else None
+    generated_end = (tokenizer.decode([last], skip_special_tokens=False)
+                     if last is not None and last in tokenizer.all_special_ids else None)
+    text = bridge_text(tokenizer, messages[-1], new_messages, tools, generated_end)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _observation_text_by_template(tokenizer, last_token: int, messages: list[dict], after: str) -> str:
-    """Fallback when the trajectory's text is not a prefix of the template's rendering (a
-    template that rewrites assistant content, or generated bytes that do not decode cleanly):
-    the template's text after the last assistant content, less an end-of-turn token the model
-    already generated."""
-    before = render_chat(messages, tokenizer, add_generation_prompt=False)
-    if not after.startswith(before):
-        raise ValueError(
-            "the chat template renders the conversation differently once tool messages follow "
-            "(not prefix-stable), so the tool's tokens cannot be appended token-exactly"
-        )
-    content = messages[-1]["content"]
-    tail = before[before.rfind(content) + len(content) :] if content else ""
-    if last_token in tokenizer.all_special_ids:
-        generated_end = tokenizer.decode([last_token], skip_special_tokens=False)
-        if tail.startswith(generated_end):
-            tail = tail[len(generated_end) :]
-    logger.warning("trajectory text differs from the chat template's rendering; tool tokens follow the template")
-    return tail + after[len(before) :]
 
 
 def assign_rewards(env: Env, trajectories: list[Trajectory]) -> None:

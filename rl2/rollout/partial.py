@@ -96,7 +96,8 @@ class PartialRollout:
             if not target.reached():
                 continue_rollout(service.engine, service.env, service.tokenizer, [t for g in mine for t in g], params,
                                  service.config.rollout.max_turns, service.max_length,
-                                 service.config.data.apply_chat_template, version, target.done, pause)
+                                 service.config.data.apply_chat_template, version, target.done, pause,
+                                 service.tool_calling)
         if release_after:
             service.engine.sleep()
         trained_ids = target.finished[:target.target] + [g for g in target.finished[target.target:] if g in must_finish]

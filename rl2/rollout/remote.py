@@ -30,6 +30,7 @@ from rl2.distributed.placement import Placement, broadcast_object, broadcast_ten
 from rl2.distributed.process_group import barrier, broadcast_from_rank0, is_rank0
 from rl2.engines import SamplingParams
 from rl2.metrics import PhaseTimer
+from rl2.rollout.env import EnvArgs, env_tools, load_env_file
 from rl2.rollout.partial import partial_extra_prompts, partial_rollout
 from rl2.rollout.service import RolloutRecords, RolloutService
 from rl2.rollout.trajectory import Trajectory
@@ -323,6 +324,15 @@ class RemoteRollout(RolloutRecords):
         """`RolloutService.evaluate` on the rollout ranks, after the requests sent before."""
         return self._reply(self._request({"kind": "evaluate", "prompts": prompts, "seed": seed, "name": name,
                                           "require_scores": require_scores}))
+
+    @property
+    def tools(self) -> dict:
+        """The env file's tools by name, for the prompts' chat template (the file is loaded here for them;
+        the rollout ranks run them)."""
+        if self.config.rollout.env_path is None:
+            return {}
+        path = self.config.rollout.env_path
+        return env_tools(load_env_file(path, EnvArgs(self.config.rollout.env_args, path)), path)
 
     def roc_penalties(self, trajectories: list[Trajectory]) -> list[float]:
         return self._reply(self._request({"kind": "roc_penalties", "trajectories": trajectories}))[0]

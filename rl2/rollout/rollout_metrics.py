@@ -30,7 +30,26 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "env_errors": float(sum(len(t.errors) for t in trajectories)),
         "excluded": float(sum(t.excluded for t in trajectories)),
         "trajectories": float(len(trajectories)),
+        **tool_metrics(trajectories),
     }
+
+
+def tool_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """`tools/<name>/calls`, `tools/<name>/errors` (calls the model got wrong: unknown tool, bad arguments,
+    the tool raised or timed out) and `tools/<name>/latency` (mean seconds of the calls that ran), per
+    tool the rollout called; calls of tools that do not exist count under `(unknown)`."""
+    by_name: dict[str, list[dict]] = {}
+    for trajectory in trajectories:
+        for call in trajectory.tool_stats:
+            by_name.setdefault(call["name"] or "(unknown)", []).append(call)
+    metrics = {}
+    for name, calls in sorted(by_name.items()):
+        ran = [call["seconds"] for call in calls if call["seconds"] > 0]
+        metrics[f"tools/{name}/calls"] = float(len(calls))
+        metrics[f"tools/{name}/errors"] = float(sum(call["error"] for call in calls))
+        if ran:
+            metrics[f"tools/{name}/latency"] = sum(ran) / len(ran)
+    return metrics
 
 
 def correct_by_prompt(trajectories: list[Trajectory], k: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from rl2.distributed.process_group import all_gather_objects, broadcast_from_ran
 from rl2.engines import SamplingParams, build_engine_from_config, check_sglang
 from rl2.metrics import PhaseTimer
 from rl2.rollout.env import Env, EnvError
-from rl2.rollout.multi_turn import assign_rewards, rollout
+from rl2.rollout.multi_turn import ToolCalling, assign_rewards, rollout
 from rl2.rollout.rollout_metrics import eval_metrics, unscored_report
 from rl2.rollout.trajectory import Trajectory
 from rl2.lora import is_lora
@@ -79,6 +79,7 @@ class RolloutService(RolloutRecords):
         super().__init__(config)
         self.tokenizer = tokenizer
         self.env = Env.from_config(config.rollout, need_interact=config.rollout.max_turns > 1)
+        self.tool_calling = ToolCalling.for_env(self.env, config.rollout)
         self.engine = build_engine_from_config(config.rollout, config.actor, tokenizer, config.trainer.seed)
         self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
 
@@ -113,6 +114,7 @@ class RolloutService(RolloutRecords):
                 first_group=start,
                 apply_chat_template=self.config.data.apply_chat_template,
                 version=version,
+                tool_calling=self.tool_calling,
             )
         if release_after:
             self.engine.sleep()
@@ -144,6 +146,11 @@ class RolloutService(RolloutRecords):
             partial=adapted_only,
         )
         self.engine.wake()
+
+    @property
+    def tools(self) -> dict:
+        """The env file's tools by name (`rl2.chat.tools.Tool`), for the prompts' chat template."""
+        return self.env.tools
 
     def roc_penalties(self, trajectories: list[Trajectory]) -> list[float]:
         """GRPO-RoC's penalty of each trajectory: the env file's `roc_penalty(messages)` where it

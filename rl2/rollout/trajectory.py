@@ -27,6 +27,13 @@ class Trajectory:
     turn_start: int = -1
     stream: tuple[int, int] | None = None
     started: int = 0  # the policy version when the episode began
+    # Native function calling: the tool schemas the prompt was rendered with, the calls of the last turn
+    # not yet answered ({"id", "name", "arguments", "error"}), how many calls the episode made, and per
+    # call run {"name", "error", "seconds"} for the `tools/*` metrics.
+    tools: list[dict] | None = None
+    pending_calls: list[dict] = field(default_factory=list)
+    calls_made: int = 0
+    tool_stats: list[dict] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, fields: dict) -> "Trajectory":

@@ -1,16 +1,19 @@
 """Tiny Qwen2-architecture models and byte-level BPE tokenizers, built offline from a config.
 
 `python -m rl2.testing.tiny OUT_DIR` writes a folder usable as `actor.model_name=OUT_DIR`: random-init
-weights, a tokenizer trained locally with `tokenizers`, and a ChatML chat template. Nothing is
-downloaded. Used by the tests, the benchmarks and the CPU demos.
+weights, a tokenizer trained locally with `tokenizers`, and a ChatML chat template (`--template` picks
+another family's template and tokens: see `rl2.testing.chat_templates`). Nothing is downloaded. Used by
+the tests, the benchmarks and the CPU demos.
 """
 
 import argparse
 import random
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from rl2.testing.chat_templates import CHAT_TEMPLATE, FAMILIES, chat_family  # noqa: F401  (CHAT_TEMPLATE: imported from here)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -20,15 +23,6 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN_SPLIT_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# ChatML, as Qwen2.5 renders it, minus the default system prompt: every prefix of a conversation
-# renders as a prefix of the whole, which the data pipeline relies on for per-turn loss masks.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 _WORDS = (
@@ -62,8 +56,13 @@ def _training_corpus(n_lines: int, seed: int) -> list[str]:
     return lines
 
 
-def build_tiny_tokenizer(vocab_size: int = 1024, seed: int = 0) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer with ChatML special tokens on a synthetic corpus."""
+def build_tiny_tokenizer(vocab_size: int = 1024, seed: int = 0, template: str = "chatml") -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on a synthetic corpus and dress it as the `template` family.
+
+    The trained vocabulary (ChatML special tokens first) is the same for every family; the family's
+    atomic tokens are added after it, with its eos/bos/pad tokens and chat template. `chatml` adds nothing.
+    """
+    family = chat_family(template)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
@@ -78,12 +77,18 @@ def build_tiny_tokenizer(vocab_size: int = 1024, seed: int = 0) -> PreTrainedTok
         show_progress=False,
     )
     tokenizer.train_from_iterator(_training_corpus(4000, seed), trainer=trainer)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in family.special_tokens])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in family.plain_tokens])
+    bos = {"bos_token": family.bos_token} if family.bos_token else {}
+    if family.add_bos:
+        bos["add_bos_token"] = True  # transformers makes the post-processor prepend it
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        eos_token=family.eos_token,
+        pad_token=family.pad_token,
+        unk_token=family.unk_token,
+        chat_template=family.chat_template,
+        **bos,
     )
 
 
@@ -96,7 +101,8 @@ def build_tiny_model(
     max_position_embeddings: int = 4096,
     seed: int = 0,
 ) -> Qwen2ForCausalLM:
-    """A random-init Qwen2 causal LM sized to `tokenizer`'s vocabulary."""
+    """A random-init Qwen2 causal LM sized to `tokenizer`'s vocabulary, with its eos, bos and pad ids
+    (bos falls back to the pad token, as Qwen's configs name `<|endoftext|>`)."""
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -106,8 +112,8 @@ def build_tiny_model(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
@@ -129,9 +135,10 @@ def sharpen_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def save_tiny(out_dir: str, vocab_size: int = 1024, seed: int = 0, **model_kwargs) -> str:
-    """Build a tiny tokenizer and model and save both to `out_dir`; returns `out_dir`."""
-    tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, seed=seed)
+def save_tiny(out_dir: str, vocab_size: int = 1024, seed: int = 0, template: str = "chatml", **model_kwargs) -> str:
+    """Build a tiny tokenizer (of the `template` chat family) and model and save both to `out_dir`;
+    returns `out_dir`."""
+    tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, seed=seed, template=template)
     model = build_tiny_model(tokenizer, seed=seed, **model_kwargs)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -147,11 +154,14 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--template", choices=list(FAMILIES), default="chatml",
+                        help="chat template family: its template, special tokens and eos (rl2.testing.chat_templates)")
     args = parser.parse_args()
     save_tiny(
         args.out_dir,
         vocab_size=args.vocab_size,
         seed=args.seed,
+        template=args.template,
         hidden_size=args.hidden_size,
         num_layers=args.layers,
         num_heads=args.heads,

@@ -177,26 +177,27 @@ class Trainer:
         if error is not None:
             raise ConfigError(error)
 
-    def load_datasets(self, dataset_cls: type, max_length: int | None) -> tuple:
+    def load_datasets(self, dataset_cls: type, max_length: int | None, tools: dict | None = None) -> tuple:
         """(train, test or None) from `data.path`, `data.test_path` or a `data.test_ratio` split (none
-        when `test_ratio` of the rows rounds to no row: the run trains on them all)."""
+        when `test_ratio` of the rows rounds to no row: the run trains on them all); `tools`: the env
+        file's, which the prompts are rendered with."""
         data, tokenizer = self.config.data, self.tokenizer
         columns = Columns.from_config(data)
         if data.test_path is not None:
-            return (dataset_cls(data.path, tokenizer, max_length, columns=columns),
-                    dataset_cls(data.test_path, tokenizer, max_length, columns=columns))
+            return (dataset_cls(data.path, tokenizer, max_length, columns=columns, tools=tools),
+                    dataset_cls(data.test_path, tokenizer, max_length, columns=columns, tools=tools))
         if data.test_ratio > 0:
             rows = load_rows(data.path)
             if round(len(rows) * data.test_ratio) < 1:
                 logger.info(f"data.test_ratio={data.test_ratio} of {len(rows)} rows is under half a row: no test set")
-                return dataset_cls(rows, tokenizer, max_length, source=data.path, columns=columns), None
+                return dataset_cls(rows, tokenizer, max_length, source=data.path, columns=columns, tools=tools), None
             validate_rows(rows, dataset_cls.kind, data.path, columns)  # before the split, so errors name the file's rows
             train_rows, test_rows = split_rows(rows, data.test_ratio, self.config.trainer.seed)
             return (
-                dataset_cls(train_rows, tokenizer, max_length, source=data.path, columns=columns),
-                dataset_cls(test_rows, tokenizer, max_length, source=f"{data.path} (test split)", columns=columns),
+                dataset_cls(train_rows, tokenizer, max_length, source=data.path, columns=columns, tools=tools),
+                dataset_cls(test_rows, tokenizer, max_length, source=f"{data.path} (test split)", columns=columns, tools=tools),
             )
-        return dataset_cls(data.path, tokenizer, max_length, columns=columns), None
+        return dataset_cls(data.path, tokenizer, max_length, columns=columns, tools=tools), None
 
     @property
     def main_config(self) -> ModelConfig:

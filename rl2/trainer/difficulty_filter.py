@@ -46,7 +46,7 @@ class DifficultyFilter:
         tokenizer = start_run(config)
         self.rollout = RolloutService(config, tokenizer)
         self.dataset = RLDataset(config.data.path, tokenizer, self.rollout.max_length,
-                                 columns=Columns.from_config(config.data))
+                                 columns=Columns.from_config(config.data), tools=self.rollout.tools)
 
     def run(self) -> dict[str, float]:
         """Sample, score and write the kept rows; returns counts and the mean pass rate."""

@@ -70,9 +70,9 @@ class PPOTrainer(Trainer):
         if self.eval_only:  # the engine alone serves actor.model_name
             self.train_data, self.sampler, self.total_steps = None, None, 0
             self.test_data = RLDataset(config.data.test_path, self.tokenizer, max_length,
-                                       columns=Columns.from_config(config.data))
+                                       columns=Columns.from_config(config.data), tools=self.rollout.tools)
         else:
-            self.train_data, self.test_data = self.load_datasets(RLDataset, max_length)
+            self.train_data, self.test_data = self.load_datasets(RLDataset, max_length, self.rollout.tools)
             self.sampler = BatchSampler(
                 len(self.train_data), prompts_per_rollout, config.data.shuffle, config.trainer.seed,
                 key="data.prompts_per_rollout" if config.data.prompts_per_rollout else "data.batch_size",

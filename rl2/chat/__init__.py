@@ -1,0 +1,1 @@
+"""Native function calling: tool schemas, tool-call parsers, token-exact turns."""

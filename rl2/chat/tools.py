@@ -1,0 +1,138 @@
+"""Tools an env file gives the model: Python functions with type hints and a Google-style docstring, whose
+JSON schemas come from transformers' `get_json_schema`, or OpenAI-style schemas paired with a callable.
+
+    async def search(query: str, top_k: int = 3) -> str:
+        \"\"\"Search Wikipedia.
+
+        Args:
+            query: what to look for
+            top_k: how many passages
+        \"\"\"
+
+    TOOLS = [search, python, ({"type": "function", "function": {...}}, run_sql)]
+
+A call's arguments are checked against its schema (`jsonschema`) before the tool runs.
+"""
+
+import inspect
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jsonschema
+from transformers.utils import get_json_schema
+
+from rl2.tools import ToolUnavailable  # noqa: F401  (tools raise it; it is defined where env files import helpers)
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A tool the model may call: its name, its OpenAI-style schema and the function that runs it."""
+
+    name: str
+    schema: dict
+    function: Callable
+
+    @property
+    def is_async(self) -> bool:
+        function = self.function
+        return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+
+
+def tools_from_entries(entries: Any, where: str) -> dict[str, Tool]:
+    """The tools of an env file's `TOOLS` list, by name, in order; `ValueError` naming the entry (and the
+    function) when one has no usable schema."""
+    if not isinstance(entries, (list, tuple)):
+        raise ValueError(f"{where}: TOOLS must be a list of functions (or (schema, function) pairs), "
+                         f"got {type(entries).__name__}")
+    tools: dict[str, Tool] = {}
+    for i, entry in enumerate(entries):
+        tool = _tool(entry, f"{where}: TOOLS[{i}]")
+        if tool.name in tools:
+            raise ValueError(f"{where}: TOOLS[{i}] is a second tool named {tool.name!r}")
+        tools[tool.name] = tool
+    return tools
+
+
+def _tool(entry: Any, where: str) -> Tool:
+    if isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], dict):
+        schema, function = entry
+        if not callable(function):
+            raise ValueError(f"{where}: the second item of a (schema, function) pair must be callable, "
+                             f"got {type(function).__name__}")
+        return Tool(check_schema(schema, where), schema, function)
+    if not callable(entry):
+        raise ValueError(f"{where}: expected a function or a (schema, function) pair, got {type(entry).__name__}")
+    name = getattr(entry, "__name__", type(entry).__name__)
+    try:
+        schema = get_json_schema(entry)
+    except Exception as exc:  # transformers' DocstringParsingException / TypeHintParsingException
+        raise ValueError(f"{where} ({name}): no JSON schema can be made from its type hints and docstring: {exc} "
+                         "(each argument needs a type hint and a line under 'Args:' in a Google-style docstring)"
+                         ) from None
+    return Tool(schema["function"]["name"], schema, entry)
+
+
+def check_schema(schema: Any, where: str) -> str:
+    """The function name of an OpenAI-style tool schema; `ValueError` saying what is missing."""
+    function = schema.get("function") if isinstance(schema, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise ValueError(f"{where}: a tool schema must look like "
+                         '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}, '
+                         f"got {json.dumps(schema, default=str)[:200]}")
+    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    try:
+        jsonschema.validators.validator_for(parameters).check_schema(parameters)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"{where} ({function['name']}): its parameters are not a valid JSON schema: {exc.message}"
+                         ) from None
+    return function["name"]
+
+
+def argument_problem(tool: Tool, arguments: dict) -> str | None:
+    """Why `arguments` do not fit the tool's parameters, in words for the model; None when they do."""
+    parameters = tool.schema["function"].get("parameters")
+    if not parameters:
+        return None if not arguments else f"{tool.name} takes no arguments, got {sorted(arguments)}"
+    errors = sorted(jsonschema.validators.validator_for(parameters)(parameters).iter_errors(arguments),
+                    key=lambda error: list(error.path))
+    if not errors:
+        return None
+    error = errors[0]
+    at = f" (argument {'.'.join(str(p) for p in error.path)})" if error.path else ""
+    return f"the arguments of {tool.name} do not match its parameters{at}: {error.message}"
+
+
+def row_tools(value: Any, tools: dict[str, Tool], where: str) -> list[dict]:
+    """The schemas a row's `tools` column gives: OpenAI-style schemas or names of the env's tools, as a
+    list or a JSON string; `ValueError` naming the row and the entry."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}, field 'tools': a string that is not JSON ({exc.msg})") from None
+    if not isinstance(value, list):
+        raise ValueError(f"{where}, field 'tools': expected a list of tool schemas or tool names, "
+                         f"got {type(value).__name__}")
+    schemas = []
+    for i, entry in enumerate(value):
+        if isinstance(entry, str):
+            if entry not in tools:
+                raise ValueError(f"{where}, field 'tools': tools[{i}] names {entry!r}, which the env file's TOOLS "
+                                 f"do not define ({', '.join(tools) or 'none'})")
+            schemas.append(tools[entry].schema)
+        else:
+            entry = drop_nulls(entry)  # arrow fills keys other rows have with nulls
+            check_schema(entry, f"{where}, field 'tools': tools[{i}]")
+            schemas.append(entry)
+    return schemas
+
+
+def drop_nulls(value: Any) -> Any:
+    """`value` without the null-valued keys of its dicts, at every depth (what arrow adds when rows' dicts
+    have different keys; a JSON schema never holds a null)."""
+    if isinstance(value, dict):
+        return {key: drop_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [drop_nulls(item) for item in value]
+    return value

@@ -1,0 +1,305 @@
+"""Native function calling in a rollout: tools from typed functions, calls parsed and run, the model's
+mistakes as tool messages, the infrastructure's as env errors, and token-exact trajectories for the chat
+templates of the real model families."""
+
+import json
+import textwrap
+
+import pytest
+from transformers.utils import get_json_schema
+
+from rl2.chat.bridge import bridge_text, rewrites_history
+from rl2.chat.tool_parsers import get_tool_parser
+from rl2.data.chat_template import render_chat
+from rl2.engines import SamplingParams
+from rl2.rollout.env import Env, EnvError
+from rl2.rollout.multi_turn import ToolCalling, assign_rewards, rollout
+from rl2.rollout.rollout_metrics import rollout_metrics
+from rl2.testing.tiny import build_tiny_tokenizer
+from scripted_engine import ScriptedEngine
+
+ENV = textwrap.dedent(
+    '''
+    import time
+
+    from rl2.tools import ToolUnavailable
+
+
+    def lookup(box: str) -> str:
+        """Read the code written on a box.
+
+        Args:
+            box: the colour of the box
+        """
+        if box == "stuck":
+            raise ValueError("the box is stuck")
+        if box == "offline":
+            raise ToolUnavailable("the lookup service is down")
+        if box == "slow":
+            time.sleep(5)
+        return f"code {len(box)}"
+
+
+    async def add(a: int, b: int) -> int:
+        """Add two whole numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return a + b
+
+
+    TOOLS = [lookup, add]
+
+
+    def reward_fn(messages, answer):
+        return float(messages[-1]["content"].endswith(str(answer)))
+    '''
+)
+
+FAMILIES = ["chatml", "qwen2.5", "qwen3", "llama3.1", "mistral"]
+# Families whose template writes an assistant message's tool_calls (the default ChatML one does not), and
+# of them those that render a turn the same whatever follows it (Qwen3 drops an empty reasoning block).
+RENDER_CALLS = {"qwen2.5", "qwen3", "llama3.1", "mistral"}
+HISTORY_STABLE = RENDER_CALLS - {"qwen3"}
+PARSER = {"chatml": "hermes", "qwen2.5": "hermes", "qwen3": "hermes", "llama3.1": "llama3_json", "mistral": "mistral"}
+
+
+def lookup(box: str) -> str:
+    """Read the code written on a box.
+
+    Args:
+        box: the colour of the box
+    """
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def tokenizer(family):
+    return build_tiny_tokenizer(template=family)
+
+
+@pytest.fixture(scope="module", params=[0, 2], ids=["threads", "workers"])
+def env(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("env") / "tools_env.py"
+    path.write_text(ENV)
+    with Env(str(path), timeout=10, tool_timeout=1.0, workers=request.param) as env:
+        yield env
+
+
+def prompt(tokenizer, env, question="What is the code of the red box?", answer="3"):
+    messages = [{"role": "user", "content": question}]
+    tools = [tool.schema for tool in env.tools.values()]
+    text = render_chat(messages, tokenizer, True, tools)
+    return {"prompt_ids": tokenizer(text, add_special_tokens=False)["input_ids"], "messages": messages,
+            "answer": answer, "tools": tools}
+
+
+def written_call(family: str, tokenizer, calls: list[tuple[str, dict]], content: str = "") -> str:
+    """An assistant turn with `calls` (and `content`) as the family's template writes it (what a model
+    trained on that template generates), up to its end-of-turn token."""
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"id": get_tool_parser(PARSER[family]).call_id(i), "type": "function",
+                                  "function": {"name": name, "arguments": arguments}}
+                                 for i, (name, arguments) in enumerate(calls)]
+    if family not in RENDER_CALLS:  # ChatML: the hermes format, written by hand
+        return (content + "\n" if content else "") + "\n".join(
+            f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>' for name, arguments in calls)
+    stub = [{"role": "user", "content": "hi"}]
+    header = render_chat(stub, tokenizer, True)
+    rendered = render_chat(stub + [message], tokenizer, False)
+    assert rendered.startswith(header)
+    turn = rendered[len(header):]
+    return turn[: turn.rfind(tokenizer.eos_token)]
+
+
+def scripted(family, tokenizer, turns: list) -> ScriptedEngine:
+    """An engine that plays `turns` in order (each a list of calls, or the final text), by counting the
+    assistant headers... simply by how many tool results the conversation holds."""
+    replies = [written_call(family, tokenizer, turn) if isinstance(turn, list)
+               else written_call(family, tokenizer, [], turn) if family in RENDER_CALLS else turn for turn in turns]
+    state = {"turn": 0}
+
+    def reply(_text: str) -> str:
+        text = replies[min(state["turn"], len(replies) - 1)]
+        state["turn"] += 1
+        return text
+
+    return ScriptedEngine(tokenizer, reply)
+
+
+def run(family, tokenizer, env, turns, max_turns=3, max_calls=8, answer="3"):
+    engine = scripted(family, tokenizer, turns)
+    calling = ToolCalling(get_tool_parser(PARSER[family]), max_calls)
+    (trajectory,) = rollout(engine, env, tokenizer, [prompt(tokenizer, env, answer=answer)], 1, SamplingParams(),
+                            max_turns=max_turns, tool_calling=calling)
+    return trajectory, engine
+
+
+def test_schemas_are_transformers_get_json_schema(env):
+    assert list(env.tools) == ["lookup", "add"]
+    assert env.tools["lookup"].schema == get_json_schema(lookup)
+    assert env.tools["add"].schema["function"]["parameters"]["required"] == ["a", "b"]
+
+
+def test_a_tool_without_a_usable_docstring_is_a_startup_error_naming_it(tmp_path):
+    path = tmp_path / "env.py"
+    path.write_text("def search(query: str) -> str:\n    return query\n"
+                    "TOOLS = [search]\ndef reward_fn(messages, answer):\n    return 0.0\n")
+    with pytest.raises(EnvError, match=r"TOOLS\[0\] \(search\): no JSON schema .* has no docstring"):
+        Env(str(path))
+    path.write_text("def search(query) -> str:\n    '''Search.\n\n    Args:\n        query: words\n    '''\n"
+                    "TOOLS = [search]\ndef reward_fn(messages, answer):\n    return 0.0\n")
+    with pytest.raises(EnvError, match=r"search.*missing a type hint"):
+        Env(str(path))
+
+
+def test_calls_run_and_the_trajectory_is_token_exact(family, tokenizer, env):
+    calls = [("lookup", {"box": "red"}), ("add", {"a": 2, "b": 3})]
+    if family == "llama3.1":
+        calls = calls[:1]  # Llama 3.1's template takes one call per message
+    trajectory, engine = run(family, tokenizer, env, [calls, "The code is 3"])
+    assistant, *results, final = trajectory.messages[1:]
+    assert [call["function"] for call in assistant["tool_calls"]] == [
+        {"name": name, "arguments": arguments} for name, arguments in calls]
+    assert [r["content"] for r in results] == ["code 3", "5"][: len(calls)]
+    assert [r["tool_call_id"] for r in results] == [c["id"] for c in assistant["tool_calls"]]
+    assert [r["name"] for r in results] == [name for name, _ in calls]
+    assert final["role"] == "assistant" and final["content"].strip().endswith("The code is 3")
+    assert trajectory.turns == 2 and not trajectory.errors
+
+    # Token-exact: prompt + the generated turn + the bridge + the next generated turn, and the second
+    # generation continued exactly the tokens the trajectory holds.
+    first_prompt, second_prompt = engine.calls[0][0], engine.calls[1][0]
+    first_turn = tokenizer(written_call(family, tokenizer, calls), add_special_tokens=False)["input_ids"]
+    first_turn.append(tokenizer.eos_token_id)
+    assert second_prompt[: len(first_prompt) + len(first_turn)] == first_prompt + first_turn
+    assert trajectory.token_ids[: len(second_prompt)] == second_prompt
+    mask = trajectory.action_mask
+    assert mask == [0] * len(first_prompt) + [1] * len(first_turn) + [0] * (
+        len(second_prompt) - len(first_prompt) - len(first_turn)) + [1] * (len(mask) - len(second_prompt))
+    if family in HISTORY_STABLE:  # what the model generated is the template's own rendering: all of it decodes back
+        text = tokenizer.decode(trajectory.token_ids, skip_special_tokens=False)
+        full = render_chat(trajectory.messages, tokenizer, False, trajectory.tools)
+        assert full.startswith(text) and full[len(text):] == full[full.rfind(tokenizer.eos_token) + len(tokenizer.eos_token):]
+    assign_rewards(env, [trajectory])
+    assert trajectory.reward == 1.0
+
+
+MODEL_MISTAKES = [
+    ([("lookup", {"box": "stuck"})], "Error: lookup raised ValueError: the box is stuck", "lookup"),
+    ([("lookup", {"box": 3})], "Error: the arguments of lookup do not match its parameters (argument box): "
+                               "3 is not of type 'string'", "lookup"),
+    ([("lookup", {})], "Error: the arguments of lookup do not match its parameters: 'box' is a required property",
+     "lookup"),
+    ([("open", {"box": "red"})], 'Error: there is no tool named "open"; the tools are: "lookup", "add"', "(unknown)"),
+    ([("lookup", {"box": "slow"})], "Error: lookup timed out after 1.0s", "lookup"),
+]
+
+
+@pytest.mark.parametrize("calls,message,name", MODEL_MISTAKES, ids=["raised", "type", "missing", "unknown", "hang"])
+def test_what_the_model_got_wrong_is_a_tool_message(env, calls, message, name):
+    tokenizer = build_tiny_tokenizer(template="qwen2.5")
+    trajectory, _ = run("qwen2.5", tokenizer, env, [calls, "The code is 3"])
+    assert trajectory.messages[2]["role"] == "tool" and trajectory.messages[2]["content"] == message
+    assert not trajectory.errors and trajectory.turns == 2
+    metrics = rollout_metrics([trajectory])
+    assert metrics[f"tools/{name}/calls"] == 1.0 and metrics[f"tools/{name}/errors"] == 1.0
+
+
+def test_a_call_that_does_not_parse_is_answered_and_its_text_kept(env):
+    tokenizer = build_tiny_tokenizer(template="qwen2.5")
+    broken = 'I will look.\n<tool_call>\n{"name": "lookup", "arguments": {"box": "red"}\n</tool_call>'
+    trajectory, _ = run("qwen2.5", tokenizer, env, [broken, "The code is 3"])
+    assistant, tool = trajectory.messages[1:3]
+    assert "tool_calls" not in assistant and assistant["content"] == broken
+    assert tool["content"].startswith('Error: the call to "lookup" is not valid JSON')
+    assert rollout_metrics([trajectory])["tools/lookup/errors"] == 1.0
+
+
+def test_infrastructure_failure_is_an_env_error_not_a_message(env):
+    tokenizer = build_tiny_tokenizer(template="qwen2.5")
+    trajectory, engine = run("qwen2.5", tokenizer, env, [[("lookup", {"box": "offline"})], "The code is 3"])
+    assert len(engine.calls) == 1 and [m["role"] for m in trajectory.messages] == ["user", "assistant"]
+    assert trajectory.excluded and "ToolUnavailable: the lookup service is down" in trajectory.errors[0]
+    assert "tools/lookup/calls" not in rollout_metrics([trajectory])
+
+
+def test_calls_past_max_tool_calls_are_not_run(env):
+    tokenizer = build_tiny_tokenizer(template="qwen2.5")
+    calls = [("add", {"a": 1, "b": 1}), ("add", {"a": 2, "b": 2}), ("add", {"a": 3, "b": 3})]
+    trajectory, _ = run("qwen2.5", tokenizer, env, [calls, "The code is 3"], max_calls=2)
+    assert [m["content"] for m in trajectory.messages[2:5]] == [
+        "2", "4", "Error: not run: at most 2 tool calls are run per turn"]
+
+
+def test_a_turn_without_a_call_ends_the_episode(env):
+    tokenizer = build_tiny_tokenizer(template="qwen2.5")
+    trajectory, engine = run("qwen2.5", tokenizer, env, ["The code is 3"], max_turns=5)
+    assert trajectory.turns == 1 and len(engine.calls) == 1 and trajectory.done
+
+
+def test_qwen3_drops_reasoning_yet_the_trajectory_keeps_what_the_model_saw():
+    """Qwen3's template drops an earlier turn's reasoning once a new user message follows (and an empty
+    reasoning block once anything follows): the bridge still continues the generated tokens, never raises."""
+    tokenizer = build_tiny_tokenizer(template="qwen3")
+    assistant = {"role": "assistant", "content": "<think>\nlook first\n</think>\n\nThe code is 3"}
+    follow_up = [{"role": "user", "content": "and the blue one?"}]
+    assert not rewrites_history(tokenizer, assistant, [{"role": "tool", "content": "x"}])
+    assert rewrites_history(tokenizer, assistant, follow_up)
+    bridge = bridge_text(tokenizer, assistant, follow_up, None, tokenizer.eos_token)
+    assert bridge == "\n<|im_start|>user\nand the blue one?<|im_end|>\n<|im_start|>assistant\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# rows that carry tools (TRL's dataset convention): SFT warm-ups teach the same format
+
+
+def write_rows(tmp_path, rows) -> str:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_sft_rows_with_tool_calls_learn_the_call_as_the_template_writes_it(tmp_path):
+    from rl2.data.conversations import SFTDataset
+
+    tokenizer = build_tiny_tokenizer(template="qwen2.5")
+    schema = get_json_schema(lookup)
+    call = {"id": "call_0", "type": "function",  # arguments as a JSON string, as OpenAI writes them
+            "function": {"name": "lookup", "arguments": json.dumps({"box": "red"})}}
+    messages = [{"role": "user", "content": "Code of the red box?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "name": "lookup", "content": "code 3"},
+                {"role": "assistant", "content": "The code is 3."}]
+    item = SFTDataset(write_rows(tmp_path, [{"messages": messages, "tools": [schema]}]), tokenizer, None)[0]
+    trained = tokenizer.decode([t for t, m in zip(item["input_ids"].tolist(), item["loss_mask"].tolist()) if m],
+                               skip_special_tokens=False)
+    assert trained == ('<tool_call>\n{"name": "lookup", "arguments": {"box": "red"}}\n</tool_call><|im_end|>'
+                       "The code is 3.<|im_end|>")
+    text = tokenizer.decode(item["input_ids"].tolist(), skip_special_tokens=False)
+    assert "<tools>" in text and '"name": "lookup"' in text and "<tool_response>\ncode 3\n</tool_response>" in text
+
+
+def test_rl_rows_name_the_env_tools_they_may_use(tmp_path, env):
+    from rl2.data.conversations import RLDataset
+    from rl2.data.rows import DataError
+
+    tokenizer = build_tiny_tokenizer(template="qwen2.5")
+    rows = [{"messages": [{"role": "user", "content": "2 + 3?"}], "answer": "5", "tools": ["add"]},
+            {"messages": [{"role": "user", "content": "Code of the red box?"}], "answer": "3"}]
+    data = RLDataset(write_rows(tmp_path, rows), tokenizer, None, tools=env.tools)
+    assert [t["function"]["name"] for t in data[0]["tools"]] == ["add"]
+    assert [t["function"]["name"] for t in data[1]["tools"]] == ["lookup", "add"]
+    prompt = tokenizer.decode(data[0]["prompt_ids"], skip_special_tokens=False)
+    assert '"name": "add"' in prompt and '"name": "lookup"' not in prompt
+    rows[1]["tools"] = ["open"]
+    with pytest.raises(DataError, match=r"row 2, field 'tools': tools\[0\] names 'open', which the env file's "
+                                        r"TOOLS do not define \(lookup, add\)"):
+        RLDataset(write_rows(tmp_path, rows), tokenizer, None, tools=env.tools)
