@@ -1,16 +1,19 @@
 """Env file for math with a Python tool (rStar2-Agent): the model reasons, calls a Python
 interpreter as often as it needs, and ends with its answer in \\boxed{...}.
 
-The model calls the tool Hermes-style, any number of times in one turn:
+The tool is the typed function `python(code, input)` in `TOOLS` (native function calling): its schema
+goes into the chat template, and the model calls it in its own format, any number of times in one turn
+(Qwen's, `rollout.tool_parser=hermes`):
 
     <tool_call>
     {"name": "python", "arguments": {"code": "print(sum(range(10)))"}}
     </tool_call>
 
-`interact` runs every call of the assistant's last message, concurrently, and returns one tool
-message per call (stdout; stderr or the timeout when the program failed; cut to a length limit),
-or nothing when the message has no call (the trajectory ends). A malformed call gets a tool message
-saying what is wrong. `reward_fn` is the math reward (`envs/math_reward.py`) on the last message.
+rl2 parses the calls, checks their arguments, runs them concurrently and sends one tool message per call
+(stdout; stderr or the timeout when the program failed; cut to a length limit); a turn without a call
+ends the trajectory. `interact` does the same from the text for RL2's protocol (an env file without
+TOOLS; a copy of this file without them). `reward_fn` is the math reward (`envs/math_reward.py`) on
+the last message.
 
 Programs run in rl2's local sandbox (`rl2.tools.sandbox`) or, when `CODE_SERVER_URL` is set, on a
 code-judge-compatible service (`python -m rl2.tools.code_server`, or code-judge itself) through one
@@ -28,14 +31,17 @@ PYTHON_TOOL_WORKERS (local sandbox workers, 4), PYTHON_TOOL_MEMORY_MB (1024), CO
 `Authorization: Bearer <key>` to a service started with --api-key). The sandbox's and the
 client's settings are read when they are first used.
 
-Put `SYSTEM_PROMPT` first in the prompts (as the system message) so the model knows the tool.
+With a chat template that has no place for tools (the tiny models' ChatML), put `SYSTEM_PROMPT` first in
+the prompts (as the system message) so the model knows the tool.
 """
 
 import asyncio
 import json
 import re
 
-from rl2.tools import code_client
+from transformers.utils import get_json_schema
+
+from rl2.tools import ToolUnavailable, code_client
 from rl2.tools.lazy import Lazy
 from rl2.tools.math_grader import MathGrader
 from rl2.tools.code_server import TIMEOUT_LINE
@@ -43,33 +49,6 @@ from rl2.tools.sandbox import Sandbox
 from rl2.rollout.env import EnvArgs
 
 env_args = globals().get("env_args", EnvArgs())  # rollout.env_args, set by rl2 when it loads this file
-
-TOOL_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "python",
-        "description": "Run a Python 3 program and return what it prints (stdout, and stderr if it fails). "
-        "Each call starts fresh: define everything you use. Print the values you want to see.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "code": {"type": "string", "description": "The complete program."},
-                "input": {"type": "string", "description": "Text given to the program on stdin (optional)."},
-            },
-            "required": ["code"],
-        },
-    },
-}
-
-SYSTEM_PROMPT = (
-    "You are a helpful assistant that solves math problems step by step. You may run Python code to "
-    "compute or check intermediate results.\n\n# Tools\n\nYou may call one or more functions to assist with "
-    "the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-    f"{json.dumps(TOOL_SCHEMA)}\n</tools>\n\nFor each function call, return a json object with function name "
-    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n\n'
-    "Put your final answer within \\boxed{}."
-)
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 UNCLOSED_CALL = re.compile(r"<tool_call>(?!.*</tool_call>)", re.DOTALL)
@@ -92,12 +71,7 @@ _code_client = Lazy(lambda: code_client.CodeClient(_setting("code_server_url", "
                                                    api_key=_setting("code_server_api_key", None)))
 
 
-class ToolUnavailable(RuntimeError):
-    """The code executor could not run a program (after its own retries): an env error, not a
-    result to show the model."""
-
-
-def parse_tool_calls(text: str) -> list[tuple[str, str] | str]:
+def parse_python_calls(text: str) -> list[tuple[str, str] | str]:
     """Each `<tool_call>` of `text` in order: (code, stdin) for a valid python call, otherwise a
     message saying what is wrong with it."""
     calls: list[tuple[str, str] | str] = []
@@ -189,11 +163,39 @@ async def run_programs(programs: list[tuple[str, str]]) -> list[tuple[str, str, 
     return [(r.stdout, r.stderr, r.reason) for r in results]
 
 
+async def python(code: str, input: str = "") -> str:
+    """Run a Python 3 program and return what it prints (stdout, and stderr if it fails). Each call starts fresh: define everything you use. Print the values you want to see.
+
+    Args:
+        code: The complete program.
+        input: Text given to the program on stdin (optional).
+    """
+    ((stdout, stderr, status),) = await run_programs([(code, input)])
+    return format_result(stdout, stderr, status, timeout=_setting("python_tool_timeout", 4.0),
+                         limit=_setting("python_tool_max_chars", 1024))
+
+
+TOOLS = [python]
+TOOL_SCHEMA = get_json_schema(python)
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant that solves math problems step by step. You may run Python code to "
+    "compute or check intermediate results.\n\n# Tools\n\nYou may call one or more functions to assist with "
+    "the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    f"{json.dumps(TOOL_SCHEMA)}\n</tools>\n\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n\n'
+    "Put your final answer within \\boxed{}."
+)
+
+
 async def interact(messages: list[dict]) -> list[dict]:
+    """RL2's text protocol: runs the calls written in the assistant's last message (rl2 calls it only for
+    a turn in which the native parser found none, and then it finds none either)."""
     last = messages[-1]
     if last.get("role") != "assistant":
         return []
-    calls = parse_tool_calls(last.get("content") or "")
+    calls = parse_python_calls(last.get("content") or "")
     if not calls:
         return []
     max_calls = _setting("python_tool_max_calls", 8)

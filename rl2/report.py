@@ -181,7 +181,14 @@ function escapeHtml(text) {
 function messageHtml(message) {
   let text = escapeHtml(typeof message.content === 'string' ? message.content : JSON.stringify(message.content));
   text = text.replace(/(&lt;(tool_call|search|code)&gt;[\s\S]*?&lt;\/\2&gt;)/g, '<span class="tool-call">$1</span>');
-  return `<div class="message role-${escapeHtml(message.role)}"><b>${escapeHtml(message.role)}</b>\n${text}</div>`;
+  // Native function calls: each as name(arguments) with its id; a tool message names the call it answers.
+  const calls = (message.tool_calls || []).map(call => '<span class="tool-call">' + escapeHtml(call.function.name) +
+    '(' + escapeHtml(JSON.stringify(call.function.arguments)) + ')</span> <span class="muted">' +
+    escapeHtml(call.id || '') + '</span>');
+  if (calls.length) text += (text ? '\n' : '') + calls.join('\n');
+  const answers = message.role === 'tool' && (message.name || message.tool_call_id) ?
+    ` <span class="muted">${escapeHtml(message.name || '')} ${escapeHtml(message.tool_call_id || '')}</span>` : '';
+  return `<div class="message role-${escapeHtml(message.role)}"><b>${escapeHtml(message.role)}</b>${answers}\n${text}</div>`;
 }
 function matches(t, filters) {
   const reward = t.reward === null || t.reward === undefined ? NaN : t.reward;

@@ -119,19 +119,17 @@ def written_call(family: str, tokenizer, calls: list[tuple[str, dict]], content:
     return turn[: turn.rfind(tokenizer.eos_token)]
 
 
+# How each family's template marks a tool result: the scripted model's turn is the number of them so far.
+TOOL_RESULT = {"chatml": "<|im_start|>tool", "qwen2.5": "<tool_response>", "qwen3": "<tool_response>",
+               "llama3.1": "ipython<|end_header_id|>", "mistral": "[TOOL_RESULTS]"}
+
+
 def scripted(family, tokenizer, turns: list) -> ScriptedEngine:
-    """An engine that plays `turns` in order (each a list of calls, or the final text), by counting the
-    assistant headers... simply by how many tool results the conversation holds."""
+    """An engine that plays `turns` in order in every conversation (each a list of calls, or the final
+    text), telling the turn by the tool results the conversation holds so far."""
     replies = [written_call(family, tokenizer, turn) if isinstance(turn, list)
                else written_call(family, tokenizer, [], turn) if family in RENDER_CALLS else turn for turn in turns]
-    state = {"turn": 0}
-
-    def reply(_text: str) -> str:
-        text = replies[min(state["turn"], len(replies) - 1)]
-        state["turn"] += 1
-        return text
-
-    return ScriptedEngine(tokenizer, reply)
+    return ScriptedEngine(tokenizer, lambda text: replies[min(text.count(TOOL_RESULT[family]), len(replies) - 1)])
 
 
 def run(family, tokenizer, env, turns, max_turns=3, max_calls=8, answer="3"):
@@ -303,3 +301,84 @@ def test_rl_rows_name_the_env_tools_they_may_use(tmp_path, env):
     with pytest.raises(DataError, match=r"row 2, field 'tools': tools\[0\] names 'open', which the env file's "
                                         r"TOOLS do not define \(lookup, add\)"):
         RLDataset(write_rows(tmp_path, rows), tokenizer, None, tools=env.tools)
+
+
+# ----------------------------------------------------------------------------------------------
+# stateful environments (TRL's environment_factory shape)
+
+STATEFUL_ENV = textwrap.dedent(
+    '''
+    class Boxes:
+        """One per trajectory: counts the lookups it answered."""
+
+        def reset(self, messages, answer):
+            self.answer, self.lookups, self.closed = answer, 0, False
+            if "hint" in messages[-1]["content"]:
+                return "Hint: the lookup tool knows."
+
+        def lookup(self) -> str:
+            """Read the code of the box the question is about."""
+            self.lookups += 1
+            return f"code {self.answer} (lookup {self.lookups})"
+
+        def reward(self) -> float:
+            return float(self.lookups == 2)
+
+        def close(self):
+            self.closed = True
+
+
+    ENVIRONMENT = Boxes
+    '''
+)
+
+
+@pytest.fixture
+def stateful_env(tmp_path):
+    path = tmp_path / "boxes.py"
+    path.write_text(STATEFUL_ENV)
+    with Env(str(path), timeout=10) as env:
+        yield env
+
+
+def test_a_stateful_environment_per_trajectory_scores_and_is_closed(stateful_env, monkeypatch):
+    tokenizer = build_tiny_tokenizer(template="qwen2.5")
+    assert list(stateful_env.tools) == ["lookup"] and stateful_env.scores_with_environment
+    closed = []
+    monkeypatch.setattr(stateful_env, "close_environments", lambda instances: closed.extend(instances))
+    engine = scripted("qwen2.5", tokenizer, [[("lookup", {})], [("lookup", {})], "The code is 3"])
+    calling = ToolCalling(get_tool_parser("hermes"))
+    trajectories = rollout(engine, stateful_env, tokenizer, [prompt(tokenizer, stateful_env)], 2, SamplingParams(),
+                           max_turns=3, tool_calling=calling)
+    first, second = (t.environment for t in trajectories)
+    assert first is not second and first.answer == "3"
+    for trajectory in trajectories:  # each its own count
+        assert [m["content"] for m in trajectory.messages if m["role"] == "tool"] == [
+            "code 3 (lookup 1)", "code 3 (lookup 2)"]
+    assign_rewards(stateful_env, trajectories)
+    assert [t.reward for t in trajectories] == [1.0, 1.0]
+    assert closed == [first, second] and all(t.environment is None for t in trajectories)
+
+
+def test_reset_can_add_an_observation_and_an_environment_survives_a_checkpoint(stateful_env):
+    from rl2.rollout.trajectory import Trajectory
+
+    tokenizer = build_tiny_tokenizer(template="qwen2.5")
+    engine = scripted("qwen2.5", tokenizer, [[("lookup", {})], "The code is 3"])
+    row = prompt(tokenizer, stateful_env, question="Code of the box? (hint)")
+    (trajectory,) = rollout(engine, stateful_env, tokenizer, [row], 1, SamplingParams(), max_turns=2,
+                            tool_calling=ToolCalling(get_tool_parser("hermes")))
+    assert trajectory.messages[1] == {"role": "user", "content": "Hint: the lookup tool knows."}
+    prompt_text = render_chat(trajectory.messages[:2], tokenizer, True, trajectory.tools)
+    assert engine.calls[0][0] == tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    restored = Trajectory.from_dict(json.loads(json.dumps(trajectory.state())))
+    assert restored.environment.lookups == 1 and restored.environment.answer == "3"
+    assert restored.token_ids == trajectory.token_ids and trajectory.environment is not None
+
+
+def test_tools_and_environment_together_are_refused(tmp_path):
+    path = tmp_path / "both.py"
+    path.write_text(STATEFUL_ENV + "\ndef f(x: int) -> int:\n    '''F.\n\n    Args:\n        x: x\n    '''\n"
+                    "TOOLS = [f]\n")
+    with pytest.raises(EnvError, match="defines both TOOLS and ENVIRONMENT"):
+        Env(str(path))

@@ -46,19 +46,19 @@ def call(code: str, **extra) -> str:
     return "<tool_call>\n" + json.dumps({"name": "python", "arguments": {"code": code, **extra}}) + "\n</tool_call>"
 
 
-def test_parse_tool_calls(tool):
+def test_parse_python_calls(tool):
     text = "Let me check. " + call("print(1)") + " and " + call("print(input())", input="x") + " done"
-    assert tool.parse_tool_calls(text) == [("print(1)", ""), ("print(input())", "x")]
-    assert tool.parse_tool_calls("no call here, \\boxed{3}") == []
+    assert tool.parse_python_calls(text) == [("print(1)", ""), ("print(input())", "x")]
+    assert tool.parse_python_calls("no call here, \\boxed{3}") == []
     as_string = '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(2)\\"}"}</tool_call>'
-    assert tool.parse_tool_calls(as_string) == [("print(2)", "")]
-    (bad_json,) = tool.parse_tool_calls("<tool_call>{'name': 'python'}</tool_call>")
+    assert tool.parse_python_calls(as_string) == [("print(2)", "")]
+    (bad_json,) = tool.parse_python_calls("<tool_call>{'name': 'python'}</tool_call>")
     assert bad_json.startswith("Error: the tool call is not valid JSON")
-    (unknown,) = tool.parse_tool_calls('<tool_call>{"name": "bash", "arguments": {"code": "ls"}}</tool_call>')
+    (unknown,) = tool.parse_python_calls('<tool_call>{"name": "bash", "arguments": {"code": "ls"}}</tool_call>')
     assert "unknown tool 'bash'" in unknown
-    (no_code,) = tool.parse_tool_calls('<tool_call>{"name": "python", "arguments": {"program": "x"}}</tool_call>')
+    (no_code,) = tool.parse_python_calls('<tool_call>{"name": "python", "arguments": {"program": "x"}}</tool_call>')
     assert '"code"' in no_code
-    assert tool.parse_tool_calls(call("print(1)") + "<tool_call>{\"name\"")[1] == (
+    assert tool.parse_python_calls(call("print(1)") + "<tool_call>{\"name\"")[1] == (
         "Error: a <tool_call> is not closed with </tool_call>.")
 
 

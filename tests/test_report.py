@@ -31,6 +31,10 @@ def fake_run(folder, steps: int = 6, per_step: int = 12) -> str:
                     "messages": [{"role": "user", "content": f"question {i}"},
                                  {"role": "assistant", "content": f"<tool_call>lookup {i}</tool_call>"},
                                  {"role": "tool", "content": f"code {i}"},
+                                 {"role": "assistant", "content": "", "tool_calls": [  # a native call
+                                     {"id": "call_1", "type": "function",
+                                      "function": {"name": "add", "arguments": {"a": i, "b": 1}}}]},
+                                 {"role": "tool", "tool_call_id": "call_1", "name": "add", "content": str(i + 1)},
                                  {"role": "assistant", "content": f"the answer is \\boxed{{{i}}}"}],
                 }) + "\n")
     shutil.copy(folder / "trajectories" / "step_2.jsonl", folder / "trajectories" / "test_step_2.jsonl")
@@ -103,6 +107,8 @@ def test_report_renders_lists_and_filters_offline(chromium, tmp_path):
     assert dom.count('class="plot"') == groups and dom.count("js-plotly-plot") >= groups  # each group drawn
     assert rendered(dom) == 12 and "12 of 12 trajectories" in dom
     assert '<div class="message role-tool"><b>tool</b>' in dom and '<span class="tool-call">' in dom  # tool calls and answers set apart
+    assert '<span class="tool-call">add({"a":3,"b":1})</span> <span class="muted">call_1</span>' in dom  # native calls
+    assert '<b>tool</b> <span class="muted">add call_1</span>' in dom
     filtered, _ = browse(chromium, page, tmp_path / "browser_b", "#dump=step_3&min=1")
     assert rendered(filtered) == 4 and "4 of 12 trajectories" in filtered
     errors, _ = browse(chromium, page, tmp_path / "browser_c", "#dump=step_3&errors=1")

@@ -308,3 +308,24 @@ def test_two_hop_rollout_through_rl2(search_env, search_url, tiny_model_dir):
         replies = "".join(m["content"] for m in trajectory.messages if m["role"] == "assistant")
         assert tokenizer.decode(generated) == replies
     assert [t.reward for t in trajectories] == [1.0, 0.0]
+
+
+# ----------------------------------------------------------------------------------------------
+# envs/search_tool.py: the same search as a native tool
+
+
+def test_search_tool_is_a_typed_function_and_a_dead_service_an_env_error(search_url, monkeypatch):
+    path = os.path.join(REPO, "envs", "search_tool.py")
+    with Env(path, timeout=30, workers=0) as env:
+        assert env.tools["search"].schema["function"]["parameters"]["required"] == ["query"]
+        with env.interactions() as interactions:
+            found, empty = interactions.call_tools([("search", {"query": "Night Watch painter"}),
+                                                    ("search", {"query": " "})]).result(timeout=60)
+        assert found.content.startswith("Doc 1(Title: The Night Watch) The Night Watch is a work by the artist")
+        assert found.error is None and empty.content == "Error: search raised ValueError: the query is empty"
+        monkeypatch.setenv("SEARCH_URL", f"http://127.0.0.1:{free_port()}/retrieve")
+        monkeypatch.setenv("SEARCH_RETRIES", "1")
+        with env.interactions() as interactions:
+            (dead,) = interactions.call_tools([("search", {"query": "capital of Peru"})]).result(timeout=60)
+        assert dead.env_error.startswith("tool search: search raised ToolUnavailable: retrieval service at")
+        assert env.fault_counts() == {"search_retries": 1}

@@ -14,7 +14,6 @@ JSON schemas come from transformers' `get_json_schema`, or OpenAI-style schemas 
 A call's arguments are checked against its schema (`jsonschema`) before the tool runs.
 """
 
-import inspect
 import json
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,16 +26,17 @@ from rl2.tools import ToolUnavailable  # noqa: F401  (tools raise it; it is defi
 
 @dataclass(frozen=True)
 class Tool:
-    """A tool the model may call: its name, its OpenAI-style schema and the function that runs it."""
+    """A tool the model may call: its name, its OpenAI-style schema and the function that runs it (for a
+    stateful environment's tool, the name of the method to call on the trajectory's instance)."""
 
     name: str
     schema: dict
-    function: Callable
+    function: Callable | str
 
-    @property
-    def is_async(self) -> bool:
-        function = self.function
-        return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(getattr(function, "__call__", None))
+    def bound(self, instance: Any = None) -> Callable:
+        """The function to call: the tool's own, or the method of `instance`."""
+        return getattr(instance, self.function) if isinstance(self.function, str) else self.function
+
 
 
 def tools_from_entries(entries: Any, where: str) -> dict[str, Tool]:
@@ -71,6 +71,35 @@ def _tool(entry: Any, where: str) -> Tool:
                          "(each argument needs a type hint and a line under 'Args:' in a Google-style docstring)"
                          ) from None
     return Tool(schema["function"]["name"], schema, entry)
+
+
+# Methods of a stateful environment that are not tools: its life cycle and its score.
+ENVIRONMENT_METHODS = ("reset", "reward", "close")
+
+
+def environment_tools(factory: Any, where: str) -> dict[str, Tool]:
+    """The tools of a stateful environment (an env file's `ENVIRONMENT`, TRL's `environment_factory` shape):
+    its public methods other than reset / reward / close, schemas from their hints and docstrings. Their
+    `function` is the method's name: each trajectory calls it on its own instance."""
+    if not callable(factory):
+        raise ValueError(f"{where}: ENVIRONMENT must be a class (or a function making one instance per trajectory), "
+                         f"got {type(factory).__name__}")
+    cls = factory if isinstance(factory, type) else type(factory())
+    probe = cls.__new__(cls)  # bound methods for their signatures, without running __init__
+    tools: dict[str, Tool] = {}
+    for name, member in vars(cls).items():
+        if name.startswith("_") or name in ENVIRONMENT_METHODS or not callable(member):
+            continue
+        method = getattr(probe, name)
+        try:
+            schema = get_json_schema(method)
+        except Exception as exc:
+            raise ValueError(f"{where}: ENVIRONMENT's method {name}: no JSON schema can be made from its type hints "
+                             f"and docstring: {exc}") from None
+        tools[name] = Tool(name, schema, name)
+    if not tools:
+        raise ValueError(f"{where}: ENVIRONMENT ({cls.__name__}) has no public method to call as a tool")
+    return tools
 
 
 def check_schema(schema: Any, where: str) -> str:

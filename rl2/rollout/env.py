@@ -54,7 +54,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from rl2.chat.tools import Tool, ToolUnavailable, argument_problem, tools_from_entries
+from rl2.chat.tools import Tool, ToolUnavailable, argument_problem, environment_tools, tools_from_entries
 from rl2.config import RolloutConfig
 from rl2.coroutines import run_coroutine
 from rl2.rollout.env_file import (  # noqa: F401  (EnvArgs, EnvError: env files and callers import them from here)
@@ -128,11 +128,13 @@ class Interactions:
 
         return asyncio.run_coroutine_threadsafe(one(), self.loop)
 
-    def call_tools(self, calls: list[tuple[str, dict]]) -> "concurrent.futures.Future[list[ToolResult]]":
-        """The results of `(tool name, arguments)` calls, run concurrently, in order."""
+    def call_tools(self, calls: list[tuple[str, dict]], instance: Any = None
+                   ) -> "concurrent.futures.Future[list[ToolResult]]":
+        """The results of `(tool name, arguments)` calls (on `instance`, a trajectory's stateful
+        environment), run concurrently, in order."""
         async def one(name: str, arguments: dict) -> ToolResult:
             async with self.semaphore:
-                return await self.env.call_tool(name, arguments)
+                return await self.env.call_tool(name, arguments, instance)
 
         async def every() -> list[ToolResult]:
             return list(await asyncio.gather(*(one(name, arguments) for name, arguments in calls)))
@@ -175,7 +177,10 @@ class Env:
         self._args = dict(args or {})
 
         module = load_env_file(self.path, EnvArgs(self._args, self.path))
-        self._reward_fn = env_function(module, self.path, "reward_fn", ("messages", "answer"), required=True)
+        self.environment_factory = getattr(module, "ENVIRONMENT", None)
+        scores_itself = self.environment_factory is not None and hasattr(self.environment_factory, "reward")
+        self._reward_fn = env_function(module, self.path, "reward_fn", ("messages", "answer"), required=not scores_itself)
+        self.scores_with_environment = self._reward_fn is None  # its stateful environments' reward()
         self.tools = env_tools(module, self.path)
         self.has_tools = bool(self.tools)
         self.tool_timeout = float(tool_timeout or timeout)
@@ -251,9 +256,10 @@ class Env:
             thread.join()
             loop.close()
 
-    async def call_tool(self, name: str, arguments: dict) -> ToolResult:
-        """Run one call of the tool `name` (in an env worker if it is sync, as `reward_fn` runs), within
-        `tool_timeout`; an unknown name or arguments that do not fit its schema are the model's mistake."""
+    async def call_tool(self, name: str, arguments: dict, instance: Any = None) -> ToolResult:
+        """Run one call of the tool `name` (in an env worker if it is sync, as `reward_fn` runs; on
+        `instance`, a trajectory's stateful environment, in this process), within `tool_timeout`; an
+        unknown name or arguments that do not fit its schema are the model's mistake."""
         tool = self.tools.get(name)
         if tool is None:
             error = f"there is no tool named {name!r} (the tools are: {', '.join(self.tools)})"
@@ -262,11 +268,12 @@ class Env:
         if problem is not None:
             return ToolResult(f"Error: {problem}", error=problem)
         start = time.perf_counter()
-        if self._in_workers(tool.function):
+        function = tool.bound(instance)
+        if instance is None and self._in_workers(function):
             outcome = await asyncio.get_running_loop().run_in_executor(
                 self._dispatcher(), self._call_worker, f"tool:{name}", (arguments,), self.tool_timeout)
         else:
-            outcome = await self._call_here(f"tool {name}", _keyword_call(tool), (arguments,), self.tool_timeout)
+            outcome = await self._call_here(f"tool {name}", _keyword_call(function), (arguments,), self.tool_timeout)
         seconds = time.perf_counter() - start
         if outcome.error is None:
             return ToolResult(tool_text(outcome.value), seconds=seconds)
@@ -275,6 +282,65 @@ class Env:
             logger.warning("env %s: tool %s could not run: %s%s", self.path, name, error, outcome.note)
             return ToolResult("", env_error=f"tool {name}: {error}", seconds=seconds)
         return ToolResult(f"Error: {error}", error=error, seconds=seconds)
+
+    def start_environments(self, rows: list[dict]) -> list[EnvResult]:
+        """A stateful environment for each row (`ENVIRONMENT()`, then `reset(**row)`), in this process:
+        value (instance, the observation `reset` returned or None), or the error."""
+        async def start(row: dict) -> tuple[Any, Any]:
+            instance = await self._in_thread(self.environment_factory)
+            reset = getattr(instance, "reset", None)
+            observation = None if reset is None else await self._in_thread(reset, **row)
+            if observation is not None and not isinstance(observation, str):
+                raise TypeError(f"reset returned {type(observation).__name__}, expected a str or None")
+            return instance, observation
+
+        return self._run_in_process("reset", start, [(row,) for row in rows])
+
+    def environment_rewards(self, instances: list[Any]) -> list[EnvResult]:
+        """Each stateful environment's `reward()`; value None where a call failed."""
+        async def reward(instance: Any) -> Any:
+            return await self._in_thread(instance.reward)
+
+        results = self._run_in_process("reward", reward, [(instance,) for instance in instances])
+        return [EnvResult(*_check_reward(r.value)) if r.error is None else r for r in results]
+
+    def close_environments(self, instances: list[Any]) -> None:
+        """Call each stateful environment's `close()` where it has one; a failure is logged, not raised."""
+        for instance in instances:
+            close = getattr(instance, "close", None)
+            try:
+                if close is not None:
+                    result = close()
+                    if inspect.isawaitable(result):
+                        run_coroutine(lambda: result)
+            except Exception as exc:  # noqa: BLE001 - closing must not fail the step
+                logger.warning("env %s: close() of a stateful environment raised %s", self.path,
+                               describe_exception(exc))
+
+    async def _in_thread(self, function: Callable, *args, **kwargs) -> Any:
+        """`function(*args, **kwargs)`: awaited if async, else in one of this process's threads."""
+        if _is_async(function):
+            return await function(*args, **kwargs)
+        result = await asyncio.get_running_loop().run_in_executor(self._threads, lambda: function(*args, **kwargs))
+        return await result if inspect.isawaitable(result) else result
+
+    def _run_in_process(self, name: str, coroutine_fn: Callable, calls: list[tuple]) -> list[EnvResult]:
+        """`coroutine_fn(*args)` for each call on an event loop in this process, each within `timeout`;
+        errors as `EnvResult.error`."""
+        async def one(args: tuple) -> EnvResult:
+            try:
+                return EnvResult(await asyncio.wait_for(coroutine_fn(*args), self.timeout), None)
+            except asyncio.TimeoutError:
+                return EnvResult(None, f"{name} timed out after {self.timeout}s")
+            except Exception as exc:
+                error = f"{name} raised {describe_exception(exc)}"
+                logger.warning("env %s: %s%s", self.path, error, where(exc, self.path))
+                return EnvResult(None, error)
+
+        async def every() -> list[EnvResult]:
+            return list(await asyncio.gather(*(one(args) for args in calls)))
+
+        return run_coroutine(every) if calls else []
 
     def roc_penalties(self, conversations: list[list[dict]]) -> list[EnvResult]:
         """The env file's `roc_penalty(messages)` for each conversation (GRPO-RoC); an error where a
@@ -444,11 +510,16 @@ class Env:
 
 
 def env_tools(module: Any, path: str) -> dict[str, Tool]:
-    """The tools of the env file's `TOOLS`, by name (none without it); `EnvError` for a broken entry."""
-    if getattr(module, "TOOLS", None) is None:
-        return {}
+    """The tools of the env file's `TOOLS`, or of its stateful `ENVIRONMENT`'s methods, by name (none
+    without either); `EnvError` for a broken entry."""
+    tools, environment = getattr(module, "TOOLS", None), getattr(module, "ENVIRONMENT", None)
     try:
-        return tools_from_entries(module.TOOLS, f"env file {path}")
+        if tools is not None and environment is not None:
+            raise ValueError(f"env file {path} defines both TOOLS and ENVIRONMENT: give the tools as functions "
+                             "(TOOLS) or as the methods of a stateful environment (ENVIRONMENT), not both")
+        if environment is not None:
+            return environment_tools(environment, f"env file {path}")
+        return {} if tools is None else tools_from_entries(tools, f"env file {path}")
     except ValueError as exc:
         raise EnvError(str(exc)) from None
 
@@ -460,13 +531,13 @@ def tool_text(value: Any) -> str:
     return "" if value is None else json.dumps(value, ensure_ascii=False, default=str)
 
 
-def _keyword_call(tool: Tool) -> Callable:
-    """The tool as a function of one argument, the dict of its keyword arguments (async if the tool is)."""
-    if tool.is_async:
+def _keyword_call(function: Callable) -> Callable:
+    """`function` as a function of one argument, the dict of its keyword arguments (async if it is)."""
+    if _is_async(function):
         async def call_async(arguments: dict) -> Any:
-            return await tool.function(**arguments)
+            return await function(**arguments)
         return call_async
-    return lambda arguments: tool.function(**arguments)
+    return lambda arguments: function(**arguments)
 
 
 def _is_async(fn: Callable) -> bool:

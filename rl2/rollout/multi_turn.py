@@ -20,6 +20,7 @@ from typing import Any, Callable
 from rl2.chat.bridge import bridge_text
 from rl2.chat.tool_parsers import FunctionToolParser, ToolParser, get_tool_parser
 from rl2.config import RolloutConfig
+from rl2.data.chat_template import render_chat
 from rl2.engines import Engine, Generation, SamplingParams, Turn
 from rl2.rollout.env import Env, EnvResult, Interactions, ToolResult
 from rl2.rollout.trajectory import Trajectory
@@ -136,8 +137,12 @@ def continue_rollout(
             with lock:
                 on_done(trajectory)
 
+    if env is not None and env.environment_factory is not None:
+        _start_environments(env, [t for t in trajectories if not t.done], tokenizer, apply_chat_template)
     for trajectory in trajectories:
-        if not trajectory.done and _room(trajectory, max_length) <= 0:
+        if not trajectory.done and trajectory.errors:  # its environment did not start
+            finish(trajectory)
+        elif not trajectory.done and _room(trajectory, max_length) <= 0:
             trajectory.truncated = True  # a prompt that fills the limit
             finish(trajectory)
     active = [t for t in trajectories if not t.done]
@@ -217,7 +222,7 @@ def _run_calls(interactions: Interactions, trajectory: Trajectory, max_calls: in
     infrastructure error, if any (then the episode ends)."""
     calls = trajectory.pending_calls
     runnable = [call for call in calls[:max_calls] if call["error"] is None]
-    results = interactions.call_tools([(call["name"], call["arguments"]) for call in runnable])
+    results = interactions.call_tools([(call["name"], call["arguments"]) for call in runnable], trajectory.environment)
 
     def tool_messages(outcomes: list[ToolResult]) -> EnvResult:
         by_id = {call["id"]: outcome for call, outcome in zip(runnable, outcomes)}
@@ -238,6 +243,26 @@ def _run_calls(interactions: Interactions, trajectory: Trajectory, max_calls: in
         return EnvResult(messages, env_error)
 
     return _then(results, tool_messages)
+
+
+def _start_environments(env: Env, trajectories: list[Trajectory], tokenizer, apply_chat_template: bool) -> None:
+    """A stateful environment for each trajectory that has none yet (`reset` gets the row's messages and
+    answer); an observation `reset` returns is appended to the prompt as a user message (nothing has been
+    generated yet: the prompt is rendered again). One that fails to start is an env error."""
+    new = [t for t in trajectories if t.environment is None and t.turns == 0 and t.turn_start < 0]
+    rows = [{"messages": copy.deepcopy(t.messages), "answer": t.answer} for t in new]
+    for trajectory, result in zip(new, env.start_environments(rows)):
+        if result.error is not None:
+            trajectory.errors.append(result.error)
+            continue
+        trajectory.environment, observation = result.value
+        if observation:
+            trajectory.messages.append({"role": "user", "content": observation})
+            text = (render_chat(trajectory.messages, tokenizer, True, trajectory.tools) if apply_chat_template
+                    else tokenizer.decode(trajectory.token_ids, skip_special_tokens=False) + observation)
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            trajectory.token_ids, trajectory.action_mask = ids, [0] * len(ids)
+            trajectory.logprobs, trajectory.versions = [0.0] * len(ids), [-1] * len(ids)
 
 
 def _turn(trajectory: Trajectory, params: SamplingParams, max_length: int | None) -> Turn:
@@ -350,12 +375,20 @@ def observation_tokens(
 
 
 def assign_rewards(env: Env, trajectories: list[Trajectory]) -> None:
-    """Score the trajectories with the env's `reward_fn` (concurrently); a failed call leaves the
-    reward None and its error is kept on the trajectory. A trajectory that already failed (an
-    `interact` error, an aborted generation) is not scored: its outcome is not the policy's."""
+    """Score the trajectories with the env's `reward_fn` (concurrently), or their stateful environments'
+    `reward()` where the env file has no `reward_fn`; a failed call leaves the reward None and its error is
+    kept on the trajectory. A trajectory that already failed (an env error, an aborted generation) is not
+    scored: its outcome is not the policy's. Their stateful environments are closed and dropped then."""
     to_score = [t for t in trajectories if not t.errors]
-    results = env.rewards([t.messages for t in to_score], [t.answer for t in to_score]) if to_score else []
-    for trajectory, result in zip(to_score, results):
+    by_instance = [t for t in to_score if t.environment is not None and env.scores_with_environment]
+    by_function = [t for t in to_score if not (t.environment is not None and env.scores_with_environment)]
+    results = env.rewards([t.messages for t in by_function], [t.answer for t in by_function]) if by_function else []
+    results += env.environment_rewards([t.environment for t in by_instance]) if by_instance else []
+    for trajectory, result in zip(by_function + by_instance, results):
         trajectory.reward = result.value
         if result.error is not None:
             trajectory.errors.append(result.error)
+    with_environments = [t for t in trajectories if t.environment is not None]
+    env.close_environments([t.environment for t in with_environments])
+    for trajectory in with_environments:
+        trajectory.environment = None

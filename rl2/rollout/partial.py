@@ -11,7 +11,6 @@ Every rank holds all the carried-over groups (they are gathered), so a checkpoin
 run continues them where they stood.
 """
 
-import dataclasses
 
 from rl2.distributed.process_group import all_gather_objects, rank, rank_slice
 from rl2.engines import SamplingParams
@@ -129,7 +128,7 @@ class PartialRollout:
     def state_dict(self) -> dict:
         """The carried-over groups (JSON-able) and the next group id, for a checkpoint."""
         return {"next_group": self.next_group,
-                "carried": [[dataclasses.asdict(t) for t in group] for group in self.carried]}
+                "carried": [[t.state() for t in group] for group in self.carried]}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_group = state["next_group"]

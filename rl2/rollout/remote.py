@@ -13,7 +13,6 @@ trains on it, whatever the timing: K = 0 is the synchronous run, K = 1 one-step-
 generated while step s trains); runs are reproducible.
 """
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -357,7 +356,7 @@ class RemoteRollout(RolloutRecords):
             self._receive_batch(batch)
         server = self._reply(self._request({"kind": "state"}))  # after the batches in flight: what it holds then
         return {"version": self.version, "server": server, "in_flight": [
-            {"step": b.step, "version": b.version, "trajectories": [dataclasses.asdict(t) for t in b.trajectories],
+            {"step": b.step, "version": b.version, "trajectories": [t.state() for t in b.trajectories],
              "faults": b.faults, "metrics": b.metrics} for b in self.in_flight]}
 
     def load_state_dict(self, state: dict) -> None:

@@ -1,5 +1,8 @@
 """A trajectory: one episode of a rollout, as token ids and as messages, with its reward."""
 
+import base64
+import dataclasses
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,12 +37,27 @@ class Trajectory:
     pending_calls: list[dict] = field(default_factory=list)
     calls_made: int = 0
     tool_stats: list[dict] = field(default_factory=list)
+    # A stateful environment's instance (an env file's ENVIRONMENT), from the episode's start until it is scored.
+    environment: Any = None
 
     @classmethod
     def from_dict(cls, fields: dict) -> "Trajectory":
-        """A trajectory from its fields as JSON gives them back (`dataclasses.asdict`, then a round trip)."""
-        stream = fields.get("stream")
-        return cls(**{**fields, "stream": tuple(stream) if stream is not None else None})
+        """A trajectory from its fields as JSON gives them back (`state()`, then a round trip)."""
+        stream, environment = fields.get("stream"), fields.get("environment")
+        if isinstance(environment, str):  # pickled by `state()`
+            environment = pickle.loads(base64.b64decode(environment))
+        return cls(**{**fields, "stream": tuple(stream) if stream is not None else None, "environment": environment})
+
+    def state(self) -> dict:
+        """The trajectory's fields as JSON holds them (a checkpoint); a stateful environment pickled."""
+        environment, self.environment = self.environment, None
+        try:
+            fields = dataclasses.asdict(self)
+        finally:
+            self.environment = environment
+        if environment is not None:
+            fields["environment"] = base64.b64encode(pickle.dumps(environment)).decode()
+        return fields
 
     @property
     def response_length(self) -> int:
