@@ -13,7 +13,7 @@ demo: install
 	NPROC=$(NPROC) bash recipes/ppo_tiny.sh
 
 demo-tool: install
-	TASK=lookup NPROC=$(NPROC) bash recipes/ppo_tiny.sh
+	TASK=tools NPROC=$(NPROC) bash recipes/ppo_tiny.sh
 
 demo-sft: install
 	NPROC=$(NPROC) bash recipes/sft_tiny.sh

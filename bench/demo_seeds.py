@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=10, help="seeds 1..N")
     parser.add_argument("--first-seed", type=int, default=1)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--tasks", nargs="+", default=["successor", "lookup"], choices=["successor", "lookup"])
+    parser.add_argument("--tasks", nargs="+", default=["successor", "lookup"], choices=["successor", "lookup", "tools"])
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--ppo-steps", type=int, default=60)
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary directory)")

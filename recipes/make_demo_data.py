@@ -6,9 +6,9 @@
 - `lookup`: "What is the code of the red fox box?" where the code is a hash of the name that only
   the env's `lookup` tool knows. The warm-up shows both guessing and calling the tool (then
   copying its answer); RL has to learn that calling the tool pays.
-- `tools`: the task with native function calling, boxes numbered 0..99 ("What is the code of box 37?"):
-  the warm-up's calls are structured `tool_calls` of `lookup(box=37)` (`envs/demo_tools.py`), its rows
-  carry the tool's schema in a `tools` column, and the chat template writes both.
+- `tools`: the `lookup` task with native function calling: the warm-up's calls are structured
+  `tool_calls` of the stateful environment's `lookup()` (`envs/demo_tools.py`), its rows carry the
+  tool's schema in a `tools` column, and the chat template writes both.
 
     python recipes/make_demo_data.py --task largest --out /tmp/demo_largest
 """
@@ -23,7 +23,7 @@ from transformers.utils import get_json_schema
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "envs"))
 from demo_lookup import secret_code, tool_reply  # noqa: E402  (the env file owns the secret)
-from demo_tools import BOXES, lookup  # noqa: E402
+from demo_tools import Boxes  # noqa: E402
 
 
 def successor_rows(rng: random.Random, n: int) -> tuple[list[dict], list[dict]]:
@@ -63,13 +63,13 @@ def lookup_rows(rng: random.Random, n: int) -> tuple[list[dict], list[dict]]:
 
 def tools_rows(rng: random.Random, n: int) -> tuple[list[dict], list[dict]]:
     sft, rl = [], []
-    schema = get_json_schema(lookup)
+    schema = get_json_schema(Boxes.__new__(Boxes).lookup)
     for _ in range(n):
-        box = rng.randrange(BOXES)
-        code = secret_code("box", str(box))
-        prompt = [{"role": "user", "content": f"What is the code of box {box}?"}]
+        colour, thing = rng.choice(COLOURS), rng.choice(THINGS)
+        code = secret_code(colour, thing)
+        prompt = [{"role": "user", "content": f"What is the code of the {colour} {thing} box?"}]
         if rng.random() < 0.5:
-            call = {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": {"box": box}}}
+            call = {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": {}}}
             reply = [
                 {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_0", "name": "lookup", "content": tool_reply(code)},

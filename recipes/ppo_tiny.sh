@@ -7,9 +7,10 @@
 #   TASK=lookup               multi-turn: the code of a box is known only to the env's lookup tool;
 #                             the warm-up calls the tool half the time and guesses otherwise; RL
 #                             learns that calling the tool pays (the tool through interact(messages)).
-#   TASK=tools                the same with native function calling: lookup(box) is a
-#                             typed function in envs/demo_tools.py, its schema in Qwen2.5's chat
-#                             template (the tiny model's), calls parsed from <tool_call> JSON.
+#   TASK=tools                native function calling: lookup(box) is a typed function in
+#                             envs/demo_tools.py, shown to the model by its chat template (a compact
+#                             ChatML with tools, rl2.testing.tiny --template chatml-tools), its calls
+#                             parsed from <tool_call> JSON; the warm-up's rows carry tool_calls.
 #
 # Both stages warm the lr up: Adam's first steps move every weight by ~lr whatever its gradient, which
 # at full lr once sent the warm-up into a long plateau (SFT seed 10) and the policy into an all-zero-
@@ -26,7 +27,7 @@ SEED=${SEED:-42}
 case "$TASK" in
   successor) TURNS=1; NEW_TOKENS=12 ;;
   lookup) TURNS=2; NEW_TOKENS=16 ;;
-  tools) TURNS=2; NEW_TOKENS=64; TEMPLATE=${TEMPLATE:-qwen2.5}; SFT_STEPS=${SFT_STEPS:-100} ;;
+  tools) TURNS=2; NEW_TOKENS=48; TEMPLATE=${TEMPLATE:-chatml-tools}; SFT_STEPS=${SFT_STEPS:-400} ;;
   *) echo "TASK must be successor, lookup or tools, not $TASK" >&2; exit 2 ;;
 esac
 TEMPLATE=${TEMPLATE:-chatml}

@@ -432,7 +432,7 @@ def test_gpt_oss_without_tools_schema_types_and_errors(tokenizers):
 # think block of a last assistant turn goes once something follows it; mistral: the system prompt only
 # joins a user message that is last, and the tools sit before the last user message; gpt-oss: the last
 # final answer ends with <|return|>, which becomes <|end|> once something follows.
-REWRITES = {"chatml": (), "qwen2.5": (), "llama3.1": (), "qwen3": ("tool result", "new user message"),
+REWRITES = {"chatml": (), "chatml-tools": (), "qwen2.5": (), "llama3.1": (), "qwen3": ("tool result", "new user message"),
             "mistral": ("tool call", "new user message"), "gpt-oss": ("new user message",)}
 
 
@@ -487,3 +487,18 @@ def test_cli_template_option(tmp_path, monkeypatch):
     tiny.main()
     loaded = AutoTokenizer.from_pretrained(folder)
     assert loaded.chat_template == chat_family("mistral").chat_template and loaded.eos_token == "</s>"
+
+
+def test_chatml_tools_is_compact_and_renders_calls():
+    """The CPU demo's template: tools as one short system line, hermes calls, tool turns."""
+    tokenizer = build_tiny_tokenizer(template="chatml-tools")
+    schema = {"type": "function", "function": {"name": "lookup", "description": "Read a code.", "parameters": {
+        "type": "object", "properties": {"box": {"type": "integer", "description": "its number"}}, "required": ["box"]}}}
+    messages = [{"role": "user", "content": "Code of box 3?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": {"box": 3}}}]},
+                {"role": "tool", "tool_call_id": "call_0", "name": "lookup", "content": "code 5"}]
+    assert tokenizer.apply_chat_template(messages, tools=[schema], tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>system\nTools: lookup(box: integer)<|im_end|>\n<|im_start|>user\nCode of box 3?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "lookup", "arguments": {"box": 3}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>tool\ncode 5<|im_end|>\n<|im_start|>assistant\n")

@@ -382,3 +382,22 @@ def test_tools_and_environment_together_are_refused(tmp_path):
                     "TOOLS = [f]\n")
     with pytest.raises(EnvError, match="defines both TOOLS and ENVIRONMENT"):
         Env(str(path))
+
+
+def test_calls_waiting_when_a_step_pauses_run_after_a_checkpoint(env):
+    """A partial rollout can pause a trajectory between its calls and their answers: the calls wait in the
+    trajectory (through a checkpoint's JSON) and run when it goes on."""
+    from rl2.rollout.multi_turn import continue_rollout
+    from rl2.rollout.trajectory import Trajectory
+
+    tokenizer = build_tiny_tokenizer(template="qwen2.5")
+    engine = scripted("qwen2.5", tokenizer, [[("lookup", {"box": "red"})], "The code is 3"])
+    calling = ToolCalling(get_tool_parser("hermes"))
+    (trajectory,) = rollout(engine, env, tokenizer, [prompt(tokenizer, env)], 1, SamplingParams(), max_turns=1,
+                            tool_calling=calling)
+    assert [call["name"] for call in trajectory.pending_calls] == ["lookup"]
+    trajectory.done, trajectory.stage = False, "interact"  # as a pause at its tool calls leaves it
+    resumed = Trajectory.from_dict(json.loads(json.dumps(trajectory.state())))
+    continue_rollout(engine, env, tokenizer, [resumed], SamplingParams(), max_turns=2, tool_calling=calling)
+    assert [m["role"] for m in resumed.messages] == ["user", "assistant", "tool", "assistant"]
+    assert resumed.messages[2]["content"] == "code 3" and resumed.turns == 2 and not resumed.pending_calls

@@ -30,9 +30,12 @@ def bridge_text(tokenizer, assistant: dict, new_messages: list[dict], tools: lis
     text of the special token the model ended its turn with (its end-of-turn token), None when the turn
     ended otherwise (a stop string): then the template's end of the turn is part of the bridge."""
     header = render_chat([STUB_USER], tokenizer, True, tools)
-    base = render_chat([STUB_USER, assistant], tokenizer, False, tools)
     full = render_chat([STUB_USER, assistant, *new_messages], tokenizer, True, tools)
-    start = len(header) if base.startswith(header) and full.startswith(header) else 0
+    start = len(header) if full.startswith(header) else 0
+    if generated_end and generated_end in full[start:]:  # the model's end-of-turn token, which the template writes
+        return full[full.find(generated_end, start) + len(generated_end):]
+    base = render_chat([STUB_USER, assistant], tokenizer, False, tools)
+    start = start if base.startswith(header) else 0
     end = _turn_end_token(tokenizer, base[start:], generated_end)
     if end is None:  # no end-of-turn token to find the turn's end by: the turn must render the same
         if not full.startswith(base):

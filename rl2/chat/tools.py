@@ -15,7 +15,7 @@ A call's arguments are checked against its schema (`jsonschema`) before the tool
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jsonschema
@@ -32,6 +32,12 @@ class Tool:
     name: str
     schema: dict
     function: Callable | str
+    validator: Any = field(default=None, compare=False, repr=False)  # of the parameters' JSON schema
+
+    def __post_init__(self):
+        parameters = self.schema["function"].get("parameters")
+        if parameters and self.validator is None:
+            object.__setattr__(self, "validator", jsonschema.validators.validator_for(parameters)(parameters))
 
     def bound(self, instance: Any = None) -> Callable:
         """The function to call: the tool's own, or the method of `instance`."""
@@ -120,11 +126,9 @@ def check_schema(schema: Any, where: str) -> str:
 
 def argument_problem(tool: Tool, arguments: dict) -> str | None:
     """Why `arguments` do not fit the tool's parameters, in words for the model; None when they do."""
-    parameters = tool.schema["function"].get("parameters")
-    if not parameters:
+    if tool.validator is None:
         return None if not arguments else f"{tool.name} takes no arguments, got {sorted(arguments)}"
-    errors = sorted(jsonschema.validators.validator_for(parameters)(parameters).iter_errors(arguments),
-                    key=lambda error: list(error.path))
+    errors = sorted(tool.validator.iter_errors(arguments), key=lambda error: list(error.path))
     if not errors:
         return None
     error = errors[0]

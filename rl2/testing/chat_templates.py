@@ -552,11 +552,40 @@ _MISTRAL_SPECIAL = (
     "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
 )
 
+# A compact ChatML with tools, for the CPU demo of native function calling (not a real family): each tool
+# as `name(parameter: type, ...)` in a short system turn (a tiny model learns little across the
+# hundreds of tokens of a real template's tool section), hermes-style calls, tool results as `tool` turns.
+CHATML_TOOLS_TEMPLATE = r"""
+{%- if tools %}
+    {{- '<|im_start|>system\nTools:' }}
+    {%- for tool in tools %}
+        {%- set fn = tool.function if tool.function is defined else tool %}
+        {{- ' ' + fn.name + '(' }}
+        {%- for name, spec in (fn.parameters.properties if fn.parameters is defined else {}).items() %}
+            {{- (', ' if not loop.first else '') + name + ': ' + spec.type }}
+        {%- endfor %}
+        {{- ')' }}
+    {%- endfor %}
+    {{- '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\n' + (message.content or '') }}
+    {%- for call in message.tool_calls or [] %}
+        {{- ('\n' if message.content or not loop.first else '') + '<tool_call>\n{"name": "' + call.function.name }}
+        {{- '", "arguments": ' + call.function.arguments | tojson + '}\n</tool_call>' }}
+    {%- endfor %}
+    {{- '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
 # The `<|endoftext|>` pad/unk defaults are the trained vocabulary's first token (byte-level BPE never
 # produces an unknown token); Llama and Mistral have no pad token of their own, the tiny ones get a
 # reserved token so that a folder read back by transformers keeps the same special tokens.
 FAMILIES = MappingProxyType({
     "chatml": ChatFamily("chatml", CHAT_TEMPLATE, eos_token="<|im_end|>"),
+    "chatml-tools": ChatFamily("chatml-tools", CHATML_TOOLS_TEMPLATE, eos_token="<|im_end|>",
+                               plain_tokens=("<tool_call>", "</tool_call>")),
     "qwen2.5": ChatFamily(
         "qwen2.5", QWEN25_TEMPLATE, eos_token="<|im_end|>", plain_tokens=("<tool_call>", "</tool_call>"),
     ),
