@@ -401,3 +401,30 @@ def test_calls_waiting_when_a_step_pauses_run_after_a_checkpoint(env):
     continue_rollout(engine, env, tokenizer, [resumed], SamplingParams(), max_turns=2, tool_calling=calling)
     assert [m["role"] for m in resumed.messages] == ["user", "assistant", "tool", "assistant"]
     assert resumed.messages[2]["content"] == "code 3" and resumed.turns == 2 and not resumed.pending_calls
+
+
+def test_a_template_without_end_tokens_bridges_only_if_it_keeps_the_turn():
+    from rl2.chat.bridge import HistoryRewritten
+
+    tokenizer = build_tiny_tokenizer()
+    assistant, tool = {"role": "assistant", "content": "hi"}, [{"role": "tool", "content": "x"}]
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    assert bridge_text(tokenizer, assistant, tool) == "tool: x\n"
+    tokenizer.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}"
+                               "{% if loop.last %} (last){% endif %}\n{% endfor %}")
+    with pytest.raises(HistoryRewritten, match="writes no end-of-turn token"):
+        bridge_text(tokenizer, assistant, tool)
+
+
+def test_pair_rows_are_rendered_with_their_tools(tmp_path):
+    from rl2.data.conversations import PairDataset
+
+    tokenizer = build_tiny_tokenizer(template="qwen2.5")
+    row = {"messages": [{"role": "user", "content": "Code of the red box?"}], "chosen": "Let me look it up.",
+           "rejected": "It is 9.", "tools": json.dumps([get_json_schema(lookup)])}  # a JSON string, as in CSV
+    item = PairDataset(write_rows(tmp_path, [row]), tokenizer, None)[0]
+    for side, reply in (("chosen", "Let me look it up."), ("rejected", "It is 9.")):
+        ids = item[side]["input_ids"].tolist()
+        assert '"name": "lookup"' in tokenizer.decode(ids, skip_special_tokens=False)
+        trained = [t for t, m in zip(ids, item[side]["loss_mask"].tolist()) if m]
+        assert tokenizer.decode(trained, skip_special_tokens=False) == reply + "<|im_end|>"

@@ -9,9 +9,8 @@ text the chat template writes after that turn's end-of-turn token in a stub conv
 So the whole conversation is never re-rendered, and a template that renders earlier turns differently
 once more messages follow (Qwen3 drops an empty or earlier reasoning block; Mistral's templates move the
 tool list before the last user message; templates re-render `tool_calls` from structure) never changes a
-token already in the trajectory: the model is trained on exactly what it saw and produced. Such a template
-`rewrites_history`; where the model should rather see each turn as the template renders it,
-`rollout.trajectory_format=per_turn` trains each turn as its own sequence.
+token already in the trajectory: the model is trained on exactly what it saw and produced. `rewrites_history`
+says whether a template does (then the trajectory differs from the template's rendering of its conversation).
 """
 
 from rl2.data.chat_template import render_chat
@@ -41,7 +40,7 @@ def bridge_text(tokenizer, assistant: dict, new_messages: list[dict], tools: lis
         if not full.startswith(base):
             raise HistoryRewritten(
                 "the chat template writes no end-of-turn token and renders an assistant turn differently once "
-                "more messages follow it, so the tokens after it cannot be found; use rollout.trajectory_format=per_turn")
+                "more messages follow it, so where the tokens after the turn begin cannot be found")
         return full[len(base):]
     position = full.find(end, start)
     return full[position + len(end):] if generated_end else full[position:]

@@ -134,7 +134,6 @@ class RolloutConfig:
     tool_parser: str = _f("hermes", "native function calling (an env file with TOOLS): how the model writes its calls; hermes = Qwen2.5/Qwen3 <tool_call>{json}</tool_call>, qwen3_coder = <function=...><parameter=...>, llama3_json = Llama 3.x JSON, mistral = [TOOL_CALLS]; an env file's parse_tool_calls(text) overrides it", ["hermes", "qwen3_coder", "llama3_json", "mistral"])
     tool_timeout: Optional[float] = _f(None, "seconds one tool call may take (its tool message then says it timed out); null = rollout.env_timeout")
     max_tool_calls: int = _f(8, "tool calls run per assistant turn; the model is told that the ones past it were not run")
-    trajectory_format: str = _f("concat", "multi-turn: concat = one sequence per trajectory, each turn continuing the tokens of the last (bridged, token-exact); per_turn = each assistant turn trained as its own sequence with its prompt as the chat template renders it (for templates that rewrite earlier turns, e.g. Qwen3 with follow-up user turns), the trajectory's reward and advantage on every turn", ["concat", "per_turn"])
     env_path: Optional[str] = _f(None, "python file defining the environment (reward / tool steps)")
     env_timeout: float = _f(60.0, "seconds one reward_fn / interact call may take; a call past it fails like one that raised: the trajectory gets no reward (null), is left out of the update and counted in env_errors")
     env_concurrency: int = _f(64, "env calls running at once (threads for sync functions)")
