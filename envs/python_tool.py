@@ -39,8 +39,6 @@ import asyncio
 import json
 import re
 
-from transformers.utils import get_json_schema
-
 from rl2.tools import ToolUnavailable, code_client
 from rl2.tools.lazy import Lazy
 from rl2.tools.math_grader import MathGrader
@@ -176,7 +174,25 @@ async def python(code: str, input: str = "") -> str:
 
 
 TOOLS = [python]
-TOOL_SCHEMA = get_json_schema(python)
+# What rl2 makes of `python`'s hints and docstring (transformers' get_json_schema; a test holds them equal),
+# written out for SYSTEM_PROMPT so that this file's env workers need not import transformers.
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "Run a Python 3 program and return what it prints (stdout, and stderr if it fails). "
+        "Each call starts fresh: define everything you use. Print the values you want to see.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "description": "The complete program."},
+                "input": {"type": "string", "description": "Text given to the program on stdin (optional)."},
+            },
+            "required": ["code"],
+        },
+        "return": {"type": "string"},
+    },
+}
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant that solves math problems step by step. You may run Python code to "

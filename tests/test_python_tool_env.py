@@ -3,6 +3,7 @@ sandbox and the code service behind `interact`, an executor that cannot run prog
 error, never a tool message), and the env end to end through the rollout."""
 
 import asyncio
+import json
 import os
 import re
 import time
@@ -242,3 +243,10 @@ def test_end_to_end_through_the_rollout(tiny_model_dir, monkeypatch):
     assert roles == ["system", "user", "assistant", "tool", "assistant"]
     assert trajectory.messages[3]["content"] == "385"
     assert trajectory.reward == 1.0 and trajectory.done
+
+
+def test_the_tool_schema_is_what_rl2_makes_of_the_function(tool):
+    from transformers.utils import get_json_schema
+
+    assert tool.TOOL_SCHEMA == get_json_schema(tool.python) and tool.TOOLS == [tool.python]
+    assert json.dumps(tool.TOOL_SCHEMA) in tool.SYSTEM_PROMPT

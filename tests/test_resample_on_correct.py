@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from rl2.algorithms.resample_on_correct import ROC_EPS, resample_on_correct
+from rl2.chat.tool_parsers import get_tool_parser
+from rl2.chat.tools import Tool, argument_problem
 from rl2.tools.roc_penalty import roc_penalty, roc_tool_error
 from rl2.rollout.env_file import load_env_file
 
@@ -276,12 +278,24 @@ def error_replies(env) -> list[str]:
         fmt("1\n2\n", "", "timeout", 4.0, 1024),
         fmt("", "sandbox worker died or stopped answering; it has been replaced", "tool_error", 4.0, 1024),
         fmt("", "code service unreachable", "tool_error", 4.0, 1024),
-        *env.parse_tool_calls('<tool_call>{"name": "python", "arguments": </tool_call>'),
-        *env.parse_tool_calls('<tool_call>{"name": "bash", "arguments": {"code": "ls"}}</tool_call>'),
-        *env.parse_tool_calls('<tool_call>{"name": "python", "arguments": {}}</tool_call>'),
-        *env.parse_tool_calls("<tool_call>print(1)"),
+        *env.parse_python_calls('<tool_call>{"name": "python", "arguments": </tool_call>'),
+        *env.parse_python_calls('<tool_call>{"name": "bash", "arguments": {"code": "ls"}}</tool_call>'),
+        *env.parse_python_calls('<tool_call>{"name": "python", "arguments": {}}</tool_call>'),
+        *env.parse_python_calls("<tool_call>print(1)"),
         "Error: at most 8 tool calls are run per turn; 2 were skipped.",
+        *native_error_replies(),
     ]
+
+
+def native_error_replies() -> list[str]:
+    """What rl2 answers a native call the model got wrong (the env's TOOLS path), made by rl2's own code."""
+    parsed = get_tool_parser("hermes").parse('<tool_call>\n{"name": "python", "arguments": \n</tool_call>'
+                                            '<tool_call>\n{"name": "bash", "arguments": {}}\n</tool_call>',
+                                            [{"type": "function", "function": {"name": "python"}}])
+    schema = {"type": "function", "function": {"name": "python", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+    return [f"Error: {call.error}" for call in parsed.calls] + [
+        f"Error: {argument_problem(Tool('python', schema, print), {'program': 'x'})}"]
 
 
 def ok_replies(env) -> list[str]:
@@ -296,6 +310,7 @@ def ok_replies(env) -> list[str]:
 
 
 def test_error_markers_match_the_env_messages(env):
+    assert len(native_error_replies()) == 3
     errors, oks = error_replies(env), ok_replies(env)
     assert "TimeoutError: the program did not finish within 4 seconds." in errors[5]
     assert "Traceback" not in errors[2] and errors[2].endswith("RecursionError: maximum recursion depth exceeded")

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jsonschema
-from transformers.utils import get_json_schema
 
 from rl2.tools import ToolUnavailable  # noqa: F401  (tools raise it; it is defined where env files import helpers)
 
@@ -60,6 +59,18 @@ def tools_from_entries(entries: Any, where: str) -> dict[str, Tool]:
     return tools
 
 
+def tool_functions(entries: Any) -> dict[str, Callable]:
+    """The functions of an env file's `TOOLS` by the names their schemas give them, without making the
+    schemas (what an env worker process needs to run them; `tools_from_entries` checked them at start-up)."""
+    functions = {}
+    for entry in entries or ():
+        if isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], dict):
+            functions[entry[0]["function"]["name"]] = entry[1]
+        else:
+            functions[getattr(entry, "__name__", type(entry).__name__)] = entry
+    return functions
+
+
 def _tool(entry: Any, where: str) -> Tool:
     if isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], dict):
         schema, function = entry
@@ -69,6 +80,8 @@ def _tool(entry: Any, where: str) -> Tool:
         return Tool(check_schema(schema, where), schema, function)
     if not callable(entry):
         raise ValueError(f"{where}: expected a function or a (schema, function) pair, got {type(entry).__name__}")
+    from transformers.utils import get_json_schema  # here: env worker processes need no transformers (~1 s)
+
     name = getattr(entry, "__name__", type(entry).__name__)
     try:
         schema = get_json_schema(entry)
@@ -90,6 +103,8 @@ def environment_tools(factory: Any, where: str) -> dict[str, Tool]:
     if not callable(factory):
         raise ValueError(f"{where}: ENVIRONMENT must be a class (or a function making one instance per trajectory), "
                          f"got {type(factory).__name__}")
+    from transformers.utils import get_json_schema
+
     cls = factory if isinstance(factory, type) else type(factory())
     probe = cls.__new__(cls)  # bound methods for their signatures, without running __init__
     tools: dict[str, Tool] = {}

@@ -21,7 +21,8 @@ import resource
 import sys
 from typing import Any
 
-from rl2.chat.tools import Tool, ToolUnavailable, tools_from_entries
+from rl2.chat.tools import tool_functions
+from rl2.tools import ToolUnavailable
 from rl2.rollout.env_file import EnvArgs, EnvError, describe_exception, load_env_file, module_fault_counts, where
 from rl2.tools.worker_pool import PICKLE, serve
 
@@ -39,13 +40,13 @@ def limit_memory(megabytes: int) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
-def call(module: Any, path: str, memory_mb: int, request: tuple[str, tuple], tools: dict[str, Tool] | None = None
+def call(module: Any, path: str, memory_mb: int, request: tuple[str, tuple], tools: dict[str, Any] | None = None
          ) -> dict:
     """Run one env function (or one of its `tools`) and describe its outcome."""
     name, args = request
     try:
         if name.startswith("tool:"):
-            result = (tools or {})[name.removeprefix("tool:")].function(**args[0])
+            result = (tools or {})[name.removeprefix("tool:")](**args[0])
         else:
             result = getattr(module, name)(*args)
         if inspect.isawaitable(result):  # a plain function returning a coroutine
@@ -70,8 +71,8 @@ def main() -> None:
     limit_memory(memory_mb)
     try:
         module = load_env_file(path, EnvArgs(args, path))
-        tools = tools_from_entries(module.TOOLS, path) if getattr(module, "TOOLS", None) is not None else {}
-    except (EnvError, ValueError) as error:
+        tools = tool_functions(getattr(module, "TOOLS", None))
+    except EnvError as error:
         sys.exit(f"rl2 env worker: {error}")
     serve(lambda request: call(module, path, memory_mb, request, tools), PICKLE)
 
