@@ -39,9 +39,9 @@ class _ConversationDataset(torch.utils.data.Dataset):
         self.columns = columns
         self.tools = tools or {}
         validate_rows(self.rows, self.kind, self.source, columns)
-        self.has_tools_column = "tools" in self.rows.column_names
-        for i in range(len(self.rows) if self.has_tools_column else 0):
-            self._tools(i)  # a malformed tools cell fails here, naming its row
+        # Each row's tool schemas, read once (a malformed cell fails here, naming its row); None: no column.
+        self.row_tools = ([self._read_tools(i) for i in range(len(self.rows))]
+                          if "tools" in self.rows.column_names else None)
         self.tokenizer = tokenizer
         self.max_length = max_length
         # Counted in the process that calls __getitem__ (a DataLoader worker's count stays there).
@@ -56,7 +56,10 @@ class _ConversationDataset(torch.utils.data.Dataset):
 
     def _tools(self, i: int) -> list[dict] | None:
         """The tool schemas row `i` is rendered with (None: no tools)."""
-        value = self.rows[i]["tools"] if self.has_tools_column else None
+        return self.row_tools[i] if self.row_tools is not None else self._read_tools(i)
+
+    def _read_tools(self, i: int) -> list[dict] | None:
+        value = self.rows[i]["tools"] if "tools" in self.rows.column_names else None
         if value is None:
             return [tool.schema for tool in self.tools.values()] or None
         try:
