@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 # Versions as on the CPU machines where the suite passes; pure-Python sdists are built into wheels here.
 WHEELS="transformers==5.23.0 tokenizers==0.23.3 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 omegaconf==2.4.0
 antlr4-python3-runtime==4.13.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 pylatexenc==2.11 bm25s==0.3.16
-plotly==7.1.0"
+plotly==7.1.0 jsonschema==4.26.0 referencing==0.37.0 rpds-py==0.30.0 jsonschema-specifications==2025.9.1"
 
 if [ "$STAGE" = wheels ]; then
   mkdir -p .whl
@@ -47,7 +47,7 @@ case "$STAGE" in
   demo)
     (NPROC=1 OUT=/tmp/demo timeout "${STAGE_TIMEOUT:-270}" bash recipes/ppo_tiny.sh "$@" 2>&1 | tail -40) \
         | tee -a "$OUT/demo.txt"
-    (TASK=lookup NPROC=1 OUT=/tmp/demo_tool timeout "${STAGE_TIMEOUT:-270}" bash recipes/ppo_tiny.sh "$@" 2>&1 \
+    (TASK=tools NPROC=1 OUT=/tmp/demo_tool timeout "${STAGE_TIMEOUT:-270}" bash recipes/ppo_tiny.sh "$@" 2>&1 \
         | tail -40) | tee -a "$OUT/demo.txt" ;;
   *) echo "unknown stage $STAGE" >&2; exit 2 ;;
 esac

@@ -16,6 +16,10 @@ CUDA; on CPU no MFU is printed.
 
     python bench/gpu_train.py [--shapes 0.5b 1.5b] [--tokens 68800] [--max-tokens 16384] [--steps 3]
     python bench/gpu_train.py --shapes tiny --tokens 4000 --max-tokens 1024 --steps 1   # CPU
+
+With `--profile` one more rl2 train step runs under `torch.profiler`: the device's busy share of the
+step's wall time, its kernel time by kind (matmul, attention, the log-prob head's softmax work,
+other elementwise, optimizer, copies) and the costliest kernels.
 """
 
 import argparse
@@ -118,6 +122,46 @@ def timed_steps(step, steps: int, device: torch.device) -> float:
     return sorted(times)[len(times) // 2]
 
 
+KERNEL_KINDS = (  # first match wins; names as CUDA kernels and CPU ops are called
+    ("matmul", ("gemm", "matmul", "nvjet", "cutlass", "sm90_xmma", "aten::mm", "aten::addmm", "aten::bmm", "linear")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("optimizer", ("adam", "foreach", "multi_tensor")),
+    ("copies/casts", ("memcpy", "memset", "copy", "to_copy", "cast", "nccl", "all_gather", "reduce_scatter")),
+    ("softmax/reductions", ("logsumexp", "softmax", "reduce", "exp", "vecdot", "gather", "scatter")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(key in lowered for key in keys)), "other elementwise")
+
+
+def profile_step(step, device: torch.device, label: str, top: int = 18) -> None:
+    """One `step` under torch.profiler: wall time, the device's busy share, kernel time by kind, top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    wall = time.perf_counter() - start
+    kernel_type = torch.autograd.DeviceType.CUDA if device.type == "cuda" else torch.autograd.DeviceType.CPU
+    events = [e for e in prof.key_averages() if e.device_type == kernel_type and e.self_device_time_total > 0] \
+        if device.type == "cuda" else [e for e in prof.key_averages() if e.self_cpu_time_total > 0 and e.cpu_children == []]
+    own = (lambda e: e.self_device_time_total) if device.type == "cuda" else (lambda e: e.self_cpu_time_total)
+    busy = sum(own(e) for e in events) / 1e6
+    print(f"profile {label}: wall {wall:.3f} s, kernels {busy:.3f} s ({busy / wall:.0%} of wall)")
+    kinds: dict[str, float] = {}
+    for event in events:
+        kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + own(event) / 1e6
+    for kind, seconds in sorted(kinds.items(), key=lambda item: -item[1]):
+        print(f"  {kind:20} {seconds:7.3f} s {seconds / busy:6.1%}")
+    for event in sorted(events, key=own, reverse=True)[:top]:
+        print(f"  {own(event) / 1e3:9.1f} ms {event.count:6d}x  {kernel_kind(event.key)[:10]:10} {event.key[:110]}")
+
+
 def run_rl2(folder, batch, args, checkpointing: bool, device: torch.device) -> dict:
     config = ModelConfig(
         model_name=folder, dtype="bfloat16" if device.type == "cuda" else "float32", lr=1e-5,
@@ -128,6 +172,8 @@ def run_rl2(folder, batch, args, checkpointing: bool, device: torch.device) -> d
     weighted = with_loss_weights(batch)
     train = timed_steps(lambda: actor.train_step(weighted, sft_loss), args.steps, device)
     logps = timed_steps(lambda: actor.compute(batch), args.steps, device)
+    if args.profile:
+        profile_step(lambda: actor.train_step(weighted, sft_loss), device, f"rl2 train step, checkpointing {checkpointing}")
     return {"seconds": train, "logps_seconds": logps}
 
 
@@ -183,6 +229,7 @@ def main() -> None:
     parser.add_argument("--attention", default="auto", help="actor.attn_implementation")
     parser.add_argument("--logps-chunk-size", type=int, default=2048, help="actor.logps_chunk_size")
     parser.add_argument("--compile", action="store_true", help="actor.compile")
+    parser.add_argument("--profile", action="store_true", help="profile one more rl2 train step")
     args = parser.parse_args()
     init_distributed()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

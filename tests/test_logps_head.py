@@ -167,3 +167,27 @@ def test_train_step_peak_memory_falls_with_a_large_vocabulary():
     print(f"peak RSS: full logits {baseline_gib:.2f} GiB, chunks of 128 tokens {chunked_gib:.2f} GiB")
     assert baseline_gib > 2.0  # the full computation does hold several logits copies: the test measures them
     assert baseline_gib / chunked_gib > 3.0
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_fused_chunks_equal_the_eager_ones(entropy_grad):
+    """The compiled softmax work (`actor.compile`) gives the eager chunks' log-probs, entropies and gradients."""
+    from rl2.kernels.logps_head import FusedChunkOps
+
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(37, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 16, generator=generator, requires_grad=True)
+    next_ids = torch.randint(0, 50, (37,), generator=generator)
+    upstream_logps, upstream_entropy = torch.randn(37, generator=generator), torch.randn(37, generator=generator)
+    fused = FusedChunkOps()
+    results = []
+    for ops, chunk_size in ((None, 7), (fused, 7), (fused, 16)):  # two chunk sizes: no recompiled-shape surprises
+        logps, entropy = chunked_token_logps(hidden, weight, next_ids, 0.7, chunk_size, with_entropy=True,
+                                             entropy_grad=entropy_grad, fused=ops)
+        loss = (logps * upstream_logps).sum() + ((entropy * upstream_entropy).sum() if entropy_grad else 0)
+        loss.backward()
+        results.append((logps.detach(), entropy.detach(), hidden.grad.clone(), weight.grad.clone()))
+        hidden.grad = weight.grad = None
+    for fused_result in results[1:]:
+        for got, expected in zip(fused_result, results[0]):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -45,7 +45,8 @@ def load_fsdp_model(
     otherwise `attention` picks one for packed rows (`rl2.kernels.attention.choose_attention`). `config_overrides` go to the model config (e.g. `num_labels=1` for a critic). With
     `logps_chunk_size` > 0 a causal LM's `lm_head` becomes a `TokenLogpsHead` (log-probs in chunks of
     that many tokens, see `rl2.kernels.logps_head`) where the model allows it. `compile_layers` compiles each
-    decoder layer (after checkpointing wraps it, before sharding, as torchtitan does). `prepare` runs on
+    decoder layer (after checkpointing wraps it, before sharding, as torchtitan does) and the log-prob
+    head's softmax work. `prepare` runs on
     the model while it is still on the meta device, before any of that (e.g. to replace a head).
     With `lora` (rank > 0) the model becomes a peft model with LoRA adapters (`rl2.lora`) before it is
     sharded: its base weights frozen and stored in `dtype`, `lora_modules_to_save` trained whole.
@@ -79,7 +80,7 @@ def load_fsdp_model(
             if not parameter.requires_grad:
                 parameter.data = parameter.data.to(DTYPES[dtype])
     if logps_chunk_size > 0:
-        if install_logps_head(base_model(model), logps_chunk_size) is None:
+        if install_logps_head(base_model(model), logps_chunk_size, fused=compile_layers) is None:
             logger.info(f"{type(model).__name__}: log-probs from full logits (its head is not a plain linear layer)")
     if gradient_checkpointing:
         enable_activation_checkpointing(base_model(model))

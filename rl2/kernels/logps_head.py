@@ -7,6 +7,11 @@ chunk of tokens is projected, reduced to what is kept (the next token's log-prob
 entropy) and dropped; backward recomputes each chunk's logits (one more matmul per chunk, as activation
 checkpointing does for a layer).
 
+With `fused` (set by `actor.compile`) the softmax work on each chunk's logits runs as two compiled
+functions (`FusedChunkOps`): each reads the chunk's low-precision logits once, where the eager path
+makes an fp32 copy and passes over it five to seven times. Profiled on an H200 (1.5B, 68k tokens a
+step), those passes were about a fifth of the step's kernel time.
+
 liger-kernel's fused linear cross-entropy is not dispatched to even where installed: it returns no
 entropy, and RL losses need its per-token mode (`reduction="none"`), whose backward in older releases
 scales gradients already summed over tokens, which is wrong for per-token weights and raises no error.
@@ -25,19 +30,76 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
     return logits / temperature if temperature != 1.0 else logits
 
 
+def chunk_stats(logits: torch.Tensor, next_ids: torch.Tensor, temperature: float, with_entropy: bool):
+    """A chunk's logits [N, V] (any float dtype) → the next tokens' log-probs, the logsumexp and, with
+    `with_entropy`, the entropy (each fp32 [N]; None without), at `temperature`. Written to be compiled."""
+    z = logits.float() / temperature
+    logsumexp = torch.logsumexp(z, dim=-1)
+    logps = z.gather(-1, next_ids[:, None]).squeeze(-1) - logsumexp
+    entropy = logsumexp - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None  # H = lse − Σ p z
+    return logps, logsumexp, entropy
+
+
+def chunk_logits_grad(logits, next_ids, logsumexp, grad_logps, temperature: float, entropy=None, grad_entropy=None):
+    """The gradient of Σ grad_logps·logp(next) (+ Σ grad_entropy·H with `entropy`) with respect to a chunk's
+    logits [N, V], in the logits' dtype. Written to be compiled."""
+    log_probs = logits.float() / temperature - logsumexp[:, None]
+    probs = log_probs.exp()
+    grad = -probs * grad_logps[:, None]
+    if entropy is not None:  # d H / dz = −p (log p + H)
+        grad = grad - probs * (log_probs + entropy[:, None]) * grad_entropy[:, None]
+    grad = grad.scatter_add(-1, next_ids[:, None], grad_logps[:, None])
+    return (grad / temperature).to(logits.dtype)
+
+
+class FusedChunkOps:
+    """`chunk_stats` and `chunk_logits_grad` compiled (dynamic shapes: chunks and rows vary in length)."""
+
+    def __init__(self):
+        self.stats = torch.compile(chunk_stats, dynamic=True)
+        self.logits_grad = torch.compile(chunk_logits_grad, dynamic=True)
+
+
+def _eager_logits_grad(ctx, hidden, weight, next_ids, logsumexp, entropy, grad_logps, grad_entropy, start, end):
+    """`chunk_logits_grad` for tokens start..end, eagerly and in place (one fp32 [N, V] buffer, two with
+    the entropy's gradient)."""
+    grad = grad_logps[start:end, None]
+    # d log p(y) / dz = onehot(y) − softmax(z); z = logits / temperature
+    grad_logits = _chunk_logits(hidden[start:end], weight, ctx.temperature)
+    if grad_entropy is not None:
+        # d H / dz = −p (log p + H), H = −Σ p log p
+        log_probs = grad_logits.sub_(logsumexp[start:end, None])
+        probs = log_probs.exp()
+        grad_logits = probs * (-grad)
+        grad_logits.sub_(probs.mul_(log_probs.add_(entropy[start:end, None])).mul_(grad_entropy[start:end, None]))
+    else:
+        grad_logits.sub_(logsumexp[start:end, None]).exp_().mul_(-grad)
+    grad_logits.scatter_add_(-1, next_ids[start:end, None], grad)
+    if ctx.temperature != 1.0:
+        grad_logits.div_(ctx.temperature)
+    return grad_logits.to(hidden.dtype)
+
+
 class ChunkedTokenLogps(torch.autograd.Function):
     """hidden [T, H], weight [V, H], next_ids [T] → log softmax(hidden·weightᵀ / temperature)[next_id]
     [T] (fp32, differentiable) and, with `with_entropy`, the entropy of that softmax [T] (fp32,
-    differentiable with `entropy_grad`; else None)."""
+    differentiable with `entropy_grad`; else None). With `fused` (a `FusedChunkOps`) each chunk's softmax
+    work runs compiled; without, eagerly in place."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, next_ids, temperature, chunk_size, with_entropy, entropy_grad=False):
+    def forward(ctx, hidden, weight, next_ids, temperature, chunk_size, with_entropy, entropy_grad=False, fused=None):
         length = hidden.shape[0]
         logps = torch.empty(length, dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(logps)
         entropy = torch.empty_like(logps) if with_entropy else None
         for start in range(0, length, chunk_size):
             end = min(start + chunk_size, length)
+            if fused is not None:
+                chunk = fused.stats(F.linear(hidden[start:end], weight), next_ids[start:end], temperature, with_entropy)
+                logps[start:end], logsumexp[start:end] = chunk[0], chunk[1]
+                if with_entropy:
+                    entropy[start:end] = chunk[2]
+                continue
             logits = _chunk_logits(hidden[start:end], weight, temperature)
             chunk_lse = torch.logsumexp(logits, dim=-1)
             logsumexp[start:end] = chunk_lse
@@ -47,7 +109,7 @@ class ChunkedTokenLogps(torch.autograd.Function):
                 entropy[start:end] = -torch.linalg.vecdot(log_probs.exp(), log_probs)
         entropy_grad = entropy_grad and with_entropy
         ctx.save_for_backward(hidden, weight, next_ids, logsumexp, entropy if entropy_grad else None)
-        ctx.temperature, ctx.chunk_size, ctx.entropy_grad = temperature, chunk_size, entropy_grad
+        ctx.temperature, ctx.chunk_size, ctx.entropy_grad, ctx.fused = temperature, chunk_size, entropy_grad, fused
         if entropy is not None and not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         return logps, entropy
@@ -64,28 +126,22 @@ class ChunkedTokenLogps(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
-            grad = grad_logps[start:end, None]
-            # d log p(y) / dz = onehot(y) − softmax(z); z = logits / temperature
-            grad_logits = _chunk_logits(hidden[start:end], weight, ctx.temperature)
-            if with_entropy_grad:
-                # d H / dz = −p (log p + H), H = −Σ p log p
-                log_probs = grad_logits.sub_(logsumexp[start:end, None])
-                probs = log_probs.exp()
-                grad_logits = probs * (-grad)
-                grad_logits.sub_(probs.mul_(log_probs.add_(entropy[start:end, None])).mul_(grad_entropy[start:end, None]))
+            if ctx.fused is not None:
+                grad_logits = ctx.fused.logits_grad(
+                    F.linear(hidden[start:end], weight), next_ids[start:end], logsumexp[start:end],
+                    grad_logps[start:end], ctx.temperature, entropy[start:end] if with_entropy_grad else None,
+                    grad_entropy[start:end] if with_entropy_grad else None,
+                ).to(hidden.dtype)
             else:
-                grad_logits.sub_(logsumexp[start:end, None]).exp_().mul_(-grad)
-            grad_logits.scatter_add_(-1, next_ids[start:end, None], grad)
-            if ctx.temperature != 1.0:
-                grad_logits.div_(ctx.temperature)
-            grad_logits = grad_logits.to(hidden.dtype)
+                grad_logits = _eager_logits_grad(ctx, hidden, weight, next_ids, logsumexp, entropy, grad_logps,
+                                                 grad_entropy if with_entropy_grad else None, start, end)
             if need_hidden:
                 grad_hidden[start:end] = grad_logits @ weight
             if need_weight:
                 grad_weight.add_(grad_logits.t() @ hidden[start:end])
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def chunked_token_logps(
@@ -96,11 +152,12 @@ def chunked_token_logps(
     chunk_size: int = 2048,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    fused: FusedChunkOps | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of each next token [T] and, with `with_entropy`, the entropy [T] (with its gradient when
     `entropy_grad`), under softmax(hidden · weightᵀ / temperature), `chunk_size` tokens at a time; hidden
-    [T, H], weight [V, H]."""
-    return ChunkedTokenLogps.apply(hidden, weight, next_ids, temperature, chunk_size, with_entropy, entropy_grad)
+    [T, H], weight [V, H]. With `fused` each chunk's softmax work runs compiled."""
+    return ChunkedTokenLogps.apply(hidden, weight, next_ids, temperature, chunk_size, with_entropy, entropy_grad, fused)
 
 
 @dataclass
@@ -118,15 +175,17 @@ class TokenLogpsHead(nn.Module):
     `chunked_token_logps`); outside it, ordinary logits.
 
     Computing inside the model's forward keeps FSDP2 in charge of the weight: it is gathered for the
-    forward, and its gradient is reduced after backward, as for the linear head it replaces.
+    forward, and its gradient is reduced after backward, as for the linear head it replaces. With `fused`
+    the chunks' softmax work is compiled (`FusedChunkOps`).
     """
 
-    def __init__(self, lm_head: nn.Linear, chunk_size: int):
+    def __init__(self, lm_head: nn.Linear, chunk_size: int, fused: bool = False):
         super().__init__()
         if lm_head.bias is not None:
             raise ValueError("TokenLogpsHead replaces a bias-free lm_head")
         self.weight = lm_head.weight
         self.chunk_size = chunk_size
+        self.fused = FusedChunkOps() if fused else None
         self._request: _Request | None = None
 
     @contextlib.contextmanager
@@ -147,7 +206,7 @@ class TokenLogpsHead(nn.Module):
         flat = hidden.reshape(-1, hidden.shape[-1])
         logps, entropy = chunked_token_logps(
             flat, self.weight, request.next_ids, request.temperature, self.chunk_size, request.with_entropy,
-            request.entropy_grad,
+            request.entropy_grad, self.fused,
         )
         if entropy is None:
             entropy = torch.zeros_like(logps)
@@ -159,14 +218,15 @@ class TokenLogpsHead(nn.Module):
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def install_logps_head(model: nn.Module, chunk_size: int) -> TokenLogpsHead | None:
-    """Replace `model.lm_head` by a `TokenLogpsHead`; None (nothing changed) where the model has no
-    bias-free linear `lm_head` or post-processes its logits (then the caller uses full logits)."""
+def install_logps_head(model: nn.Module, chunk_size: int, fused: bool = False) -> TokenLogpsHead | None:
+    """Replace `model.lm_head` by a `TokenLogpsHead` (its softmax work compiled with `fused`); None (nothing
+    changed) where the model has no bias-free linear `lm_head` or post-processes its logits (then the
+    caller uses full logits)."""
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or head.bias is not None:
         return None
     config = getattr(model, "config", None)
     if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
         return None
-    model.lm_head = TokenLogpsHead(head, chunk_size)
+    model.lm_head = TokenLogpsHead(head, chunk_size, fused)
     return model.lm_head
