@@ -123,6 +123,9 @@ def check_rl_config(config: Config) -> None:
         raise ConfigError(f"rollout.max_unscored_steps must be >= 1, got {config.rollout.max_unscored_steps}")
     if config.data.responses_per_prompt < 1:
         raise ConfigError(f"data.responses_per_prompt must be >= 1, got {config.data.responses_per_prompt}")
+    if config.rollout.trajectory_format == "per_turn" and not config.data.apply_chat_template:
+        raise ConfigError("rollout.trajectory_format=per_turn renders each turn's prompt with the chat template: "
+                          "it needs data.apply_chat_template=true")
     if config.actor.update_per_rollout < 1 or config.critic.update_per_rollout < 1:
         raise ConfigError("actor.update_per_rollout and critic.update_per_rollout must be >= 1")
     longest = config.actor.max_length_per_device * config.actor.sp_size

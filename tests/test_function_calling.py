@@ -428,3 +428,81 @@ def test_pair_rows_are_rendered_with_their_tools(tmp_path):
         assert '"name": "lookup"' in tokenizer.decode(ids, skip_special_tokens=False)
         trained = [t for t, m in zip(ids, item[side]["loss_mask"].tolist()) if m]
         assert tokenizer.decode(trained, skip_special_tokens=False) == reply + "<|im_end|>"
+
+
+# ----------------------------------------------------------------------------------------------
+# rollout.trajectory_format=per_turn: each turn its own sequence, rendered as the template renders it
+
+
+FOLLOW_UP_ENV = textwrap.dedent(
+    '''
+    def interact(messages):
+        if sum(m["role"] == "user" for m in messages) == 1:
+            return [{"role": "user", "content": "and the blue one?"}]
+        return []
+
+
+    def reward_fn(messages, answer):
+        return float(messages[-1]["content"].endswith(str(answer)))
+    '''
+)
+
+
+def test_qwen3_with_a_follow_up_user_turn_uses_per_turn_without_error(tmp_path):
+    """Qwen3 drops a turn's reasoning once a user message follows it. Per turn, the second turn's sequence
+    is the template's rendering of the conversation (the earlier reasoning gone, as at inference), and the
+    engine generated from exactly that; the first turn's sequence is its prompt and its tokens."""
+    path = tmp_path / "follow_up.py"
+    path.write_text(FOLLOW_UP_ENV)
+    env = Env(str(path), workers=0)
+    tokenizer = build_tiny_tokenizer(template="qwen3")
+    replies = ["<think>\nlook first\n</think>\n\nThe code is 3", "<think>\nagain\n</think>\n\nBlue is 4"]
+    engine = ScriptedEngine(tokenizer, lambda text: replies[text.count("<|im_start|>user") - 1])
+    messages = [{"role": "user", "content": "What is the code of the red box?"}]
+    prompt_ids = tokenizer(render_chat(messages, tokenizer, True), add_special_tokens=False)["input_ids"]
+    row = {"prompt_ids": prompt_ids, "messages": messages, "answer": "4"}
+    try:
+        (trajectory,) = rollout(engine, env, tokenizer, [row], 1, SamplingParams(), max_turns=3, per_turn=True)
+        assign_rewards(env, [trajectory])
+    finally:
+        env.close()
+    assert trajectory.turns == 2 and trajectory.reward == 1.0 and not trajectory.errors
+    first, second = trajectory.turn_starts
+    assert first == 0
+    ids = trajectory.token_ids
+    turn_one = tokenizer(replies[0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert ids[:second] == prompt_ids + turn_one
+    second_prompt = render_chat(trajectory.messages[:3], tokenizer, True)
+    assert "look first" not in second_prompt  # as the template shows the conversation at inference
+    prompt_two = tokenizer(second_prompt, add_special_tokens=False)["input_ids"]
+    assert ids[second:second + len(prompt_two)] == prompt_two
+    assert engine.calls[1] == [prompt_two]  # what the model was given is what is trained
+    assert trajectory.action_mask[second:] == [0] * len(prompt_two) + [1] * (len(ids) - second - len(prompt_two))
+    # the whole conversation as the template renders it, up to the model's end-of-turn token
+    assert tokenizer.decode(ids[second:], skip_special_tokens=False) + "\n" == render_chat(trajectory.messages, tokenizer, False)
+
+
+def test_per_turn_sequences_are_split_and_computed_turn_by_turn():
+    """A per-turn trajectory's sequence splits at its turn starts (every field alike); a model's outputs over
+    the turns' own sequences join back into one tensor per trajectory; other sequences stay whole."""
+    import torch
+
+    from rl2.algorithms.sequences import computed_per_turn, per_turn_sequences, split_turns, turn_start_mask
+
+    per_turn = {"input_ids": torch.arange(7), "loss_mask": torch.tensor([0, 1, 1, 0, 0, 1, 1.0]),
+                "turn_starts": turn_start_mask([0, 3], 7)}
+    whole = {"input_ids": torch.arange(4), "loss_mask": torch.tensor([0, 1, 0, 1.0])}
+    turns = split_turns(per_turn)
+    assert [t["input_ids"].tolist() for t in turns] == [[0, 1, 2], [3, 4, 5, 6]]
+    assert [t["loss_mask"].tolist() for t in turns] == [[0, 1, 1], [0, 0, 1, 1]]
+    assert all("turn_starts" not in t for t in turns) and split_turns(whole) == [whole]
+    assert len(per_turn_sequences([per_turn, whole])) == 3
+    seen = []
+
+    def compute(sequences, output):  # each sequence's positions, as a model restarting per sequence sees them
+        seen.append([len(s["input_ids"]) for s in sequences])
+        return [torch.arange(len(s["input_ids"]), dtype=torch.float32) for s in sequences]
+
+    joined = computed_per_turn(compute, [per_turn, whole], "logps")
+    assert seen == [[3, 4, 4]]
+    assert [j.tolist() for j in joined] == [[0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3]]

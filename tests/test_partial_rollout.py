@@ -38,7 +38,7 @@ def prompts(tokenizer, n: int, start: int = 0) -> list[dict]:
 
 def service(engine, env, tokenizer, max_turns: int = 1, max_length: int = 4096):
     """What PartialRollout uses of a RolloutService."""
-    config = SimpleNamespace(rollout=SimpleNamespace(max_turns=max_turns), data=SimpleNamespace(apply_chat_template=True))
+    config = SimpleNamespace(rollout=SimpleNamespace(max_turns=max_turns, trajectory_format="whole"), data=SimpleNamespace(apply_chat_template=True))
     return SimpleNamespace(engine=engine, env=env, tokenizer=tokenizer, config=config, max_length=max_length,
                            tool_calling=None)
 

@@ -403,3 +403,67 @@ def test_function_calling_demo_calls_natively(tmp_path):
         call, answer = t["messages"][1]["tool_calls"][0], t["messages"][2]
         assert call["id"] == "call_0" and answer["role"] == "tool" and answer["tool_call_id"] == "call_0"
         assert answer["name"] == "lookup" and answer["content"].startswith("code ")
+
+
+
+FOLLOW_UP_ENV = """def interact(messages):
+    if sum(m["role"] == "user" for m in messages) == 1:
+        return [{"role": "user", "content": "Again?"}]
+    return []
+"""
+
+# One trainer scores the same two-turn conversations as whole trajectories and per turn (a scripted model's
+# turns, tokenised canonically as a model that writes the template's tokens would): old log-probs, the
+# reference's, the critic's values, GAE's advantages and the actor's loss.
+PER_TURN_CHECK = """
+import sys, torch
+from rl2 import PPOTrainer, load_config
+from rl2.algorithms.losses import with_loss_weights
+from rl2.algorithms.sequences import per_turn_sequences
+from rl2.engines import SamplingParams
+from rl2.rollout.multi_turn import rollout
+from scripted_engine import ScriptedEngine
+
+trainer = PPOTrainer(load_config(sys.argv[1:]))
+tokenizer, env = trainer.rollout.tokenizer, trainer.rollout.env
+replies = ["The answer is 7", "Then 8"]
+results = {}
+for per_turn in (False, True):
+    engine = ScriptedEngine(tokenizer, lambda text: replies[text.count("<|im_start|>user") - 1])
+    prompts = [trainer.train_data[i] for i in range(2)]
+    trajectories = rollout(engine, env, tokenizer, prompts, 4, SamplingParams(), max_turns=2, per_turn=per_turn)
+    for i, trajectory in enumerate(trajectories):
+        trajectory.reward = float(i % 3 == 0)
+    assert all(t.turns == 2 for t in trajectories) and (trajectories[0].turn_starts is not None) == per_turn
+    sequences, metrics = trainer.prepare(trajectories)
+    trained = per_turn_sequences(with_loss_weights(sequences))
+    loss = trainer.actor.accumulate_gradients(trained, trainer.actor_loss)["loss"]
+    grads = [p.grad.to_local().clone() for p in trainer.actor.model.parameters()]
+    trainer.actor.optimizer.zero_grad(set_to_none=True)
+    at_actions = {key: [s[key][s["loss_mask"].bool()] for s in sequences]
+                  for key in ("old_logps", "ref_logps", "old_values", "advantages")}
+    results[per_turn] = (len(trained), loss, metrics, at_actions, grads)
+(n_whole, loss_whole, m_whole, whole, g_whole), (n_turns, loss_turns, m_turns, turns, g_turns) = results[False], results[True]
+assert (n_whole, n_turns) == (8, 16), (n_whole, n_turns)
+for key in whole:
+    for a, b in zip(whole[key], turns[key], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=key)
+for a, b in zip(g_whole, g_turns, strict=True):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+assert abs(m_whole["kl"] - m_turns["kl"]) < 1e-6 and abs(loss_whole - loss_turns) < 1e-5, (m_whole, m_turns, loss_whole, loss_turns)
+print("PER TURN OK", loss_whole, loss_turns)
+"""
+
+
+def test_per_turn_trains_what_whole_trains_on_a_history_stable_template(tiny_model_dir, rl_data, tmp_path):
+    """rollout.trajectory_format=per_turn on a template that never rewrites earlier turns (ChatML), with the
+    model's tokens canonical: each turn's sequence is a prefix of the whole trajectory, so every generated
+    token is trained once on the same context, and the scores (GAE's critic, a KL reference), the loss and
+    its gradients equal the whole format's, from twice as many, shorter sequences."""
+    env_file = tmp_path / "follow_up.py"
+    env_file.write_text(FOLLOW_UP_ENV + "\n\ndef reward_fn(messages, answer):\n    return 0.0\n")
+    args = _ppo_args(tiny_model_dir, rl_data, str(tmp_path / "run"), f"rollout.env_path={env_file}",
+                     "rollout.max_turns=2", "rollout.env_workers=0", "adv.estimator=gae", "critic.dtype=float32",
+                     "kl.coef=0.01")[2:]
+    result = run_python(["-c", PER_TURN_CHECK, *args], env={"PYTHONPATH": f"{REPO}:{REPO}/tests"})
+    assert "PER TURN OK" in result.stdout

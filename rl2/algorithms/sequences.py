@@ -3,6 +3,7 @@ the updates, and what the loss functions read from them."""
 
 from typing import TypedDict
 
+import torch
 from torch import Tensor
 
 
@@ -12,7 +13,9 @@ class RLSequence(TypedDict, total=False):
     Set from the rollout: `input_ids`, `loss_mask`, `engine_logps`. Set by scoring: `old_logps`,
     `ref_logps` (with a reference), `old_values` and `returns` (with a critic), `is_weights` (with a rollout
     correction, which also takes rejected tokens out of `loss_mask`). Set by the advantage
-    computation: `advantages`. Set per minibatch: `loss_weight`.
+    computation: `advantages`. Set per minibatch: `loss_weight`. With `rollout.trajectory_format=per_turn`
+    a trajectory holds one sequence per turn back to back, marked by `turn_starts`; the models see each
+    on its own (`split_turns`).
     """
 
     input_ids: Tensor  # token ids: prompt, responses, tool outputs
@@ -25,3 +28,36 @@ class RLSequence(TypedDict, total=False):
     advantages: Tensor  # per-token advantages, 0 outside the loss mask
     is_weights: Tensor  # with a rollout correction: each token's importance weight (detached)
     loss_weight: Tensor  # per-token weights of the minibatch loss, summing to 1 over the minibatch
+    turn_starts: Tensor  # per turn: 1.0 where a turn's own sequence begins, else 0.0
+
+
+def turn_start_mask(turn_starts: list[int], length: int) -> Tensor:
+    """`RLSequence.turn_starts` of a trajectory whose turns' sequences begin at `turn_starts`."""
+    mask = torch.zeros(length)
+    mask[turn_starts] = 1.0
+    return mask
+
+
+def split_turns(sequence: RLSequence) -> list[RLSequence]:
+    """A per-turn trajectory's sequence → one sequence per turn (every field split alike, `turn_starts`
+    dropped); any other sequence as it is."""
+    if "turn_starts" not in sequence:
+        return [sequence]
+    starts = sequence["turn_starts"].nonzero().flatten().tolist()
+    bounds = [*(starts if starts and starts[0] == 0 else [0, *starts]), len(sequence["turn_starts"])]
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    fields = {key: value.split(lengths) for key, value in sequence.items() if key != "turn_starts"}
+    return [{key: pieces[i] for key, pieces in fields.items()} for i in range(len(lengths))]
+
+
+def per_turn_sequences(sequences: list[RLSequence]) -> list[RLSequence]:
+    """Every turn of every sequence as a sequence of its own (`split_turns`)."""
+    return [turn for sequence in sequences for turn in split_turns(sequence)]
+
+
+def computed_per_turn(compute, sequences: list[RLSequence], output: str) -> list[Tensor]:
+    """`compute(sequences, output)` (a model's per-token outputs) with each turn of a per-turn trajectory
+    seen on its own, joined back into one tensor per trajectory."""
+    turns = [split_turns(sequence) for sequence in sequences]
+    values = iter(compute([turn for pieces in turns for turn in pieces], output))
+    return [torch.cat([next(values) for _ in pieces]) for pieces in turns]

@@ -133,6 +133,7 @@ class RolloutConfig:
     max_turns: int = _f(1, "max assistant turns per episode")
     tool_parser: str = _f("hermes", "native function calling (an env file with TOOLS): how the model writes its calls; hermes = Qwen2.5/Qwen3 <tool_call>{json}</tool_call>, qwen3_coder = <function=...><parameter=...>, llama3_json = Llama 3.x JSON, mistral = [TOOL_CALLS]; an env file's parse_tool_calls(text) overrides it", ["hermes", "qwen3_coder", "llama3_json", "mistral"])
     tool_timeout: Optional[float] = _f(None, "seconds one tool call may take (its tool message then says it timed out); null = rollout.env_timeout")
+    trajectory_format: str = _f("whole", "multi-turn RL: whole = a trajectory is one sequence, each turn's tokens appended as the model saw them; per_turn = each turn its own sequence (its prompt the chat template's rendering of the conversation so far, as at inference: Qwen3 drops earlier turns' reasoning), trained with the trajectory's advantage", ["whole", "per_turn"])
     max_tool_calls: int = _f(8, "tool calls run per assistant turn; the model is told that the ones past it were not run")
     env_path: Optional[str] = _f(None, "python file defining the environment (reward / tool steps)")
     env_timeout: float = _f(60.0, "seconds one reward_fn / interact call may take; a call past it fails like one that raised: the trajectory gets no reward (null), is left out of the update and counted in env_errors")

@@ -7,6 +7,12 @@ re-tokenised. With native function calling (an env file with `TOOLS`) each turn'
 template adds after the assistant turn (`rl2.chat.bridge`), so the trajectory is the templated
 conversation. With raw prompts (`apply_chat_template=False`: base models, as Search-R1 trains them)
 there is no template: a tool's messages are appended as their plain text and the model continues after it.
+
+Per turn (`rollout.trajectory_format=per_turn`) each turn after the first starts a sequence of its own:
+the chat template's rendering of the whole conversation so far, as the template would show it at
+inference (Qwen3 drops the reasoning of turns before the last user message), then the turn's tokens.
+The trajectory's `token_ids` hold those sequences one after the other (`Trajectory.turn_starts`), each
+trained as its own sequence with the trajectory's reward.
 """
 
 import contextlib
@@ -57,22 +63,24 @@ def rollout(
     apply_chat_template: bool = True,
     version: int = 0,
     tool_calling: ToolCalling | None = None,
+    per_turn: bool = False,
 ) -> list[Trajectory]:
     """`responses_per_prompt` trajectories for each prompt ({"prompt_ids", "messages", "answer"}, and
     "tools": the schemas the prompt was rendered with),
-    grouped by prompt, of at most `max_turns` generations and `max_length` tokens in all.
-    `apply_chat_template` says how the prompts were made (`RLDataset`), and so how tool messages
-    are appended: through the chat template, or as plain text (`observation_tokens`). `version` is
-    the policy version that samples (recorded per token)."""
-    trajectories = new_trajectories(prompts, responses_per_prompt, first_group, version)
+    grouped by prompt, of at most `max_turns` generations and `max_length` tokens in all (per turn:
+    in each turn's sequence). `apply_chat_template` says how the prompts were made (`RLDataset`), and so
+    how tool messages are appended: through the chat template, or as plain text (`observation_tokens`).
+    `version` is the policy version that samples (recorded per token)."""
+    trajectories = new_trajectories(prompts, responses_per_prompt, first_group, version, per_turn)
     continue_rollout(engine, env, tokenizer, trajectories, params, max_turns, max_length, apply_chat_template, version,
                      tool_calling=tool_calling)
     return trajectories
 
 
 def new_trajectories(prompts: list[dict], responses_per_prompt: int, first_group: int = 0,
-                     version: int = 0) -> list[Trajectory]:
-    """The trajectories of `prompts`, before their first turn, `responses_per_prompt` of each, grouped."""
+                     version: int = 0, per_turn: bool = False) -> list[Trajectory]:
+    """The trajectories of `prompts`, before their first turn, `responses_per_prompt` of each, grouped;
+    with `per_turn`, each turn of theirs a sequence of its own."""
     return [
         Trajectory(
             messages=copy.deepcopy(prompt["messages"]),
@@ -84,6 +92,7 @@ def new_trajectories(prompts: list[dict], responses_per_prompt: int, first_group
             versions=[-1] * len(prompt["prompt_ids"]),
             started=version,
             tools=copy.deepcopy(prompt.get("tools")),
+            turn_starts=[0] if per_turn else None,
         )
         for g, prompt in enumerate(prompts)
         for _ in range(responses_per_prompt)
@@ -269,7 +278,7 @@ def _turn(trajectory: Trajectory, params: SamplingParams, max_length: int | None
     """The trajectory's next generation; inside a paused turn, the rest of it, from the same random stream."""
     drawn = len(trajectory.token_ids) - trajectory.turn_start if trajectory.turn_start >= 0 else 0
     room = min(params.max_new_tokens - drawn, _room(trajectory, max_length))
-    return Turn(list(trajectory.token_ids), room, stream=trajectory.stream if drawn else None, offset=drawn)
+    return Turn(trajectory.token_ids[trajectory.sequence_start:], room, stream=trajectory.stream if drawn else None, offset=drawn)
 
 
 def _then(future: Future, fn: Callable[[Any], Any]) -> Future:
@@ -287,7 +296,8 @@ def _then(future: Future, fn: Callable[[Any], Any]) -> Future:
 
 
 def _room(trajectory: Trajectory, max_length: int | None) -> int:
-    return 2**62 if max_length is None else max_length - len(trajectory.token_ids)
+    """Tokens the sequence being generated may still grow by."""
+    return 2**62 if max_length is None else max_length - (len(trajectory.token_ids) - trajectory.sequence_start)
 
 
 def _append_generation(
@@ -335,6 +345,9 @@ def _append_generation(
 def _append_observation(
     trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None, apply_chat_template: bool
 ) -> None:
+    if trajectory.turn_starts is not None:
+        _start_turn_sequence(trajectory, new_messages, tokenizer, max_length)
+        return
     tokens = observation_tokens(tokenizer, trajectory.token_ids, trajectory.messages, new_messages, apply_chat_template,
                                 trajectory.tools)
     trajectory.messages.extend(new_messages)
@@ -344,6 +357,25 @@ def _append_observation(
         tokens = tokens[: max(room, 0)]
         trajectory.truncated = True
         trajectory.done = True
+    trajectory.token_ids += tokens
+    trajectory.action_mask += [0] * len(tokens)
+    trajectory.logprobs += [0.0] * len(tokens)
+    if len(trajectory.versions) == len(trajectory.token_ids) - len(tokens):
+        trajectory.versions += [-1] * len(tokens)
+
+
+def _start_turn_sequence(trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None) -> None:
+    """Per turn: the next turn's sequence begins with the template's rendering of the whole conversation,
+    `new_messages` and the generation prompt included. One that leaves no room to generate is not begun:
+    the episode ends at the limit."""
+    trajectory.messages.extend(new_messages)
+    text = render_chat(trajectory.messages, tokenizer, True, trajectory.tools)
+    tokens = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if max_length is not None and len(tokens) >= max_length:
+        trajectory.truncated = True
+        trajectory.done = True
+        return
+    trajectory.turn_starts.append(len(trajectory.token_ids))
     trajectory.token_ids += tokens
     trajectory.action_mask += [0] * len(tokens)
     trajectory.logprobs += [0.0] * len(tokens)

@@ -79,7 +79,8 @@ class PartialRollout:
         trajectories of the groups that train (every rank's, in rank order), and keep the others."""
         timer = timer or PhaseTimer()
         service = self.service
-        fresh = new_trajectories(prompts, self.responses_per_prompt, self.next_group, version)
+        fresh = new_trajectories(prompts, self.responses_per_prompt, self.next_group, version,
+                                 service.config.rollout.trajectory_format == "per_turn")
         self.next_group += len(prompts)
         groups = self.carried + [fresh[i:i + self.responses_per_prompt]
                                  for i in range(0, len(fresh), self.responses_per_prompt)]

@@ -115,6 +115,7 @@ class RolloutService(RolloutRecords):
                 apply_chat_template=self.config.data.apply_chat_template,
                 version=version,
                 tool_calling=self.tool_calling,
+                per_turn=self.config.rollout.trajectory_format == "per_turn",
             )
         if release_after:
             self.engine.sleep()

@@ -39,6 +39,9 @@ class Trajectory:
     tool_stats: list[dict] = field(default_factory=list)
     # A stateful environment's instance (an env file's ENVIRONMENT), from the episode's start until it is scored.
     environment: Any = None
+    # rollout.trajectory_format=per_turn: where each turn's own sequence (its prompt as the chat template
+    # renders the conversation so far, then its generation) begins in `token_ids`; None: one sequence.
+    turn_starts: list[int] | None = None
 
     @classmethod
     def from_dict(cls, fields: dict) -> "Trajectory":
@@ -58,6 +61,11 @@ class Trajectory:
         if environment is not None:
             fields["environment"] = base64.b64encode(pickle.dumps(environment)).decode()
         return fields
+
+    @property
+    def sequence_start(self) -> int:
+        """Where the sequence the next turn continues begins in `token_ids` (0 unless per turn)."""
+        return self.turn_starts[-1] if self.turn_starts else 0
 
     @property
     def response_length(self) -> int:

@@ -26,7 +26,7 @@ from rl2.algorithms.losses import (
 )
 from rl2.algorithms.off_policy import Correction, correction_weights, mismatch_metrics, rollout_correction
 from rl2.algorithms.overlong import overlong_penalty
-from rl2.algorithms.sequences import RLSequence
+from rl2.algorithms.sequences import RLSequence, computed_per_turn, per_turn_sequences, turn_start_mask
 from rl2.config import Config, ConfigError
 from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
@@ -197,13 +197,14 @@ class PPOTrainer(Trainer):
                 "input_ids": torch.tensor(t.token_ids),
                 "loss_mask": torch.tensor(t.action_mask, dtype=torch.float32) * (not (t.excluded or filtered and t.truncated)),
                 "engine_logps": torch.tensor(t.logprobs, dtype=torch.float32),
+                **({"turn_starts": turn_start_mask(t.turn_starts, len(t.token_ids))} if t.turn_starts is not None else {}),
             }
             for t in trajectories
         ]
         metrics = {}
         all_masks = torch.cat([seq["loss_mask"] for seq in sequences])
         if self.config.actor.recompute_logprobs:
-            old_logps = self.actor.compute(sequences, "logps")
+            old_logps = computed_per_turn(self.actor.compute, sequences, "logps")
             mismatch = (torch.cat(old_logps) - torch.cat([s["engine_logps"] for s in sequences])).abs()
             metrics["logp_mismatch/mean"] = masked_mean(mismatch, all_masks).item()
             metrics["logp_mismatch/max"] = (mismatch * all_masks).max().item()
@@ -216,10 +217,10 @@ class PPOTrainer(Trainer):
         if self.correction.mode != "none":
             metrics.update(self.correct(sequences))
         if self.reference is not None:
-            for seq, logps in zip(sequences, self.reference.compute(sequences, "logps")):
+            for seq, logps in zip(sequences, computed_per_turn(self.reference.compute, sequences, "logps")):
                 seq["ref_logps"] = logps
         if self.critic is not None:
-            for seq, values in zip(sequences, self.critic.compute(sequences, "values")):
+            for seq, values in zip(sequences, computed_per_turn(self.critic.compute, sequences, "values")):
                 seq["old_values"] = values
         return sequences, metrics
 
@@ -287,7 +288,7 @@ class PPOTrainer(Trainer):
                 continue
             for minibatch in self._minibatches(sequences, model.config.update_per_rollout, step):
                 minibatch = with_loss_weights(minibatch, model.config.loss_level)
-                for key, value in model.train_step(minibatch, loss_fn).items():
+                for key, value in model.train_step(per_turn_sequences(minibatch), loss_fn).items():
                     metrics.setdefault(f"{name}/{key}", []).append(value)
         averaged = {key: sum(values) / len(values) for key, values in metrics.items()}
         if "actor/logp_mismatch" in metrics:  # only the first minibatch ran the old policy
