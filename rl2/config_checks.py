@@ -14,7 +14,7 @@ def check_config(config: Config, command: str) -> None:
     out of range, settings that contradict each other, a model folder that does not exist."""
     if command == "ppo":
         require(config, "data.test_path" if config.trainer.eval_only else "data.path", "actor.model_name",
-                "rollout.env_path")
+                *([] if config.rollout.agent_path else ["rollout.env_path"]))
         check_rl_config(config)
     elif command == "sft":
         require(config, "data.path", "actor.model_name")
@@ -123,6 +123,12 @@ def check_rl_config(config: Config) -> None:
         raise ConfigError(f"rollout.max_unscored_steps must be >= 1, got {config.rollout.max_unscored_steps}")
     if config.data.responses_per_prompt < 1:
         raise ConfigError(f"data.responses_per_prompt must be >= 1, got {config.data.responses_per_prompt}")
+    if config.rollout.agent_path and config.rollout.partial_rollout:
+        raise ConfigError("rollout.agent_path with rollout.partial_rollout is not supported yet: an agent's "
+                          "requests would have to be held across steps; set rollout.partial_rollout=false")
+    if config.rollout.agent_path and not config.data.apply_chat_template:
+        raise ConfigError("rollout.agent_path serves chat completions through the chat template: it needs "
+                          "data.apply_chat_template=true")
     if config.rollout.trajectory_format == "per_turn" and not config.data.apply_chat_template:
         raise ConfigError("rollout.trajectory_format=per_turn renders each turn's prompt with the chat template: "
                           "it needs data.apply_chat_template=true")

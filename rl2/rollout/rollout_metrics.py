@@ -31,7 +31,29 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "excluded": float(sum(t.excluded for t in trajectories)),
         "trajectories": float(len(trajectories)),
         **tool_metrics(trajectories),
+        **agent_metrics(trajectories),
     }
+
+
+def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """An agent file's rollout (`rollout.agent_path`): `agent/requests` and `agent/sequences` per trajectory,
+    `agent/reused_tokens` (prompt tokens taken from sampled sequences) and `agent/rendered_tokens` (rendered
+    by the chat template) in all, `agent/drift_requests` (requests that re-encoded earlier assistant turns),
+    and `agent/ignored/<field>`: requests whose sampling fields were ignored."""
+    stats = [t.agent_stats for t in trajectories if t.agent_stats]
+    if not stats:
+        return {}
+    metrics = {
+        "agent/requests": sum(s["requests"] for s in stats) / len(stats),
+        "agent/sequences": sum(s["sequences"] for s in stats) / len(stats),
+        "agent/reused_tokens": float(sum(s["reused_tokens"] for s in stats)),
+        "agent/rendered_tokens": float(sum(s["rendered_tokens"] for s in stats)),
+        "agent/drift_requests": float(sum(s["drift_requests"] for s in stats)),
+    }
+    for s in stats:
+        for name, count in s.get("ignored_fields", {}).items():
+            metrics[f"agent/ignored/{name}"] = metrics.get(f"agent/ignored/{name}", 0.0) + count
+    return metrics
 
 
 def tool_metrics(trajectories: list[Trajectory]) -> dict[str, float]:

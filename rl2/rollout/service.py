@@ -18,6 +18,9 @@ from rl2.rollout.env import Env, EnvError
 from rl2.rollout.multi_turn import ToolCalling, assign_rewards, rollout
 from rl2.rollout.rollout_metrics import eval_metrics, unscored_report
 from rl2.rollout.trajectory import Trajectory
+from rl2.chat.tool_parsers import get_tool_parser
+from rl2.serve.agent_rollout import AgentFile, agent_rollout
+from rl2.serve.openai_server import OpenAIServer
 from rl2.lora import is_lora
 from rl2.rollout.weight_sync import iter_full_weights
 from rl2.tools.roc_penalty import roc_penalty
@@ -41,7 +44,7 @@ class RolloutRecords:
         reward 0. After `rollout.max_unscored_steps` such rollouts in a row, raise `EnvError` naming
         the env file, the error and a sample (every rank holds the same trajectories, so every rank
         raises); before that, log it."""
-        report = unscored_report(trajectories, self.config.rollout.env_path)
+        report = unscored_report(trajectories, self.config.rollout.agent_path or self.config.rollout.env_path)
         if report is None:
             self.unscored_in_a_row = 0
             return
@@ -78,9 +81,14 @@ class RolloutService(RolloutRecords):
             check_sglang(config.rollout.tp_size)  # before any model is loaded
         super().__init__(config)
         self.tokenizer = tokenizer
-        self.env = Env.from_config(config.rollout, need_interact=config.rollout.max_turns > 1)
+        # An agent file (rollout.agent_path) may come without an env file: its run() gives the rewards.
+        agent = config.rollout.agent_path
+        self.env = (Env.from_config(config.rollout, need_interact=config.rollout.max_turns > 1 and not agent)
+                    if config.rollout.env_path else None)
         self.tool_calling = ToolCalling.for_env(self.env, config.rollout)
+        self.agent = AgentFile(agent, config.rollout.env_args) if agent else None
         self.engine = build_engine_from_config(config.rollout, config.actor, tokenizer, config.trainer.seed)
+        self.server = OpenAIServer(tokenizer, config.actor.model_name) if agent else None
         self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
 
     def generate(
@@ -101,6 +109,9 @@ class RolloutService(RolloutRecords):
         start, end = rank_slice(len(prompts))
         self.engine.wake()
         self.engine.reseed(seed * 1_000_003 + rank())
+        if self.agent is not None:
+            return self._generate_with_agent(prompts[start:end], params, responses_per_prompt, start, timer,
+                                             release_after, version)
         with timer("rollout"):
             trajectories = rollout(
                 self.engine,
@@ -123,6 +134,25 @@ class RolloutService(RolloutRecords):
             assign_rewards(self.env, trajectories)
         return all_gather_objects(trajectories)
 
+    def _generate_with_agent(self, prompts: list[dict], params: SamplingParams, responses_per_prompt: int,
+                             first_group: int, timer: PhaseTimer, release_after: bool, version: int) -> list[Trajectory]:
+        """`generate` with the agent file: its runs give the trajectories and their rewards; with an env file
+        too, its `reward_fn` scores the ones whose run gave none."""
+        rollout_config = self.config.rollout
+        with timer("rollout"):
+            trajectories = agent_rollout(
+                self.server, self.engine, self.agent, self.tokenizer, get_tool_parser(rollout_config.tool_parser),
+                prompts, responses_per_prompt, params, rollout_config.max_turns, self.max_length, first_group,
+                version, merge=rollout_config.agent_sequences == "merge", timeout=rollout_config.agent_timeout,
+            )
+        if release_after:
+            self.engine.sleep()
+        unscored = [t for t in trajectories if t.reward is None and not t.errors]
+        if self.env is not None and unscored:
+            with timer("reward"):
+                assign_rewards(self.env, unscored)
+        return all_gather_objects(trajectories)
+
     def evaluate(self, prompts: list[dict], seed: int, name: str, require_scores: bool = False) -> dict[str, float]:
         """`test/` metrics (mean reward, avg@k, pass@k with k = rollout.test_responses_per_prompt, the
         failed rewards) of the engine's model on `prompts`; the trajectories are dumped as `name`.
@@ -130,7 +160,7 @@ class RolloutService(RolloutRecords):
         k = self.config.rollout.test_responses_per_prompt
         trajectories = self.generate(prompts, self.test_params, k, seed)
         self.dump(trajectories, name)
-        report = unscored_report(trajectories, self.config.rollout.env_path)
+        report = unscored_report(trajectories, self.config.rollout.agent_path or self.config.rollout.env_path)
         if report is not None and require_scores:
             raise EnvError(f"evaluation: no test reward could be computed: {report}")
         if report is not None:
@@ -151,7 +181,7 @@ class RolloutService(RolloutRecords):
     @property
     def tools(self) -> dict:
         """The env file's tools by name (`rl2.chat.tools.Tool`), for the prompts' chat template."""
-        return self.env.tools
+        return self.env.tools if self.env is not None else {}
 
     def roc_penalties(self, trajectories: list[Trajectory]) -> list[float]:
         """GRPO-RoC's penalty of each trajectory: the env file's `roc_penalty(messages)` where it
@@ -159,7 +189,7 @@ class RolloutService(RolloutRecords):
         on every rank, so all ranks keep the same trajectories."""
         conversations = [t.messages for t in trajectories]
         penalties = [roc_penalty(messages) for messages in conversations]
-        if self.env.has_roc_penalty:
+        if self.env is not None and self.env.has_roc_penalty:
             for i, result in enumerate(self.env.roc_penalties(conversations)):
                 if result.error is None:
                     penalties[i] = result.value
@@ -169,7 +199,7 @@ class RolloutService(RolloutRecords):
         """`faults/<name>`: the faults the env's pools and clients recovered from since the last
         call (workers replaced, calls retried), summed over ranks; every name seen so far is logged,
         0 when nothing happened."""
-        totals = self.env.fault_counts()
+        totals = self.env.fault_counts() if self.env is not None else {}
         new = {name: max(total - self.faults_logged.get(name, 0), 0) for name, total in totals.items()}
         self.faults_logged = totals
         summed: dict[str, float] = {}
@@ -180,5 +210,8 @@ class RolloutService(RolloutRecords):
 
     def close(self) -> None:
         """End the env file's worker pools and the engine (SGLang: its scheduler processes)."""
-        self.env.close()
+        if self.env is not None:
+            self.env.close()
+        if self.server is not None:
+            self.server.close()
         self.engine.shutdown()

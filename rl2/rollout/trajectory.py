@@ -42,6 +42,8 @@ class Trajectory:
     # rollout.trajectory_format=per_turn: where each turn's own sequence (its prompt as the chat template
     # renders the conversation so far, then its generation) begins in `token_ids`; None: one sequence.
     turn_starts: list[int] | None = None
+    # An agent's trajectory (`rollout.agent_path`): what its requests cost, for the `agent/*` metrics.
+    agent_stats: dict = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, fields: dict) -> "Trajectory":

@@ -1,0 +1,162 @@
+"""Rollouts of agent files: the user's agent, written against the OpenAI API, run once per trajectory
+against this rank's `OpenAIServer`, and the requests it made turned into the trajectory's sequences.
+
+An agent file (`rollout.agent_path`) defines
+
+    async def run(row: dict, client: openai.AsyncOpenAI) -> float      # or a dict with "reward"
+
+and may take `base_url` and `api_key` keywords too, for frameworks that build their own client
+(LangGraph's `ChatOpenAI`, the Agents SDK's `OpenAIChatCompletionsModel`). A sync `run` runs in a thread.
+Its return value is the reward; it may instead `POST /rl/reward`. An exception or a timeout in `run`
+leaves the trajectory without a reward, with the error kept (as a failing `reward_fn` does).
+"""
+
+import asyncio
+import inspect
+import logging
+from typing import Any
+
+from rl2.chat.tool_parsers import ToolParser
+from rl2.engines import Engine, SamplingParams
+from rl2.rollout.env_file import EnvArgs, EnvError, describe_exception, load_env_file, where
+from rl2.rollout.trajectory import Trajectory
+from rl2.serve.openai_server import OpenAIServer
+from rl2.serve.session import AgentSession
+
+logger = logging.getLogger(__name__)
+
+
+class AgentFile:
+    """The `run` of an agent file, checked at start-up."""
+
+    def __init__(self, path: str, args: dict[str, Any] | None = None):
+        self.path = path
+        module = load_env_file(path, EnvArgs(args, path))
+        run = getattr(module, "run", None)
+        if not callable(run):
+            raise EnvError(f"agent file {path} does not define run(row, client) (async def run(row, client) -> float)")
+        parameters = inspect.signature(run).parameters
+        if len([p for p in parameters.values() if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) > 2:
+            raise EnvError(f"agent file {path}: run{inspect.signature(run)} cannot be called as run(row, client)")
+        self.run = run
+        self.is_async = inspect.iscoroutinefunction(run)
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+        self.extra = [name for name in ("base_url", "api_key") if takes_any or name in parameters]
+
+    async def __call__(self, row: dict, client: Any, base_url: str, api_key: str) -> Any:
+        extra = {name: value for name, value in (("base_url", base_url), ("api_key", api_key)) if name in self.extra}
+        if self.is_async:
+            return await self.run(row, client, **extra)
+        return await asyncio.to_thread(self.run, row, client, **extra)
+
+
+def openai_client(base_url: str, api_key: str, timeout: float):
+    """An `openai.AsyncOpenAI` for one trajectory (no retries: a failed request is the agent's to handle)."""
+    try:
+        import openai
+    except ImportError:
+        raise EnvError("rollout.agent_path needs the openai package: pip install 'rl2[agents]'") from None
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout)
+
+
+def agent_rollout(
+    server: OpenAIServer,
+    engine: Engine,
+    agent: AgentFile,
+    tokenizer,
+    parser: ToolParser,
+    prompts: list[dict],
+    responses_per_prompt: int,
+    params: SamplingParams,
+    max_requests: int,
+    max_length: int | None = None,
+    first_group: int = 0,
+    version: int = 0,
+    merge: bool = True,
+    timeout: float = 600.0,
+) -> list[Trajectory]:
+    """`responses_per_prompt` trajectories of `prompts` (dataset rows), each one run of the agent, grouped by
+    prompt; at most `max_requests` generations each and `max_length` tokens a sequence."""
+    rows = [prompt for prompt in prompts for _ in range(responses_per_prompt)]
+    sessions = [AgentSession(tokenizer, parser, merge, max_length) for _ in rows]
+    stop_ids = set(params.stop_token_ids)
+    if not params.ignore_eos and tokenizer.eos_token_id is not None:
+        stop_ids.add(tokenizer.eos_token_id)
+    keys, slots = server.open(sessions, params, version, max_requests, max_length, stop_ids)
+
+    async def run_one(i: int) -> None:
+        session, row = sessions[i], _agent_row(rows[i])
+        client = openai_client(server.base_url, keys[i], timeout)
+        try:
+            result = await asyncio.wait_for(agent(row, client, server.base_url, keys[i]), timeout)
+            _take_reward(session, result, agent.path)
+        except asyncio.TimeoutError:
+            session.errors.append(f"agent {agent.path}: run did not finish within {timeout:g} s (rollout.agent_timeout)")
+        except Exception as error:  # noqa: BLE001 - the user's agent: recorded on its trajectory
+            session.errors.append(f"agent {agent.path}: run raised{where(error, agent.path)} {describe_exception(error)}")
+        finally:
+            slots.close(i)
+            await client.close()
+
+    async def run_all() -> None:
+        await asyncio.gather(*(run_one(i) for i in range(len(rows))))
+
+    agents = asyncio.run_coroutine_threadsafe(run_all(), server.loop)
+    try:
+        engine.generate_turns(slots.first_turns(), params, slots.on_generation, max_requests)
+        agents.result()
+    finally:
+        ignored = server.close_rollout()
+    trajectories = [_trajectory(session, row, first_group + i // responses_per_prompt, version)
+                    for i, (session, row) in enumerate(zip(sessions, rows))]
+    if ignored and trajectories:
+        trajectories[0].agent_stats["ignored_fields"] = ignored
+    return trajectories
+
+
+def _agent_row(prompt: dict) -> dict:
+    """What `run` gets of a dataset row: its messages, answer and tools (not the prompt's token ids)."""
+    return {key: value for key, value in prompt.items() if key != "prompt_ids"}
+
+
+def _take_reward(session: AgentSession, result: Any, path: str) -> None:
+    if isinstance(result, dict):
+        session.extras = {key: value for key, value in result.items() if key != "reward"}
+        result = result.get("reward")
+    if result is None:
+        if session.reward is None:
+            session.errors.append(f"agent {path}: run returned no reward and none was posted to /rl/reward")
+        return
+    if isinstance(result, bool) or not isinstance(result, (int, float)):
+        session.errors.append(f"agent {path}: run returned {type(result).__name__}, not a number")
+        return
+    session.reward = float(result)
+
+
+def _trajectory(session: AgentSession, row: dict, group: int, version: int) -> Trajectory:
+    """A trajectory of the session's sequences, one after the other (each trained as its own when there
+    are several, as `rollout.trajectory_format=per_turn` does)."""
+    token_ids, action_mask, logprobs, versions, starts = [], [], [], [], []
+    for sequence in session.sequences:
+        starts.append(len(token_ids))
+        token_ids += sequence.token_ids
+        action_mask += sequence.action_mask
+        logprobs += sequence.logprobs
+        versions += sequence.versions
+    errors = list(session.errors)
+    if not session.sequences:  # nothing to train: the prompt alone keeps the trajectory's place in its group
+        errors = errors or ["the agent made no request"]
+        token_ids = list(row["prompt_ids"])
+        action_mask, logprobs, versions = [0] * len(token_ids), [0.0] * len(token_ids), [-1] * len(token_ids)
+    messages = session.sequences[-1].messages if session.sequences else list(row["messages"])
+    return Trajectory(
+        messages=messages, answer=row.get("answer"), group=group, token_ids=token_ids, action_mask=action_mask,
+        logprobs=logprobs, turns=session.requests, truncated=session.truncated, done=True,
+        reward=session.reward if not errors else None, errors=errors, versions=versions, started=version,
+        tools=session.sequences[-1].tools if session.sequences else None,
+        turn_starts=starts if len(starts) > 1 else None,
+        agent_stats={"requests": session.requests, "sequences": len(session.sequences),
+                     "reused_tokens": session.reused_tokens, "rendered_tokens": session.rendered_tokens,
+                     "drift_requests": session.drift},
+    )

@@ -1,0 +1,360 @@
+"""An OpenAI-compatible HTTP server over the rollout engine, one per rank, bound to 127.0.0.1.
+
+Agents written against the OpenAI API (the OpenAI SDK, the Agents SDK, LangGraph) talk to it as to any
+endpoint: `POST /v1/chat/completions` (tools, n, logprobs, streaming), `POST /v1/completions`,
+`GET /v1/models`, `POST /tokenize`, and `POST /rl/reward` for an agent that reports its reward itself.
+Each trajectory has its own API key: the key says which trajectory a request belongs to (`AgentSession`),
+and an unknown key is refused (401). Generation uses the run's sampling parameters (a request's
+`temperature`, `top_p` or `stop` would make the behaviour policy another one than the one trained: they
+are ignored and counted); a request's `max_tokens` is honoured. vLLM's `return_token_ids` extension
+returns the prompt's and the completion's token ids.
+"""
+
+import asyncio
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from rl2.engines import Generation, SamplingParams, Turn
+from rl2.serve.engine_slots import EngineSlots
+from rl2.serve.session import AgentSession, Plan, RequestError, openai_messages
+
+logger = logging.getLogger(__name__)
+
+# Request fields that choose how to sample: the run's own sampling parameters are used instead.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "presence_penalty", "frequency_penalty", "seed",
+                   "logit_bias", "min_p", "repetition_penalty")
+
+
+@dataclass
+class Rollout:
+    """The sessions of one rollout, by API key, and how their requests are generated."""
+
+    sessions: dict[str, tuple[int, AgentSession]]
+    slots: EngineSlots
+    params: SamplingParams
+    version: int
+    max_requests: int
+    max_length: int | None
+    stop_ids: set[int]
+    ignored_fields: dict[str, int] = field(default_factory=dict)
+
+
+class OpenAIServer:
+    """The server, on an event loop of its own thread; `open` makes a rollout's sessions reachable."""
+
+    def __init__(self, tokenizer, model_name: str = "rl2-policy"):
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.rollout: Rollout | None = None
+        self.loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="openai-server", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+
+    # ---- life cycle ----------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self._error = None
+        try:
+            self.loop.run_until_complete(self._start())
+        except Exception as error:  # noqa: BLE001 - raised in the constructor's thread
+            self._error = error
+            self._started.set()
+            return
+        self._started.set()
+        self.loop.run_forever()
+
+    async def _start(self) -> None:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.add_routes([
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/completions", self.completions),
+            web.get("/v1/models", self.models),
+            web.post("/tokenize", self.tokenize),
+            web.post("/rl/reward", self.reward),
+        ])
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def close(self) -> None:
+        if not self.loop.is_running():
+            return
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+    def open(self, sessions: list[AgentSession], params: SamplingParams, version: int, max_requests: int,
+             max_length: int | None, stop_ids: set[int]) -> tuple[list[str], EngineSlots]:
+        """Serve `sessions` (one API key each, returned in order) until `close_rollout`."""
+        keys = [f"rl2-{secrets.token_hex(12)}" for _ in sessions]
+        slots = EngineSlots(len(sessions))
+        self.rollout = Rollout({key: (i, s) for i, (key, s) in enumerate(zip(keys, sessions))}, slots, params,
+                               version, max_requests, max_length, stop_ids)
+        return keys, slots
+
+    def close_rollout(self) -> dict[str, int]:
+        """Stop serving the rollout's sessions (their keys are refused from now on); the request fields
+        that were ignored, counted."""
+        rollout, self.rollout = self.rollout, None
+        return rollout.ignored_fields if rollout else {}
+
+    # ---- handlers ------------------------------------------------------------------------
+
+    def _session(self, request: web.Request) -> tuple[Rollout, int, AgentSession]:
+        key = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        rollout = self.rollout
+        if rollout is None or key not in rollout.sessions:
+            raise _Refused(401, "invalid_api_key", "unknown API key: each trajectory has its own, given to its agent")
+        slot, session = rollout.sessions[key]
+        return rollout, slot, session
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise _Refused(400, "invalid_request_error", "the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise _Refused(400, "invalid_request_error", "the request body must be a JSON object")
+        return body
+
+    async def _generate(self, rollout: Rollout, slot: int, session: AgentSession, plan: Plan,
+                        max_tokens: int | None) -> Generation | None:
+        """The generation of `plan` in its trajectory's slot; None where no token fits the length limit."""
+        if session.requests_started >= rollout.max_requests:
+            raise _Refused(400, "invalid_request_error",
+                           f"this trajectory made its {rollout.max_requests} requests (rollout.max_turns)")
+        room = rollout.params.max_new_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens)
+        if rollout.max_length is not None:
+            room = min(room, rollout.max_length - len(plan.prompt_ids))
+        if room < 1:
+            session.truncated = True
+            return None
+        session.requests_started += 1
+        return await asyncio.wrap_future(rollout.slots.submit(slot, Turn(plan.prompt_ids, room)))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            rollout, slot, session = self._session(request)
+            body = await self._body(request)
+            messages = openai_messages(body.get("messages"))
+            tools = _tools(body)
+            n, max_tokens = _count(body, "n", 1), _max_tokens(body)
+            _count_ignored(rollout, body)
+            choices, prompt_ids = [], []
+            for index in range(n):
+                plan = session.plan(messages, tools)
+                prompt_ids = plan.prompt_ids
+                generation = await self._generate(rollout, slot, session, plan, max_tokens)
+                if generation is None:
+                    choices.append(({"role": "assistant", "content": ""}, "length", [], []))
+                    continue
+                message, finish = session.record(plan, generation, rollout.version, rollout.stop_ids)
+                choices.append((message, finish, list(generation.token_ids), list(generation.logprobs)))
+        except _Refused as refused:
+            return refused.response()
+        except RequestError as error:
+            return _Refused(400, "invalid_request_error", str(error)).response()
+        reply = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.get("model") or self.model_name,
+            "choices": [self._choice(i, *choice, body) for i, choice in enumerate(choices)],
+            "usage": _usage(len(prompt_ids), sum(len(choice[2]) for choice in choices)),
+        }
+        if body.get("return_token_ids"):
+            reply["prompt_token_ids"] = prompt_ids
+        if body.get("stream"):
+            return await self._stream(request, reply, body)
+        return web.json_response(reply)
+
+    def _choice(self, index: int, message: dict, finish: str, token_ids: list[int], logprobs: list[float],
+                body: dict) -> dict:
+        shown = {"role": "assistant", "content": message["content"] or None if message.get("tool_calls") else message["content"]}
+        if message.get("tool_calls"):
+            shown["tool_calls"] = [{"id": call["id"], "type": "function",
+                                    "function": {"name": call["function"]["name"],
+                                                 "arguments": json.dumps(call["function"]["arguments"])}}
+                                   for call in message["tool_calls"]]
+        choice = {"index": index, "message": shown, "finish_reason": finish,
+                  "logprobs": {"content": self._token_logprobs(token_ids, logprobs)} if body.get("logprobs") else None}
+        if body.get("return_token_ids"):
+            choice["token_ids"] = token_ids
+        return choice
+
+    def _token_logprobs(self, token_ids: list[int], logprobs: list[float]) -> list[dict]:
+        """Per token: its text, the log-prob it was sampled with; `top_logprobs` is empty (the engine keeps
+        only the sampled token's)."""
+        texts = self.tokenizer.convert_ids_to_tokens(token_ids)
+        return [{"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
+                for text, logprob in zip(texts, logprobs)]
+
+    async def _stream(self, request: web.Request, reply: dict, body: dict) -> web.StreamResponse:
+        """The finished reply as server-sent chunks (the engine does not stream tokens)."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        base = {key: reply[key] for key in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+        async def send(choices: list[dict], **extra) -> None:
+            await response.write(f"data: {json.dumps(base | {'choices': choices} | extra)}\n\n".encode())
+
+        for choice in reply["choices"]:
+            i, message = choice["index"], choice["message"]
+            await send([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+            if message.get("content"):
+                await send([{"index": i, "delta": {"content": message["content"]}, "finish_reason": None,
+                             "logprobs": choice["logprobs"]}])
+            for k, call in enumerate(message.get("tool_calls") or []):
+                await send([{"index": i, "delta": {"tool_calls": [{"index": k, **call}]}, "finish_reason": None}])
+            await send([{"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}])
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await send([], usage=reply["usage"])
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def completions(self, request: web.Request) -> web.Response:
+        """Raw completion of a prompt (text or token ids), no chat template: a prompt that starts with one
+        of the trajectory's sequences continues it."""
+        try:
+            rollout, slot, session = self._session(request)
+            body = await self._body(request)
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                ids = list(prompt)
+            else:
+                raise RequestError("'prompt' must be a string or a list of token ids")
+            _count_ignored(rollout, body)
+            choices = []
+            for index in range(_count(body, "n", 1)):
+                plan = session.plan_tokens(ids)
+                generation = await self._generate(rollout, slot, session, plan, _max_tokens(body))
+                tokens = list(generation.token_ids) if generation else []
+                if generation is not None:
+                    session.record_tokens(plan, generation, rollout.version)
+                choice = {"index": index, "text": self.tokenizer.decode(tokens, skip_special_tokens=False),
+                          "finish_reason": generation.finish_reason if generation else "length", "logprobs": None}
+                if body.get("return_token_ids"):
+                    choice["token_ids"] = tokens
+                choices.append(choice)
+        except _Refused as refused:
+            return refused.response()
+        except RequestError as error:
+            return _Refused(400, "invalid_request_error", str(error)).response()
+        reply = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                 "model": body.get("model") or self.model_name, "choices": choices,
+                 "usage": _usage(len(ids), sum(len(c.get("token_ids", [])) for c in choices))}
+        if body.get("return_token_ids"):
+            reply["prompt_token_ids"] = ids
+        return web.json_response(reply)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rl2"}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `/tokenize`: the token ids of `prompt`, or of `messages` through the chat template."""
+        try:
+            body = await self._body(request)
+            if "messages" in body:
+                from rl2.data.chat_template import render_chat
+
+                text = render_chat(openai_messages(body["messages"]), self.tokenizer,
+                                   bool(body.get("add_generation_prompt", True)), _tools(body))
+            elif isinstance(body.get("prompt"), str):
+                text = body["prompt"]
+            else:
+                raise RequestError("give 'prompt' (a string) or 'messages'")
+        except _Refused as refused:
+            return refused.response()
+        except RequestError as error:
+            return _Refused(400, "invalid_request_error", str(error)).response()
+        tokens = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        max_length = self.rollout.max_length if self.rollout else None
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": max_length})
+
+    async def reward(self, request: web.Request) -> web.Response:
+        """`{"reward": float}`: the trajectory's reward, reported by its agent."""
+        try:
+            _, _, session = self._session(request)
+            body = await self._body(request)
+            value = body.get("reward")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RequestError("'reward' must be a number")
+        except _Refused as refused:
+            return refused.response()
+        except RequestError as error:
+            return _Refused(400, "invalid_request_error", str(error)).response()
+        session.reward = float(value)
+        return web.json_response({"ok": True})
+
+
+class _Refused(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+    def response(self) -> web.Response:
+        kind = "authentication_error" if self.status == 401 else "invalid_request_error"
+        return web.json_response({"error": {"message": self.message, "type": kind, "param": None, "code": self.code}},
+                                 status=self.status)
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None or body.get("tool_choice") == "none":
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type", "function") == "function"
+                                              and isinstance(t.get("function"), dict) for t in tools):
+        raise RequestError("'tools' must be a list of {\"type\": \"function\", \"function\": {...}}")
+    return [{"type": "function", "function": t["function"]} for t in tools] or None
+
+
+def _count(body: dict, key: str, default: int) -> int:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestError(f"'{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _max_tokens(body: dict) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens"):
+        if body.get(key) is not None:
+            return _count(body, key, 1)
+    return None
+
+
+def _count_ignored(rollout: Rollout, body: dict) -> None:
+    for name in SAMPLING_FIELDS:
+        if body.get(name) is not None:
+            rollout.ignored_fields[name] = rollout.ignored_fields.get(name, 0) + 1
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

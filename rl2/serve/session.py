@@ -1,0 +1,192 @@
+"""One agent trajectory as the OpenAI-compatible server sees it: the requests its agent made, turned
+into token sequences that hold exactly what the engine was given and sampled.
+
+A request whose messages continue one of the trajectory's sequences (that sequence's conversation, its
+last assistant message as the server returned it, then tool or user messages) is given that sequence's
+token ids followed by the chat template's bridge to the new messages (`rl2.chat.bridge`): the sampled
+tokens are never re-encoded. With `merge` the completion is appended to that sequence (one sequence for
+an agent that only extends its conversation); otherwise every request is a sequence of its own, its
+prompt still built from the sampled ids. A request that continues nothing (a rewritten history, a
+sub-agent, a summariser) is rendered by the template; the assistant turns it holds are then re-encoded,
+which is counted (`drift`).
+"""
+
+import copy
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from rl2.chat.tool_parsers import ToolParser
+from rl2.data.chat_template import render_chat
+from rl2.data.rows import parse_messages
+from rl2.engines import Generation
+from rl2.rollout.multi_turn import observation_tokens
+
+
+class RequestError(ValueError):
+    """A request the server answers with 400: what is wrong with it."""
+
+
+@dataclass
+class AgentSequence:
+    """Token ids the engine was given and sampled, with the conversation they render."""
+
+    messages: list[dict]  # ends with the assistant message of the last completion
+    tools: list[dict] | None
+    token_ids: list[int] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    calls_made: int = 0  # tool-call ids given so far (the parser numbers them)
+
+    def append(self, tokens: list[int], generated: bool, logprobs: list[float] | None = None, version: int = -1) -> None:
+        self.token_ids += tokens
+        self.action_mask += [int(generated)] * len(tokens)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+        self.versions += [version if generated else -1] * len(tokens)
+
+
+@dataclass
+class Plan:
+    """What a request is generated from: its prompt ids, and the sequence it continues (None: a new
+    one), as that sequence stood when the request came."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    prompt_ids: list[int]
+    base: AgentSequence | None = None
+    base_length: int = 0
+    reused: int = 0  # prompt tokens taken from sampled sequences rather than rendered
+
+
+def openai_messages(value: Any) -> list[dict]:
+    """OpenAI chat messages in the form chat templates take: text parts joined, `developer` as `system`,
+    `tool_calls` arguments decoded from their JSON strings; RequestError where malformed."""
+    if not isinstance(value, list) or not value:
+        raise RequestError("'messages' must be a non-empty list")
+    plain = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise RequestError(f"messages[{i}] must be an object")
+        message = {key: item for key, item in message.items() if item is not None and key not in _CLIENT_ONLY_KEYS}
+        if message.get("role") == "developer":
+            message["role"] = "system"
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = [part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text")]
+            if len(texts) != len(content):
+                raise RequestError(f"messages[{i}]: only text content parts are supported")
+            message["content"] = "".join(texts)
+        elif content is None:
+            message["content"] = ""
+        plain.append(message)
+    try:
+        return parse_messages(plain, "the request")
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+
+
+# Keys clients send back on assistant messages that no chat template reads.
+_CLIENT_ONLY_KEYS = ("refusal", "annotations", "audio", "function_call", "reasoning_content", "name_")
+
+
+def same_message(ours: dict, theirs: dict) -> bool:
+    """Whether a client's message is one the server holds (role, text, and the calls by name and arguments)."""
+    def key(message: dict) -> tuple:
+        calls = tuple((call["function"]["name"], json.dumps(call["function"].get("arguments") or {}, sort_keys=True))
+                      for call in message.get("tool_calls") or [])
+        return message["role"], (message.get("content") or "").strip(), calls, message.get("tool_call_id")
+
+    return key(ours) == key(theirs)
+
+
+class AgentSession:
+    """The sequences of one trajectory and what it cost to keep them exact."""
+
+    def __init__(self, tokenizer, parser: ToolParser, merge: bool = True, max_length: int | None = None):
+        self.tokenizer, self.parser, self.merge, self.max_length = tokenizer, parser, merge, max_length
+        self.sequences: list[AgentSequence] = []
+        self.requests = 0  # generations kept
+        self.requests_started = 0  # generations asked of the engine
+        self.reused_tokens = 0  # prompt tokens taken from sampled sequences
+        self.rendered_tokens = 0  # prompt tokens rendered by the template
+        self.drift = 0  # requests that re-encoded assistant turns
+        self.truncated = False
+        self.reward: float | None = None
+        self.extras: dict[str, Any] = {}
+        self.errors: list[str] = []
+
+    def plan(self, messages: list[dict], tools: list[dict] | None) -> Plan:
+        """The prompt ids of a request for `messages` (in template form) with `tools`."""
+        for sequence in reversed(self.sequences):  # the latest first: the conversation an agent goes on with
+            continued = len(sequence.messages)
+            if (sequence.tools == tools and len(messages) > continued
+                    and all(same_message(a, b) for a, b in zip(sequence.messages, messages[:continued]))
+                    and all(m["role"] != "assistant" for m in messages[continued:])):
+                new = messages[continued:]
+                bridge = observation_tokens(self.tokenizer, sequence.token_ids, sequence.messages, new, True, tools)
+                prompt = sequence.token_ids + bridge
+                return Plan(messages, tools, prompt, sequence, len(sequence.token_ids), reused=len(sequence.token_ids))
+        text = render_chat(messages, self.tokenizer, True, tools)
+        prompt = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        self.drift += any(m["role"] == "assistant" for m in messages)
+        return Plan(messages, tools, prompt)
+
+    def plan_tokens(self, prompt_ids: list[int]) -> Plan:
+        """The plan of a raw completion (`/v1/completions`): a prompt that starts with one of the
+        trajectory's sequences continues it."""
+        text = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        messages = [{"role": "user", "content": text}]
+        for sequence in sorted(self.sequences, key=lambda s: -len(s.token_ids)):
+            if len(prompt_ids) > len(sequence.token_ids) and prompt_ids[:len(sequence.token_ids)] == sequence.token_ids:
+                return Plan(messages, None, list(prompt_ids), sequence, len(sequence.token_ids),
+                            reused=len(sequence.token_ids))
+        return Plan(messages, None, list(prompt_ids))
+
+    def record_tokens(self, plan: Plan, generation: Generation, version: int) -> None:
+        """Keep a finished raw completion of `plan`."""
+        sequence = self._keep(plan, generation, version)
+        text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=False)
+        sequence.messages = copy.deepcopy(plan.messages) + [{"role": "assistant", "content": text}]
+
+    def _keep(self, plan: Plan, generation: Generation, version: int) -> AgentSequence:
+        """Append `plan`'s prompt (what is new of it) and its generation to the sequence they belong to."""
+        self.requests += 1
+        self.reused_tokens += plan.reused
+        self.rendered_tokens += len(plan.prompt_ids) - plan.reused
+        base = plan.base
+        if base is not None and self.merge and len(base.token_ids) == plan.base_length:
+            sequence = base  # the conversation goes on: one sequence
+            sequence.append(plan.prompt_ids[plan.base_length:], generated=False)
+        else:  # a new request, a branch (n > 1, or two requests continuing one conversation), or each its own
+            sequence = AgentSequence(copy.deepcopy(plan.messages), plan.tools, calls_made=base.calls_made if base else 0)
+            sequence.append(plan.prompt_ids, generated=False)
+            self.sequences.append(sequence)
+        sequence.append(list(generation.token_ids), generated=True, logprobs=list(generation.logprobs), version=version)
+        self.truncated |= generation.finish_reason == "length"
+        return sequence
+
+    def record(self, plan: Plan, generation: Generation, version: int, stop_ids: set[int]) -> tuple[dict, str]:
+        """Keep a finished generation of `plan`; the assistant message it becomes (tool calls parsed when the
+        request had tools) and its finish reason."""
+        sequence = self._keep(plan, generation, version)
+        tokens = list(generation.token_ids)
+        ends_with_stop = generation.finish_reason == "stop" and tokens and tokens[-1] in stop_ids
+        text = self.tokenizer.decode(tokens[:-1] if ends_with_stop else tokens, skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = "length" if generation.finish_reason == "length" else "stop"
+        if plan.tools:
+            parsed = self.parser.parse(text, plan.tools)
+            calls = [call for call in parsed.calls if call.error is None]
+            if calls:  # a call that did not parse stays in the text, as the model wrote it
+                unparsed = [call.raw for call in parsed.calls if call.error is not None]
+                message["content"] = "\n".join([parsed.content, *unparsed]).strip() if unparsed else parsed.content
+                message["tool_calls"] = []
+                for call in calls:
+                    message["tool_calls"].append({"id": self.parser.call_id(sequence.calls_made), "type": "function",
+                                                  "function": {"name": call.name, "arguments": call.arguments}})
+                    sequence.calls_made += 1
+                finish = "tool_calls"
+        sequence.messages = copy.deepcopy(plan.messages) + [copy.deepcopy(message)]
+        return message, finish
