@@ -36,8 +36,9 @@ class AgentFile:
         if not callable(run):
             raise EnvError(f"agent file {path} does not define run(row, client) (async def run(row, client) -> float)")
         parameters = inspect.signature(run).parameters
-        if len([p for p in parameters.values() if p.default is inspect.Parameter.empty
-                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) > 2:
+        required = [p for p in parameters.values() if p.default is inspect.Parameter.empty
+                    and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in ("base_url", "api_key")]
+        if len(required) > 2:
             raise EnvError(f"agent file {path}: run{inspect.signature(run)} cannot be called as run(row, client)")
         self.run = run
         self.is_async = inspect.iscoroutinefunction(run)
