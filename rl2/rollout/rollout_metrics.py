@@ -39,7 +39,8 @@ def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     """An agent file's rollout (`rollout.agent_path`): `agent/requests` and `agent/sequences` per trajectory,
     `agent/reused_tokens` (prompt tokens taken from sampled sequences) and `agent/rendered_tokens` (rendered
     by the chat template) in all, `agent/drift_requests` (requests that re-encoded earlier assistant turns),
-    and `agent/ignored/<field>`: requests whose sampling fields were ignored."""
+    `agent/ignored/<field>`: requests whose sampling fields were ignored, and `agent/extra/<name>`: the mean of
+    each number `run` returned beside its reward."""
     stats = [t.agent_stats for t in trajectories if t.agent_stats]
     if not stats:
         return {}
@@ -50,9 +51,14 @@ def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "agent/rendered_tokens": float(sum(s["rendered_tokens"] for s in stats)),
         "agent/drift_requests": float(sum(s["drift_requests"] for s in stats)),
     }
+    extras: dict[str, list[float]] = {}
     for s in stats:
         for name, count in s.get("ignored_fields", {}).items():
             metrics[f"agent/ignored/{name}"] = metrics.get(f"agent/ignored/{name}", 0.0) + count
+        for name, value in s.get("extras", {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                extras.setdefault(name, []).append(float(value))
+    metrics.update({f"agent/extra/{name}": sum(values) / len(values) for name, values in extras.items()})
     return metrics
 
 

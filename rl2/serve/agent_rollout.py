@@ -52,13 +52,15 @@ class AgentFile:
         return await asyncio.to_thread(self.run, row, client, **extra)
 
 
-def openai_client(base_url: str, api_key: str, timeout: float):
-    """An `openai.AsyncOpenAI` for one trajectory (no retries: a failed request is the agent's to handle)."""
+def openai_client(base_url: str, timeout: float):
+    """The `openai.AsyncOpenAI` the trajectories share (each takes a copy with its own key: a client of its
+    own would build an HTTP client and an SSL context, ~50 ms of CPU each); no retries: a failed request
+    is the agent's to handle."""
     try:
         import openai
     except ImportError:
         raise EnvError("rollout.agent_path needs the openai package: pip install 'rl2[agents]'") from None
-    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout)
+    return openai.AsyncOpenAI(base_url=base_url, api_key="rl2", max_retries=0, timeout=timeout)
 
 
 def agent_rollout(
@@ -86,9 +88,9 @@ def agent_rollout(
         stop_ids.add(tokenizer.eos_token_id)
     keys, slots = server.open(sessions, params, version, max_requests, max_length, stop_ids)
 
-    async def run_one(i: int) -> None:
+    async def run_one(i: int, shared) -> None:
         session, row = sessions[i], _agent_row(rows[i])
-        client = openai_client(server.base_url, keys[i], timeout)
+        client = shared.with_options(api_key=keys[i])  # shares the connection pool: not closed here
         try:
             result = await asyncio.wait_for(agent(row, client, server.base_url, keys[i]), timeout)
             _take_reward(session, result, agent.path)
@@ -98,10 +100,13 @@ def agent_rollout(
             session.errors.append(f"agent {agent.path}: run raised{where(error, agent.path)} {describe_exception(error)}")
         finally:
             slots.close(i)
-            await client.close()
 
     async def run_all() -> None:
-        await asyncio.gather(*(run_one(i) for i in range(len(rows))))
+        shared = openai_client(server.base_url, timeout)
+        try:
+            await asyncio.gather(*(run_one(i, shared) for i in range(len(rows))))
+        finally:
+            await shared.close()
 
     agents = asyncio.run_coroutine_threadsafe(run_all(), server.loop)
     try:
@@ -157,7 +162,7 @@ def _trajectory(session: AgentSession, row: dict, group: int, version: int) -> T
         reward=session.reward if not errors else None, errors=errors, versions=versions, started=version,
         tools=session.sequences[-1].tools if session.sequences else None,
         turn_starts=starts if len(starts) > 1 else None,
-        agent_stats={"requests": session.requests, "sequences": len(session.sequences),
+        agent_stats={"extras": session.extras, "requests": session.requests, "sequences": len(session.sequences),
                      "reused_tokens": session.reused_tokens, "rendered_tokens": session.rendered_tokens,
                      "drift_requests": session.drift},
     )

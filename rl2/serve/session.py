@@ -171,7 +171,10 @@ class AgentSession:
         request had tools) and its finish reason."""
         sequence = self._keep(plan, generation, version)
         tokens = list(generation.token_ids)
-        ends_with_stop = generation.finish_reason == "stop" and tokens and tokens[-1] in stop_ids
+        # A stop token id, or another special token the engine stops on (a generation config's eos), as
+        # `rl2.rollout.multi_turn` reads a turn: the template writes the end-of-turn token itself.
+        ends_with_stop = (generation.finish_reason == "stop" and bool(tokens)
+                          and (tokens[-1] in stop_ids or tokens[-1] in self.tokenizer.all_special_ids))
         text = self.tokenizer.decode(tokens[:-1] if ends_with_stop else tokens, skip_special_tokens=False,
                                      clean_up_tokenization_spaces=False)
         message: dict[str, Any] = {"role": "assistant", "content": text}
