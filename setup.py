@@ -29,7 +29,9 @@ setup(
         "tools": ["aiohttp", "bm25s>=0.3", "math-verify", "sympy", "pylatexenc"],
         # sglang 0.5.20 / 0.5.21 are built for torch 2.13.0 (0.5.22+ need torch 2.14.1).
         "gpu": ["sglang[srt]>=0.5.20,<0.5.22", "flash-attn", "ring-flash-attn"],
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "tensorboard"],
+        # rollout.agent_path: agents written against the OpenAI API, served by rl2.serve.
+        "agents": ["aiohttp", "openai"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "openai"],
         # trainer.tensorboard=true: TensorBoard event files beside metrics.jsonl.
         "tensorboard": ["tensorboard"],
         "dense": ["sentence-transformers", "faiss-cpu"],

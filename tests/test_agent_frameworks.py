@@ -29,9 +29,20 @@ ANSWER = "The red box says code 7."
 TOOL_OUTPUT = "the red box says code 7"
 REWARD = 0.75  # what the agents return for the right answer (0.25 otherwise): not a default anywhere
 
+# LangGraph 1.x points to langchain.agents.create_agent (another package); create_react_agent still works.
+pytestmark = pytest.mark.filterwarnings("ignore:create_react_agent has been moved")
+
+
+def need(framework: str) -> None:
+    """Skip unless the framework's packages are installed (`pip install openai-agents`, or `langgraph
+    langchain-openai`)."""
+    for module in {"agents": ["agents"], "langgraph": ["langgraph", "langchain_openai"]}[framework]:
+        pytest.importorskip(module)
+
 AGENTS_SDK = '''
     from openai import AsyncOpenAI
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool,
+                        set_tracing_disabled)
 
     set_tracing_disabled(True)
     VARIANT = {variant!r}
@@ -53,6 +64,9 @@ AGENTS_SDK = '''
             model = OpenAIChatCompletionsModel(
                 model="rl2", openai_client=AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0))
             agent = Agent(name="boxes", instructions="Answer with the code on the box.", tools=[lookup], model=model)
+            result = await Runner.run(agent, input=question)
+        elif VARIANT == "responses":  # the SDK's default model: the Responses API, which rl2 does not serve
+            agent = Agent(name="boxes", tools=[lookup], model=OpenAIResponsesModel(model="rl2", openai_client=client))
             result = await Runner.run(agent, input=question)
         else:  # the client rl2 gives, streamed, with model settings, the question as content parts
             settings = ModelSettings(tool_choice="auto", parallel_tool_calls=True, temperature=0.7, max_tokens=200,
@@ -92,6 +106,9 @@ LANGGRAPH = '''
             llm = ChatOpenAI(model="rl2", base_url=base_url, api_key=api_key, max_retries=0)
             agent = create_react_agent(llm, tools=[lookup])
             state = await agent.ainvoke({{"messages": [("user", question)]}})
+        elif VARIANT == "responses":  # the Responses API, which rl2 does not serve
+            llm = ChatOpenAI(model="rl2", base_url=base_url, api_key=api_key, max_retries=0, use_responses_api=True)
+            state = await create_react_agent(llm, tools=[lookup]).ainvoke({{"messages": [("user", question)]}})
         else:  # streamed with usage, tools bound with tool_choice and parallel_tool_calls, named messages, parts
             llm = ChatOpenAI(model="rl2", base_url=base_url, api_key=api_key, max_retries=0, streaming=True,
                              stream_usage=True, temperature=0.5)
@@ -173,7 +190,7 @@ def check_recorded(trajectory, engine, tokenizer):
 
 @pytest.mark.parametrize("variant", ["plain", "streamed"])
 def test_openai_agents_sdk_agent_runs_unchanged(server, tokenizer, tmp_path, variant):
-    pytest.importorskip("agents")
+    need("agents")
     trajectory, engine = run_agent(server, tokenizer, tmp_path, "sdk_agent", AGENTS_SDK.format(variant=variant))
     check_recorded(trajectory, engine, tokenizer)
     assert trajectory.reward == REWARD
@@ -184,10 +201,19 @@ def test_openai_agents_sdk_agent_runs_unchanged(server, tokenizer, tmp_path, var
 
 @pytest.mark.parametrize("variant", ["plain", "streamed"])
 def test_langgraph_react_agent_runs_unchanged(server, tokenizer, tmp_path, variant):
-    pytest.importorskip("langgraph")
-    pytest.importorskip("langchain_openai")
+    need("langgraph")
     trajectory, engine = run_agent(server, tokenizer, tmp_path, "graph_agent", LANGGRAPH.format(variant=variant))
     check_recorded(trajectory, engine, tokenizer)
     assert trajectory.reward == REWARD
     assert trajectory.messages[0]["role"] == ("system" if variant == "streamed" else "user")
     assert trajectory.agent_stats.get("ignored_fields") == ({"temperature": 2} if variant == "streamed" else None)
+
+
+@pytest.mark.parametrize("framework", ["agents", "langgraph"])
+def test_the_responses_api_is_refused_saying_what_to_use(server, tokenizer, tmp_path, framework):
+    need(framework)
+    source = AGENTS_SDK if framework == "agents" else LANGGRAPH
+    trajectory, engine = run_agent(server, tokenizer, tmp_path, f"{framework}_agent", source.format(variant="responses"))
+    (error,) = trajectory.errors
+    assert "NotFoundError" in error and "does not serve the Responses API" in error, error
+    assert trajectory.reward is None and trajectory.agent_stats["requests"] == 0 and engine.calls == []

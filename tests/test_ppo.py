@@ -467,3 +467,25 @@ def test_per_turn_trains_what_whole_trains_on_a_history_stable_template(tiny_mod
                      "kl.coef=0.01")[2:]
     result = run_python(["-c", PER_TURN_CHECK, *args], env={"PYTHONPATH": f"{REPO}:{REPO}/tests"})
     assert "PER TURN OK" in result.stdout
+
+
+def test_an_openai_sdk_agent_trains_on_two_ranks(tmp_path):
+    """The function-calling demo with its conversation held by an agent written with the OpenAI SDK
+    (envs/demo_tools_agent.py) on 2 ranks, each serving its own endpoint: its requests are the trajectories,
+    one exact sequence each (nothing re-encoded), and rl2 trains on them (learning: bench/RESULTS.md)."""
+    env = {**os.environ, "OUT": str(tmp_path), "TASK": "tools", "NPROC": "2", "SFT_STEPS": "80", "PPO_STEPS": "2",
+           "PYTHONPATH": REPO}
+    result = subprocess.run(["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null",
+                             "rollout.agent_path=envs/demo_tools_agent.py"],
+                            capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-5000:]
+    rows = read_metrics(str(tmp_path / "ppo" / "metrics.jsonl"))
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["env_errors"] == 0 and row["trajectories"] == 128 and "actor/loss" in row
+        assert 1 < row["agent/requests"] <= 2 and row["agent/sequences"] == 1 and row["agent/drift_requests"] == 0
+        assert row["agent/reused_tokens"] > 0  # the second requests continued the first ones' sampled tokens
+    dump = [json.loads(line) for line in open(tmp_path / "ppo" / "trajectories" / "step_2.jsonl")]
+    called = [t for t in dump if t["messages"][1].get("tool_calls")]
+    assert called and all(t["messages"][2]["role"] == "tool" and t["messages"][2]["content"].startswith("code ")
+                          for t in called)

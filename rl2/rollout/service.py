@@ -18,9 +18,6 @@ from rl2.rollout.env import Env, EnvError
 from rl2.rollout.multi_turn import ToolCalling, assign_rewards, rollout
 from rl2.rollout.rollout_metrics import eval_metrics, unscored_report
 from rl2.rollout.trajectory import Trajectory
-from rl2.chat.tool_parsers import get_tool_parser
-from rl2.serve.agent_rollout import AgentFile, agent_rollout
-from rl2.serve.openai_server import OpenAIServer
 from rl2.lora import is_lora
 from rl2.rollout.weight_sync import iter_full_weights
 from rl2.tools.roc_penalty import roc_penalty
@@ -86,9 +83,15 @@ class RolloutService(RolloutRecords):
         self.env = (Env.from_config(config.rollout, need_interact=config.rollout.max_turns > 1 and not agent)
                     if config.rollout.env_path else None)
         self.tool_calling = ToolCalling.for_env(self.env, config.rollout)
-        self.agent = AgentFile(agent, config.rollout.env_args) if agent else None
+        self.agent = self.server = None
+        if agent:  # aiohttp and openai: the agents extra, imported only for agent runs
+            from rl2.serve.agent_rollout import AgentFile
+            from rl2.serve.openai_server import OpenAIServer
+
+            self.agent = AgentFile(agent, config.rollout.env_args)
         self.engine = build_engine_from_config(config.rollout, config.actor, tokenizer, config.trainer.seed)
-        self.server = OpenAIServer(tokenizer, config.actor.model_name) if agent else None
+        if agent:
+            self.server = OpenAIServer(tokenizer, config.actor.model_name)
         self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
 
     def generate(
@@ -138,6 +141,9 @@ class RolloutService(RolloutRecords):
                              first_group: int, timer: PhaseTimer, release_after: bool, version: int) -> list[Trajectory]:
         """`generate` with the agent file: its runs give the trajectories and their rewards; with an env file
         too, its `reward_fn` scores the ones whose run gave none."""
+        from rl2.chat.tool_parsers import get_tool_parser
+        from rl2.serve.agent_rollout import agent_rollout
+
         rollout_config = self.config.rollout
         with timer("rollout"):
             trajectories = agent_rollout(

@@ -83,6 +83,7 @@ class OpenAIServer:
             web.get("/v1/models", self.models),
             web.post("/tokenize", self.tokenize),
             web.post("/rl/reward", self.reward),
+            web.post("/v1/responses", self.responses),
         ])
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
@@ -269,6 +270,14 @@ class OpenAIServer:
         if body.get("return_token_ids"):
             reply["prompt_token_ids"] = ids
         return web.json_response(reply)
+
+    async def responses(self, request: web.Request) -> web.Response:
+        """The Responses API is not served: refused in OpenAI's shape, saying what to use (a bare 404 leaves
+        the Agents SDK's default model and `ChatOpenAI(use_responses_api=True)` with "Error code: 404")."""
+        return _Refused(404, "unsupported_endpoint",
+                        "rl2's server does not serve the Responses API (/v1/responses): use /v1/chat/completions "
+                        "(Agents SDK: OpenAIChatCompletionsModel or set_default_openai_api('chat_completions'); "
+                        "LangChain: ChatOpenAI without use_responses_api)").response()
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
