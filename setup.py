@@ -31,7 +31,9 @@ setup(
         "gpu": ["sglang[srt]>=0.5.20,<0.5.22", "flash-attn", "ring-flash-attn"],
         # rollout.agent_path: agents written against the OpenAI API, served by rl2.serve.
         "agents": ["aiohttp", "openai"],
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "openai"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "openai",
+                 # agents written with real frameworks, against rl2.serve (tests/test_agent_frameworks.py)
+                 "openai-agents>=0.24,<0.25", "langgraph>=1.2,<2", "langchain-openai>=1.7,<2"],
         # trainer.tensorboard=true: TensorBoard event files beside metrics.jsonl.
         "tensorboard": ["tensorboard"],
         "dense": ["sentence-transformers", "faiss-cpu"],

@@ -17,7 +17,8 @@
 # reward state GRPO cannot leave (seed 42); bench/RESULTS.md has the seed sweep.
 #
 # Extra key=value arguments go to the PPO trainer. SFT_STEPS and PPO_STEPS shorten the run; SEED
-# (default 42) seeds both stages (bench/demo_seeds.py runs the demo over many).
+# (default 42) seeds both stages (bench/demo_seeds.py runs the demo over many); SFT_CKPT=<folder> starts
+# GRPO from an earlier warm-up's checkpoint instead of running one.
 set -euo pipefail
 TASK=${TASK:-successor}
 OUT=${OUT:-outputs/ppo_tiny_$TASK}
@@ -37,20 +38,25 @@ mkdir -p "$OUT"
 [ -f "$OUT/model/config.json" ] || python -m rl2.testing.tiny "$OUT/model" --hidden-size 128 --layers 2 --template "$TEMPLATE"
 python recipes/make_demo_data.py --task "$TASK" --out "$OUT/data" --rows 4000
 
-echo "== SFT warm-up ($SFT_STEPS steps)"
-rm -rf "$OUT/sft"
-torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.sft \
-    data.path="$OUT/data/sft.jsonl" data.batch_size=64 \
-    actor.model_name="$OUT/model" actor.dtype=float32 actor.gradient_checkpointing=false \
-    actor.lr=3e-3 actor.warmup_ratio=0.2 actor.save_dir="$OUT/sft" \
-    trainer.total_steps="$SFT_STEPS" trainer.seed="$SEED" trainer.disable_wandb=true
+if [ -n "${SFT_CKPT:-}" ]; then
+  START="$SFT_CKPT"
+else
+  START="$OUT/sft/step$SFT_STEPS"
+  echo "== SFT warm-up ($SFT_STEPS steps)"
+  rm -rf "$OUT/sft"
+  torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.sft \
+      data.path="$OUT/data/sft.jsonl" data.batch_size=64 \
+      actor.model_name="$OUT/model" actor.dtype=float32 actor.gradient_checkpointing=false \
+      actor.lr=3e-3 actor.warmup_ratio=0.2 actor.save_dir="$OUT/sft" \
+      trainer.total_steps="$SFT_STEPS" trainer.seed="$SEED" trainer.disable_wandb=true
+fi
 
 echo "== GRPO ($PPO_STEPS steps, env envs/demo_$TASK.py)"
 rm -rf "$OUT/ppo"
 torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.ppo \
     data.path="$OUT/data/train.jsonl" data.test_path="$OUT/data/test.jsonl" \
     data.prompts_per_rollout=16 data.responses_per_prompt=8 \
-    actor.model_name="$OUT/sft/step$SFT_STEPS" actor.dtype=float32 actor.gradient_checkpointing=false \
+    actor.model_name="$START" actor.dtype=float32 actor.gradient_checkpointing=false \
     actor.lr=5e-4 actor.warmup_ratio=0.1 actor.save_dir="$OUT/ppo" \
     rollout.env_path="envs/demo_$TASK.py" rollout.max_turns="$TURNS" \
     "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: $NEW_TOKENS}" \

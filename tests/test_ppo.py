@@ -384,18 +384,25 @@ def test_grpo_roc_config_errors(tiny_model_dir, rl_data, tmp_path, overrides, me
     assert not (tmp_path / "run").exists()
 
 
-def test_function_calling_demo_calls_natively(tmp_path):
-    """The function-calling demo's pipeline: a warm-up on rows with tool_calls, then GRPO whose turns are parsed
-    into native calls of the stateful environment's lookup(), answered as tool messages (learning is measured
-    by bench/demo_seeds.py --tasks tools, recorded in bench/RESULTS.md)."""
-    env = {**os.environ, "OUT": str(tmp_path), "TASK": "tools", "NPROC": "1", "SFT_STEPS": "80", "PPO_STEPS": "2",
+@pytest.fixture(scope="module")
+def function_calling_demo(tmp_path_factory) -> str:
+    """The function-calling demo's pipeline, 80 warm-up steps and 2 GRPO steps on 1 rank: its folder."""
+    out = tmp_path_factory.mktemp("tools_demo")
+    env = {**os.environ, "OUT": str(out), "TASK": "tools", "NPROC": "1", "SFT_STEPS": "80", "PPO_STEPS": "2",
            "PYTHONPATH": REPO}
     result = subprocess.run(["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null"],
                             capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-5000:]
-    rows = read_metrics(str(tmp_path / "ppo" / "metrics.jsonl"))
+    return str(out)
+
+
+def test_function_calling_demo_calls_natively(function_calling_demo):
+    """The function-calling demo's pipeline: a warm-up on rows with tool_calls, then GRPO whose turns are parsed
+    into native calls of the stateful environment's lookup(), answered as tool messages (learning is measured
+    by bench/demo_seeds.py --tasks tools, recorded in bench/RESULTS.md)."""
+    rows = read_metrics(os.path.join(function_calling_demo, "ppo", "metrics.jsonl"))
     assert sum(row.get("tools/lookup/calls", 0) for row in rows) > 0 and all(row["env_errors"] == 0 for row in rows)
-    dump = [json.loads(line) for line in open(tmp_path / "ppo" / "trajectories" / "step_2.jsonl")]
+    dump = [json.loads(line) for line in open(os.path.join(function_calling_demo, "ppo", "trajectories", "step_2.jsonl"))]
     called = [t for t in dump if (t["messages"][1].get("tool_calls") or [{}])[0].get("function") == {
         "name": "lookup", "arguments": {}}]
     assert called, "no trajectory called the tool natively"
@@ -403,7 +410,6 @@ def test_function_calling_demo_calls_natively(tmp_path):
         call, answer = t["messages"][1]["tool_calls"][0], t["messages"][2]
         assert call["id"] == "call_0" and answer["role"] == "tool" and answer["tool_call_id"] == "call_0"
         assert answer["name"] == "lookup" and answer["content"].startswith("code ")
-
 
 
 FOLLOW_UP_ENV = """def interact(messages):
@@ -469,12 +475,12 @@ def test_per_turn_trains_what_whole_trains_on_a_history_stable_template(tiny_mod
     assert "PER TURN OK" in result.stdout
 
 
-def test_an_openai_sdk_agent_trains_on_two_ranks(tmp_path):
+def test_an_openai_sdk_agent_trains_on_two_ranks(function_calling_demo, tmp_path):
     """The function-calling demo with its conversation held by an agent written with the OpenAI SDK
-    (envs/demo_tools_agent.py) on 2 ranks, each serving its own endpoint: its requests are the trajectories,
-    one exact sequence each (nothing re-encoded), and rl2 trains on them (learning: bench/RESULTS.md)."""
-    env = {**os.environ, "OUT": str(tmp_path), "TASK": "tools", "NPROC": "2", "SFT_STEPS": "80", "PPO_STEPS": "2",
-           "PYTHONPATH": REPO}
+    (envs/demo_tools_agent.py) on 2 ranks, each serving its own endpoint, from the same warm-up: its requests
+    are the trajectories, one exact sequence each (nothing re-encoded), and rl2 trains on them."""
+    env = {**os.environ, "OUT": str(tmp_path), "TASK": "tools", "NPROC": "2", "PPO_STEPS": "2", "PYTHONPATH": REPO,
+           "SFT_CKPT": os.path.join(function_calling_demo, "sft", "step80")}
     result = subprocess.run(["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null",
                              "rollout.agent_path=envs/demo_tools_agent.py"],
                             capture_output=True, text=True, timeout=400, env=env, cwd=REPO)

@@ -360,9 +360,16 @@ def _max_tokens(body: dict) -> int | None:
 
 
 def _count_ignored(rollout: Rollout, body: dict) -> None:
-    for name in SAMPLING_FIELDS:
-        if body.get(name) is not None:
-            rollout.ignored_fields[name] = rollout.ignored_fields.get(name, 0) + 1
+    """Count the request's fields that generation does not follow: sampling fields, and tool-choice
+    constraints (`tool_choice` "required" or a named function, `parallel_tool_calls` false) that would
+    need the reply cut or forced, which would make it differ from the tokens sampled."""
+    ignored = [name for name in SAMPLING_FIELDS if body.get(name) is not None]
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        ignored.append("tool_choice")
+    if body.get("parallel_tool_calls") is False:
+        ignored.append("parallel_tool_calls")
+    for name in ignored:
+        rollout.ignored_fields[name] = rollout.ignored_fields.get(name, 0) + 1
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
