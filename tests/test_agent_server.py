@@ -222,3 +222,39 @@ def test_a_failing_agent_scores_nothing_and_says_why(server, tokenizer, tmp_path
     assert text.reward is None and "returned str, not a number" in text.errors[0]
     assert greedy.reward is None and "made its 2 requests (rollout.max_turns)" in greedy.errors[0]
     assert fine.reward == 1.0 and not fine.errors
+
+
+def test_raw_completions_continue_by_token_ids_and_each_mode_splits_requests(server, tokenizer, tmp_path):
+    """`/v1/completions` with token ids (vLLM's `return_token_ids` sent back): a prompt that starts with an earlier
+    sequence continues it exactly; `/tokenize` renders as the template does. With agent_sequences=each every
+    request is its own sequence, its prompt still the sampled ids."""
+    engine = ScriptedEngine(tokenizer, lambda text: "fine")
+    agent = agent_file(tmp_path, '''
+        import httpx
+
+
+        async def run(row, client, base_url, api_key):
+            root = base_url.removesuffix("/v1")
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {api_key}"}) as http:
+                tokens = (await http.post(root + "/tokenize", json={"messages": row["messages"]})).json()
+                first = await client.completions.create(model="rl2", prompt=tokens["tokens"],
+                                                        extra_body={"return_token_ids": True})
+                ids = first.prompt_token_ids + first.choices[0].token_ids
+                again = await client.completions.create(model="rl2", prompt=ids + tokens["tokens"][-3:])
+            assert first.choices[0].text == "fine<|im_end|>" and again.choices[0].text.startswith("fine")
+            return 1.0
+    ''')
+    (trajectory,) = run_agents(server, engine, tokenizer, agent, ["hello"])
+    assert not trajectory.errors and trajectory.agent_stats["sequences"] == 1 and trajectory.turns == 2
+    prompt = rows(tokenizer, ["hello"])[0]["prompt_ids"]
+    fine = tokenizer("fine", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert trajectory.token_ids == prompt + fine + prompt[-3:] + fine
+    assert trajectory.agent_stats["reused_tokens"] == len(prompt) + len(fine)
+
+    engine = ScriptedEngine(tokenizer, by_tool_results([CALL, "The code is 3"]))
+    (each,) = run_agents(server, engine, tokenizer, agent_file(tmp_path, TOOL_LOOP), ["What is the red code?"],
+                         merge=False)
+    assert each.reward == 1.0 and each.agent_stats["sequences"] == 2 and each.agent_stats["drift_requests"] == 0
+    first, second = each.turn_starts
+    assert each.token_ids[second:] == engine.calls[1][0] + tokenizer("The code is 3")["input_ids"] + [tokenizer.eos_token_id]
+    assert each.token_ids[second:second + second] == each.token_ids[:second]  # the first sequence, as sampled
