@@ -7,7 +7,7 @@ NPROC ?= 2
 
 install:
 	$(PYTHON) -m pip install --quiet torch==2.13.0
-	$(PYTHON) -m pip install --quiet -e ".[test,tools]"
+	$(PYTHON) -m pip install --quiet -e ".[test,tools,envs]"
 
 demo: install
 	NPROC=$(NPROC) bash recipes/ppo_tiny.sh

@@ -103,7 +103,8 @@ class PairDataset(_ConversationDataset):
 
 
 class RLDataset(_ConversationDataset):
-    """RL prompts; item: {"prompt_ids": list[int], "messages": list[dict], "answer": ...}. Prompts
+    """RL prompts; item: {"prompt_ids": list[int], "messages": list[dict], "answer": ..., "tools", "row": the
+    row's columns}. Prompts
     longer than max_length tokens are dropped at construction and counted in `num_skipped`.
 
     The prompt is the `columns.messages_key` conversation through the chat template, with the
@@ -153,6 +154,11 @@ class RLDataset(_ConversationDataset):
         key = self.columns.prompt_key
         return parse_prompt(self.rows[i][key], f"{self.source}, row {i + 1}", key)
 
+    def _source(self, i: int) -> str | None:
+        """Row `i`'s `data_source` (verl's column: the task or dataset it comes from), as text; None without one."""
+        value = self.rows[i]["data_source"] if "data_source" in self.rows.column_names else None
+        return None if value is None else str(value)
+
     def _prompt_messages(self, i: int) -> list[dict]:
         if self.columns.apply_chat_template:
             return self._messages(i)
@@ -165,4 +171,6 @@ class RLDataset(_ConversationDataset):
             "messages": self._prompt_messages(row_index),
             "answer": self.rows[row_index]["answer"] if self.has_answers else None,
             "tools": self._tools(row_index) if self.columns.apply_chat_template else None,
+            "source": self._source(row_index),  # the `data_source` column: per-source test metrics
+            "row": dict(self.rows[row_index]),  # every column, as RL2 HEAD's env files read it (`sample.sample`)
         }

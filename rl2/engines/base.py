@@ -3,7 +3,7 @@
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, fields
 from typing import Union
 
@@ -118,15 +118,46 @@ class Engine(ABC):
         appended), generated once the future resolves; `max_turns` generations per request at most.
         A first turn may itself be such a future (a request that waits for its tool).
 
-        This default runs turn by turn: every request's turn is generated in one `generate` call,
-        then all the futures are awaited. An engine with its own scheduler overrides it to let a
-        request's next turn start while others still generate.
+        This default generates in waves: each wave is one `generate` call over the requests whose turn is
+        ready, waiting only until at least one is (a request whose future waits on another's progress, as
+        an agent waiting for a pooled environment, never blocks the wave). A lockstep engine keeps
+        `max_turns` waves, every request's turn awaited before each: its ranks must make the same calls.
+        An engine with its own scheduler overrides it to let a request's next turn start while others
+        still generate.
         """
+        if self.lockstep:
+            self._generate_turns_lockstep(turns, params, on_generation, max_turns)
+            return
+        waiting: dict[int, FirstTurn] = dict(enumerate(turns))
+        generated = dict.fromkeys(waiting, 0)
+        while waiting:
+            ready = {index: turn for index, turn in waiting.items() if not isinstance(turn, Future) or turn.done()}
+            if not ready:
+                wait([turn for turn in waiting.values() if isinstance(turn, Future)], return_when=FIRST_COMPLETED)
+                continue
+            batch = {}
+            for index, turn in ready.items():
+                del waiting[index]
+                turn = turn.result() if isinstance(turn, Future) else turn
+                if turn is not None:
+                    batch[index] = turn
+            if not batch:
+                continue
+            room = max(turn.max_new_tokens for turn in batch.values())
+            call_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+            generations = self.generate([turn.prompt for turn in batch.values()], call_params)
+            for (index, turn), generation in zip(batch.items(), generations):
+                generated[index] += 1
+                future = on_generation(index, _within(generation, turn.max_new_tokens))
+                if future is not None and generated[index] < max_turns:
+                    waiting[index] = future
+
+    def _generate_turns_lockstep(
+        self, turns: list[FirstTurn], params: SamplingParams, on_generation: OnGeneration, max_turns: int
+    ) -> None:
         pending = {index: turn.result() if isinstance(turn, Future) else turn for index, turn in enumerate(turns)}
         pending = {index: turn for index, turn in pending.items() if turn is not None}
         for _ in range(max_turns):
-            if not pending and not self.lockstep:  # a lockstep engine needs this rank's every call
-                break
             room = max((turn.max_new_tokens for turn in pending.values()), default=1)
             call_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
             generations = self.generate([turn.prompt for turn in pending.values()], call_params)

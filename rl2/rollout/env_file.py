@@ -77,12 +77,29 @@ class EnvArgs(Mapping):
             ) from None
 
 
-def load_env_file(path: str, args: EnvArgs | None = None) -> Any:
+def load_env_file(path: str, args: EnvArgs | None = None, modules: dict[str, Any] | None = None) -> Any:
     """Execute the env file as a fresh module, with its folder importable (after the installed
-    packages) while it loads and its settings as the global `env_args`."""
+    packages) while it loads and its settings as the global `env_args`. `modules` are importable under
+    their names while it loads (RL2 HEAD's `RL2.datasets` for its env files: `rl2.rollout.rl2_head`);
+    without them a file written to RL2 HEAD's interface is refused."""
     if not os.path.isfile(path):
         raise EnvError(f"env file not found: {path}")
-    _refuse_rl2_sample_interface(path)
+    if modules is None:
+        _refuse_rl2_sample_interface(path)
+    modules = modules or {}
+    shadowed = {name: sys.modules.get(name) for name in modules}
+    sys.modules.update(modules)
+    try:
+        return _load(path, args)
+    finally:
+        for name, module in shadowed.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def _load(path: str, args: EnvArgs | None) -> Any:
     name = f"rl2_env_{os.path.splitext(os.path.basename(path))[0]}_{uuid.uuid4().hex[:8]}"
     # An explicit loader so a file without the .py suffix still loads.
     loader = importlib.machinery.SourceFileLoader(name, path)
@@ -187,15 +204,15 @@ def shorten(text: str, limit: int = 300) -> str:
 # what a failed load means
 
 
-def _refuse_rl2_sample_interface(path: str) -> None:
-    """An env file written for RL2's interface since Oct 2025 (`env_step(sample)` / `generate`,
-    imports from `RL2`) cannot run here: say so before running it (its `from RL2.datasets import
-    ...` would only fail with a missing module)."""
+def rl2_sample_interface(path: str) -> str | None:
+    """What makes an env file one written for RL2's interface since Oct 2025 (`env_step(sample)` /
+    `generate`, imports from `RL2`): "defines env_step and generate", "imports RL2"; None for a file of
+    rl2's own interface (or one that does not parse: loading reports it, with the line)."""
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), filename=path)
-    except (SyntaxError, UnicodeDecodeError, ValueError):
-        return  # loading reports it, with the line
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return None
     defined, imports_rl2 = set(), False
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -208,12 +225,20 @@ def _refuse_rl2_sample_interface(path: str) -> None:
             imports_rl2 = True
     newer = [name for name in RL2_SAMPLE_FUNCTIONS if name in defined]
     if "reward_fn" in defined or not (newer or imports_rl2):
+        return None
+    return f"defines {' and '.join(newer)}" if newer else "imports RL2"
+
+
+def _refuse_rl2_sample_interface(path: str) -> None:
+    """An env file written for RL2's interface since Oct 2025 loaded as one of rl2's: say what it is
+    before running it (its `from RL2.datasets import ...` would only fail with a missing module)."""
+    found = rl2_sample_interface(path)
+    if found is None:
         return
-    found = f"defines {' and '.join(newer)}" if newer else "imports RL2"
     raise EnvError(
         f"env file {path} is written for RL2's interface since Oct 2025 (it {found}: async env_step(sample) "
         f"returning next_state / reward / done, run by generate = partial(base_generate, env_step_fn=...)), "
-        f"which rl2 does not run. {PORTING_HINT}"
+        f"which rl2's RL trainer runs as it is (rollout.env_path) but this command does not. {PORTING_HINT}"
     )
 
 

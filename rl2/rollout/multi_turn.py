@@ -66,7 +66,7 @@ def rollout(
     per_turn: bool = False,
 ) -> list[Trajectory]:
     """`responses_per_prompt` trajectories for each prompt ({"prompt_ids", "messages", "answer"}, and
-    "tools": the schemas the prompt was rendered with),
+    "tools": the schemas the prompt was rendered with, "source": its row's `data_source`),
     grouped by prompt, of at most `max_turns` generations and `max_length` tokens in all (per turn:
     in each turn's sequence). `apply_chat_template` says how the prompts were made (`RLDataset`), and so
     how tool messages are appended: through the chat template, or as plain text (`observation_tokens`).
@@ -93,6 +93,7 @@ def new_trajectories(prompts: list[dict], responses_per_prompt: int, first_group
             started=version,
             tools=copy.deepcopy(prompt.get("tools")),
             turn_starts=[0] if per_turn else None,
+            source=prompt.get("source"),
         )
         for g, prompt in enumerate(prompts)
         for _ in range(responses_per_prompt)

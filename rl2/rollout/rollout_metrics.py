@@ -90,8 +90,9 @@ def correct_by_prompt(trajectories: list[Trajectory], k: int) -> torch.Tensor:
 
 def eval_metrics(trajectories: list[Trajectory], k: int) -> dict[str, float]:
     """Mean reward, avg@k (the mean share of correct responses, reward > 0) and pass@k (the share of
-    prompts with a correct one) of `k` consecutive trajectories per prompt, and how many test rewards
-    failed (`test/reward_errors`). Answers that could not be scored (env errors) count neither as
+    prompts with a correct one) of `k` consecutive trajectories per prompt, the mean reward per source
+    where the rows name theirs (`test/<data_source>/reward_mean`), and how many test rewards failed
+    (`test/reward_errors`). Answers that could not be scored (env errors) count neither as
     right nor as wrong; when none could be, the reward statistics are absent."""
     correct = correct_by_prompt(trajectories, k)
     scored = ~correct.isnan()
@@ -102,12 +103,23 @@ def eval_metrics(trajectories: list[Trajectory], k: int) -> dict[str, float]:
         reward_stats[f"test/pass@{k}"] = (correct.nan_to_num(0.0) > 0).any(dim=1)[scored.any(dim=1)].float().mean().item()
     if rewards:
         reward_stats["test/reward_mean"] = sum(rewards) / len(rewards)
+    reward_stats.update(source_reward_means(trajectories))
     return {
         **reward_stats,
         "test/reward_errors": float(len(trajectories) - len(rewards)),
         "test/response_length": sum(t.response_length for t in trajectories) / len(trajectories),
         "test/env_errors": float(sum(len(t.errors) for t in trajectories)),
     }
+
+
+def source_reward_means(trajectories: list[Trajectory]) -> dict[str, float]:
+    """`test/<source>/reward_mean` for each source (`Trajectory.source`, a row's `data_source`) with a
+    scored trajectory; nothing when no trajectory has a source."""
+    by_source: dict[str, list[float]] = {}
+    for t in trajectories:
+        if t.source is not None and t.reward is not None:
+            by_source.setdefault(t.source, []).append(t.reward)
+    return {f"test/{source}/reward_mean": sum(rewards) / len(rewards) for source, rewards in sorted(by_source.items())}
 
 
 def unscored_report(trajectories: list[Trajectory], env_path: str) -> str | None:

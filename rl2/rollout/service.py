@@ -15,6 +15,7 @@ from rl2.distributed.process_group import all_gather_objects, broadcast_from_ran
 from rl2.engines import SamplingParams, build_engine_from_config, check_sglang
 from rl2.metrics import PhaseTimer
 from rl2.rollout.env import Env, EnvError
+from rl2.rollout.env_file import rl2_sample_interface
 from rl2.rollout.multi_turn import ToolCalling, assign_rewards, rollout
 from rl2.rollout.rollout_metrics import eval_metrics, unscored_report
 from rl2.rollout.trajectory import Trajectory
@@ -78,19 +79,25 @@ class RolloutService(RolloutRecords):
             check_sglang(config.rollout.tp_size)  # before any model is loaded
         super().__init__(config)
         self.tokenizer = tokenizer
-        # An agent file (rollout.agent_path) may come without an env file: its run() gives the rewards.
-        agent = config.rollout.agent_path
-        self.env = (Env.from_config(config.rollout, need_interact=config.rollout.max_turns > 1 and not agent)
-                    if config.rollout.env_path else None)
-        self.tool_calling = ToolCalling.for_env(self.env, config.rollout)
-        self.agent = self.server = None
+        # An agent file (rollout.agent_path) may come without an env file: its run() gives the rewards. An env
+        # file written to RL2 HEAD's interface (env_step / generate) runs through its adapter.
+        agent, env_path = config.rollout.agent_path, config.rollout.env_path
+        self.agent = self.rl2_head = self.server = self.env = None
         if agent:  # aiohttp and openai: the agents extra, imported only for agent runs
             from rl2.serve.agent_rollout import AgentFile
-            from rl2.serve.openai_server import OpenAIServer
 
             self.agent = AgentFile(agent, config.rollout.env_args)
+        if env_path and rl2_sample_interface(env_path):
+            from rl2.rollout.rl2_head import RL2HeadFile
+
+            self.rl2_head = RL2HeadFile(env_path, config.rollout.env_args)
+        elif env_path:
+            self.env = Env.from_config(config.rollout, need_interact=config.rollout.max_turns > 1 and not agent)
+        self.tool_calling = ToolCalling.for_env(self.env, config.rollout)
         self.engine = build_engine_from_config(config.rollout, config.actor, tokenizer, config.trainer.seed)
-        if agent:
+        if agent or self.rl2_head:
+            from rl2.serve.openai_server import OpenAIServer
+
             self.server = OpenAIServer(tokenizer, config.actor.model_name)
         self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
 
@@ -112,6 +119,9 @@ class RolloutService(RolloutRecords):
         start, end = rank_slice(len(prompts))
         self.engine.wake()
         self.engine.reseed(seed * 1_000_003 + rank())
+        if self.rl2_head is not None:
+            return self._generate_with_rl2_head(prompts[start:end], params, responses_per_prompt, start, timer,
+                                                release_after, version)
         if self.agent is not None:
             return self._generate_with_agent(prompts[start:end], params, responses_per_prompt, start, timer,
                                              release_after, version)
@@ -157,6 +167,24 @@ class RolloutService(RolloutRecords):
         if self.env is not None and unscored:
             with timer("reward"):
                 assign_rewards(self.env, unscored)
+        return all_gather_objects(trajectories)
+
+    def _generate_with_rl2_head(self, prompts: list[dict], params: SamplingParams, responses_per_prompt: int,
+                                first_group: int, timer: PhaseTimer, release_after: bool,
+                                version: int) -> list[Trajectory]:
+        """`generate` with an RL2 HEAD env file: its `generate` gives the trajectories and their rewards."""
+        from rl2.rollout.rl2_head import rl2_head_rollout, rl2_rollout_config
+
+        data, rollout_config = self.config.data, self.config.rollout
+        config = rl2_rollout_config(params, data.apply_chat_template, data.messages_key, data.prompt_key,
+                                    responses_per_prompt)
+        with timer("rollout"):
+            trajectories = rl2_head_rollout(
+                self.server, self.engine, self.rl2_head, self.tokenizer, prompts, responses_per_prompt, params, config,
+                rollout_config.max_turns, self.max_length, first_group, version, timeout=rollout_config.agent_timeout,
+            )
+        if release_after:
+            self.engine.sleep()
         return all_gather_objects(trajectories)
 
     def evaluate(self, prompts: list[dict], seed: int, name: str, require_scores: bool = False) -> dict[str, float]:

@@ -44,6 +44,8 @@ class Trajectory:
     turn_starts: list[int] | None = None
     # An agent's trajectory (`rollout.agent_path`): what its requests cost, for the `agent/*` metrics.
     agent_stats: dict = field(default_factory=dict)
+    # The row's `data_source` (the task or dataset it comes from): test metrics per source; None: none.
+    source: str | None = None
 
     @classmethod
     def from_dict(cls, fields: dict) -> "Trajectory":
@@ -90,4 +92,5 @@ class Trajectory:
             "response_length": self.response_length,
             "truncated": self.truncated,
             "errors": self.errors,
+            **({"source": self.source} if self.source is not None else {}),
         }

@@ -122,8 +122,8 @@ def agent_rollout(
 
 
 def _agent_row(prompt: dict) -> dict:
-    """What `run` gets of a dataset row: its messages, answer and tools (not the prompt's token ids)."""
-    return {key: value for key, value in prompt.items() if key != "prompt_ids"}
+    """What `run` gets of a dataset row: its columns, with its messages, answer and tools as rl2 read them."""
+    return {**prompt.get("row", {}), **{key: prompt.get(key) for key in ("messages", "answer", "tools")}}
 
 
 def _take_reward(session: AgentSession, result: Any, path: str) -> None:
@@ -162,6 +162,7 @@ def _trajectory(session: AgentSession, row: dict, group: int, version: int) -> T
         reward=session.reward if not errors else None, errors=errors, versions=versions, started=version,
         tools=session.sequences[-1].tools if session.sequences else None,
         turn_starts=starts if len(starts) > 1 else None,
+        source=row.get("source"),
         agent_stats={"extras": session.extras, "requests": session.requests, "sequences": len(session.sequences),
                      "reused_tokens": session.reused_tokens, "rendered_tokens": session.rendered_tokens,
                      "drift_requests": session.drift},

@@ -28,6 +28,10 @@ from rl2.serve.session import AgentSession, Plan, RequestError, openai_messages
 
 logger = logging.getLogger(__name__)
 
+# SGLang's tool-call parser names (`/parse_function_call`) -> rl2's (`rollout.tool_parser`).
+SGLANG_PARSERS = {"qwen25": "hermes", "qwen": "hermes", "qwen3": "hermes", "llama3": "llama3_json",
+                  "mistral": "mistral", "qwen3_coder": "qwen3_coder"}
+
 # Request fields that choose how to sample: the run's own sampling parameters are used instead.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "presence_penalty", "frequency_penalty", "seed",
                    "logit_bias", "min_p", "repetition_penalty")
@@ -84,6 +88,14 @@ class OpenAIServer:
             web.post("/tokenize", self.tokenize),
             web.post("/rl/reward", self.reward),
             web.post("/v1/responses", self.responses),
+            # A trajectory's own URL (`session_url`), for code that posts to a router without an API key: RL2
+            # HEAD's env files (SGLang's /generate and what their own generate functions call).
+            web.post("/s/{key}/generate", self.generate),
+            web.post("/s/{key}/v1/chat/completions", self.chat_completions),
+            web.post("/s/{key}/v1/completions", self.completions),
+            web.get("/s/{key}/v1/models", self.models),
+            web.get("/s/{key}/list_workers", self.list_workers),
+            web.post("/s/{key}/parse_function_call", self.parse_function_call),
         ])
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
@@ -94,6 +106,10 @@ class OpenAIServer:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+    def session_url(self, key: str) -> str:
+        """The URL of a trajectory's own endpoints (`/generate`, `/v1/...`): its key in the path."""
+        return f"http://127.0.0.1:{self.port}/s/{key}"
 
     def close(self) -> None:
         if not self.loop.is_running():
@@ -120,7 +136,7 @@ class OpenAIServer:
     # ---- handlers ------------------------------------------------------------------------
 
     def _session(self, request: web.Request) -> tuple[Rollout, int, AgentSession]:
-        key = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        key = request.match_info.get("key") or request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         rollout = self.rollout
         if rollout is None or key not in rollout.sessions:
             raise _Refused(401, "invalid_api_key", "unknown API key: each trajectory has its own, given to its agent")
@@ -280,8 +296,68 @@ class OpenAIServer:
                         "LangChain: ChatOpenAI without use_responses_api)").response()
 
     async def models(self, request: web.Request) -> web.Response:
+        max_length = self.rollout.max_length if self.rollout else None
         return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rl2"}]})
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rl2", "max_model_len": max_length}]})
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        """SGLang router's `/list_workers`: the trajectory's own URL is its one worker."""
+        return web.json_response({"urls": [self.session_url(request.match_info["key"])]})
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """SGLang's `/generate`: `input_ids` (or `text`), `sampling_params` (its `max_new_tokens` honoured, the
+        rest the run's), `return_logprob`; the reply's `output_token_logprobs` are `[logprob, id, None]` of the
+        sampled tokens, `text` their decoding (special tokens skipped unless `skip_special_tokens` is false)."""
+        try:
+            rollout, slot, session = self._session(request)
+            body = await self._body(request)
+            ids = body.get("input_ids")
+            if ids is None and isinstance(body.get("text"), str):
+                ids = list(self.tokenizer(body["text"], add_special_tokens=False)["input_ids"])
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                raise RequestError("'input_ids' must be a non-empty list of token ids (or give 'text')")
+            sampling = body.get("sampling_params") or {}
+            differing = {name: value for name, value in sampling.items()
+                         if name in ("temperature", "top_p", "top_k") and value != getattr(rollout.params, name)}
+            _count_ignored(rollout, differing)
+            max_tokens = sampling.get("max_new_tokens")
+            generation = await self._generate(rollout, slot, session, Plan([], None, list(ids)),
+                                              max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None)
+        except _Refused as refused:
+            return refused.response()
+        except RequestError as error:
+            return _Refused(400, "invalid_request_error", str(error)).response()
+        tokens = list(generation.token_ids) if generation else []
+        logprobs = list(generation.logprobs) if generation else []
+        reason = generation.finish_reason if generation else "length"
+        meta = {"id": uuid.uuid4().hex, "finish_reason": {"type": reason}, "prompt_tokens": len(ids),
+                "completion_tokens": len(tokens)}
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [[logprob, token, None] for logprob, token in zip(logprobs, tokens)]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=sampling.get("skip_special_tokens", True))
+        return web.json_response({"text": text, "output_ids": tokens, "meta_info": meta})
+
+    async def parse_function_call(self, request: web.Request) -> web.Response:
+        """SGLang's `/parse_function_call`: `text`, `tools`, `tool_call_parser` (SGLang's names) -> the text
+        outside the calls and the calls, `parameters` as JSON."""
+        from rl2.chat.tool_parsers import get_tool_parser
+
+        try:
+            body = await self._body(request)
+            name = SGLANG_PARSERS.get(body.get("tool_call_parser"), body.get("tool_call_parser"))
+            try:
+                parser = get_tool_parser(name)
+            except ValueError as error:
+                raise RequestError(str(error)) from None
+            tools = [{"type": "function", "function": t.get("function", t)} for t in body.get("tools") or []] or None
+            parsed = parser.parse(str(body.get("text", "")), tools)
+        except _Refused as refused:
+            return refused.response()
+        except RequestError as error:
+            return _Refused(400, "invalid_request_error", str(error)).response()
+        calls = [{"tool_index": i, "name": call.name, "parameters": json.dumps(call.arguments)}
+                 for i, call in enumerate(c for c in parsed.calls if c.error is None)]
+        return web.json_response({"normal_text": parsed.content, "calls": calls})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's `/tokenize`: the token ids of `prompt`, or of `messages` through the chat template."""
