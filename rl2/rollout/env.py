@@ -41,6 +41,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import functools
 import inspect
 import json
 import logging
@@ -57,6 +58,7 @@ from typing import Any, Callable, Iterator
 from rl2.chat.tools import Tool, ToolUnavailable, argument_problem, environment_tools, tools_from_entries
 from rl2.config import RolloutConfig
 from rl2.coroutines import run_coroutine
+from rl2.rollout.gym_env import GymEpisode
 from rl2.rollout.env_file import (  # noqa: F401  (EnvArgs, EnvError: env files and callers import them from here)
     EnvArgs,
     EnvError,
@@ -141,6 +143,16 @@ class Interactions:
 
         return asyncio.run_coroutine_threadsafe(every(), self.loop)
 
+    def step(self, instance: Any, text: str) -> "concurrent.futures.Future[EnvResult]":
+        """A gym-style environment's `step` on a turn's text (`rl2.rollout.gym_env`): the next messages,
+        [] once the episode is done; a failure is an env error."""
+        async def one() -> EnvResult:
+            async with self.semaphore:
+                outcome = await self.env._call_here("step", instance.step, (text,))
+                return self.env._checked("step", ([{"role": "assistant", "content": text}],), outcome)
+
+        return asyncio.run_coroutine_threadsafe(one(), self.loop)
+
 
 class Env:
     """A loaded env file whose `reward_fn` / `interact` / `roc_penalty` are called a batch at a time.
@@ -178,14 +190,21 @@ class Env:
 
         module = load_env_file(self.path, EnvArgs(self._args, self.path))
         self.environment_factory = getattr(module, "ENVIRONMENT", None)
-        scores_itself = self.environment_factory is not None and hasattr(self.environment_factory, "reward")
+        make_env = env_function(module, self.path, "make_env", ("row",), required=False)
+        if make_env is not None and self.environment_factory is not None:
+            raise EnvError(f"env file {self.path} defines both ENVIRONMENT and make_env: give one of them")
+        self.steps_environment = make_env is not None  # gym-style: step(text) after each turn
+        if make_env is not None:
+            self.environment_factory = functools.partial(GymEpisode, make_env)
+        scores_itself = self.environment_factory is not None and (
+            make_env is not None or hasattr(self.environment_factory, "reward"))
         self._reward_fn = env_function(module, self.path, "reward_fn", ("messages", "answer"), required=not scores_itself)
         self.scores_with_environment = self._reward_fn is None  # its stateful environments' reward()
         self.tools = env_tools(module, self.path)
         self.has_tools = bool(self.tools)
         self.tool_timeout = float(tool_timeout or timeout)
         self._interact = env_function(module, self.path, "interact", ("messages",),
-                                      required=need_interact and not self.has_tools)
+                                      required=need_interact and not self.has_tools and not self.steps_environment)
         self.has_interact = self._interact is not None
         self.parse_tool_calls = env_function(module, self.path, "parse_tool_calls", ("text",), required=False)
         self._roc_penalty = env_function(module, self.path, "roc_penalty", ("messages",), required=False)
@@ -229,8 +248,8 @@ class Env:
         future of its `EnvResult` (`ToolResult`s), for a rollout that takes each trajectory's next turn as
         soon as its tools answer. The calls run concurrently (at most `concurrency` at once) on an event
         loop of their own, in a thread, until the block ends; calls still running then are cancelled."""
-        if not (self.has_interact or self.has_tools):
-            raise EnvError(f"env file {self.path} defines neither interact(messages) nor TOOLS")
+        if not (self.has_interact or self.has_tools or self.steps_environment):
+            raise EnvError(f"env file {self.path} defines neither interact(messages), TOOLS nor make_env")
         if self._closed:
             raise RuntimeError(f"{self!r} is closed")
         loop = asyncio.new_event_loop()
@@ -290,8 +309,9 @@ class Env:
             instance = await self._in_thread(self.environment_factory)
             reset = getattr(instance, "reset", None)
             observation = None if reset is None else await self._in_thread(reset, **row)
-            if observation is not None and not isinstance(observation, str):
-                raise TypeError(f"reset returned {type(observation).__name__}, expected a str or None")
+            messages = isinstance(observation, list) and all(isinstance(m, dict) for m in observation)
+            if observation is not None and not isinstance(observation, str) and not messages:
+                raise TypeError(f"reset returned {type(observation).__name__}, expected a str, messages or None")
             return instance, observation
 
         return self._run_in_process("reset", start, [(row,) for row in rows])

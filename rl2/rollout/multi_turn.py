@@ -134,8 +134,8 @@ def continue_rollout(
     ones keep what they have, to be continued by a later call (a tool call still running is cancelled
     and made again). With `tool_calling` each turn's calls are parsed and run; a turn without one goes
     to the env's `interact` if it has one, else ends the episode."""
-    if max_turns > 1 and (env is None or not (env.has_interact or env.has_tools)):
-        raise ValueError("rollout.max_turns > 1 needs an env file that defines interact(messages) or TOOLS")
+    if max_turns > 1 and (env is None or not (env.has_interact or env.has_tools or env.steps_environment)):
+        raise ValueError("rollout.max_turns > 1 needs an env file that defines interact(messages), TOOLS or make_env")
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos and tokenizer.eos_token_id is not None:
         stop_ids.add(tokenizer.eos_token_id)
@@ -177,6 +177,8 @@ def continue_rollout(
             trajectory.stage = "interact"
             if trajectory.pending_calls:
                 answered = _run_calls(interactions, trajectory, tool_calling.max_calls)
+            elif env.steps_environment:  # gym-style: the environment steps on the turn's text
+                answered = interactions.step(trajectory.environment, trajectory.messages[-1]["content"])
             elif env.has_interact:
                 answered = interactions(trajectory.messages)
             else:  # no call, and nobody else to answer: the episode ends
@@ -267,7 +269,8 @@ def _start_environments(env: Env, trajectories: list[Trajectory], tokenizer, app
             continue
         trajectory.environment, observation = result.value
         if observation:
-            trajectory.messages.append({"role": "user", "content": observation})
+            trajectory.messages += ([{"role": "user", "content": observation}] if isinstance(observation, str)
+                                    else copy.deepcopy(observation))
             text = (render_chat(trajectory.messages, tokenizer, True, trajectory.tools) if apply_chat_template
                     else tokenizer.decode(trajectory.token_ids, skip_special_tokens=False) + observation)
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -422,6 +425,8 @@ def assign_rewards(env: Env, trajectories: list[Trajectory]) -> None:
         if result.error is not None:
             trajectory.errors.append(result.error)
     with_environments = [t for t in trajectories if t.environment is not None]
+    for trajectory in with_environments:
+        trajectory.step_rewards = list(getattr(trajectory.environment, "rewards", []))  # a gym-style episode's
     env.close_environments([t.environment for t in with_environments])
     for trajectory in with_environments:
         trajectory.environment = None

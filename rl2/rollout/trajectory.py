@@ -44,6 +44,8 @@ class Trajectory:
     turn_starts: list[int] | None = None
     # An agent's trajectory (`rollout.agent_path`): what its requests cost, for the `agent/*` metrics.
     agent_stats: dict = field(default_factory=dict)
+    # A gym-style environment's reward at each of its steps (`rl2.rollout.gym_env`), for the dumps.
+    step_rewards: list[float] = field(default_factory=list)
     # The row's `data_source` (the task or dataset it comes from): test metrics per source; None: none.
     source: str | None = None
 
@@ -93,4 +95,5 @@ class Trajectory:
             "truncated": self.truncated,
             "errors": self.errors,
             **({"source": self.source} if self.source is not None else {}),
+            **({"step_rewards": self.step_rewards} if self.step_rewards else {}),
         }

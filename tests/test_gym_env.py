@@ -1,0 +1,130 @@
+"""Gym-style environments (`make_env(row)` with `reset()` / `step(action)`, sync or async, gymnasium's tuples too):
+one per trajectory, its observations the user turns, its step rewards summed into the trajectory's reward and
+kept in the dumps, closed when scored, failures env errors."""
+
+import textwrap
+
+import pytest
+
+from rl2.data.chat_template import render_chat
+from rl2.engines import SamplingParams
+from rl2.rollout.env import Env, EnvError
+from rl2.rollout.multi_turn import assign_rewards, rollout
+from rl2.rollout.trajectory import Trajectory
+from rl2.testing.tiny import build_tiny_tokenizer
+from scripted_engine import ScriptedEngine
+
+# A word-chain game of our own: each reply must be a word that starts with the letter asked for.
+WORD_CHAIN = '''
+CLOSED = []
+
+
+class WordChain:
+    def __init__(self, letters):
+        self.letters = list(letters)
+
+    def reset(self):
+        return f"Say a word that starts with {self.letters[0]}."
+
+    def step(self, action):
+        if action == "boom":
+            raise RuntimeError("the game broke")
+        right = action.strip().lower().startswith(self.letters.pop(0))
+        if not self.letters:
+            return "", float(right), True, {}
+        return f"Now one that starts with {self.letters[0]}.", float(right), False, {}
+
+    def close(self):
+        CLOSED.append(True)
+
+
+def make_env(row):
+    return WordChain(row["answer"])
+'''
+
+ASYNC_GYMNASIUM = '''
+class Countdown:
+    async def reset(self):
+        self.left = 2
+        return "Count down from 2.", {"info": 1}          # gymnasium's (observation, info)
+
+    async def step(self, action):
+        self.left -= 1
+        return f"{self.left} left", 0.5, self.left == 0, False, {}   # gymnasium's 5-tuple
+
+
+async def make_env(row):
+    return Countdown()
+'''
+
+
+def write(tmp_path, source: str) -> Env:
+    path = tmp_path / "game.py"
+    path.write_text(textwrap.dedent(source))
+    return Env(str(path), workers=0, need_interact=True)
+
+
+def play(env, replies, answer, max_turns=5):
+    tokenizer = build_tiny_tokenizer()
+    messages = [{"role": "user", "content": "Let us play."}]
+    ids = tokenizer(render_chat(messages, tokenizer, True), add_special_tokens=False)["input_ids"]
+    turns = iter(replies)
+    engine = ScriptedEngine(tokenizer, lambda text: next(turns))
+    (trajectory,) = rollout(engine, env, tokenizer, [{"prompt_ids": ids, "messages": messages, "answer": answer}], 1,
+                            SamplingParams(), max_turns=max_turns)
+    assign_rewards(env, [trajectory])
+    return trajectory
+
+
+def test_a_word_chain_game_is_played_scored_and_closed(tmp_path):
+    """reset's observation is the first user turn after the row's; each reply is stepped; the rewards of the
+    steps are summed and kept; the game ends when the environment says done, and is closed."""
+    env = write(tmp_path, WORD_CHAIN)
+    try:
+        trajectory = play(env, ["apple", "cat", "bird"], answer="abc")
+        closed = env._module.CLOSED
+    finally:
+        env.close()
+    roles = [(m["role"], m["content"]) for m in trajectory.messages]
+    assert roles == [("user", "Let us play."), ("user", "Say a word that starts with a."), ("assistant", "apple"),
+                     ("user", "Now one that starts with b."), ("assistant", "cat"),
+                     ("user", "Now one that starts with c."), ("assistant", "bird")]
+    assert trajectory.step_rewards == [1.0, 0.0, 0.0] and trajectory.reward == 1.0 and trajectory.turns == 3
+    assert trajectory.to_json()["step_rewards"] == [1.0, 0.0, 0.0] and closed == [True]
+    assert trajectory.environment is None and not trajectory.errors
+
+
+def test_async_environments_and_gymnasium_tuples(tmp_path):
+    env = write(tmp_path, ASYNC_GYMNASIUM)
+    try:
+        trajectory = play(env, ["two", "one"], answer=None)
+    finally:
+        env.close()
+    assert [m["content"] for m in trajectory.messages if m["role"] == "user"] == [
+        "Let us play.", "Count down from 2.", "1 left"]
+    assert trajectory.step_rewards == [0.5, 0.5] and trajectory.reward == 1.0
+
+
+def test_a_failing_step_is_an_env_error_and_the_episode_survives_a_checkpoint(tmp_path):
+    """A step that raises ends the episode with an env error (no reward); a paused trajectory's episode is
+    pickled with it (`Trajectory.state`) and comes back playing."""
+    env = write(tmp_path, WORD_CHAIN)
+    try:
+        broken = play(env, ["apple", "boom"], answer="abc")
+        assert broken.reward is None and "step raised RuntimeError: the game broke" in broken.errors[0]
+        episode = env.environment_factory()
+        episode.reset([{"role": "user", "content": "hi"}], "ab")
+        episode.step("ant")
+        state = Trajectory(messages=[], answer="ab", group=0, token_ids=[1], action_mask=[0], logprobs=[0.0],
+                           environment=episode).state()
+        restored = Trajectory.from_dict(state).environment
+        assert restored.rewards == [1.0] and restored.step("bee") == [] and restored.reward() == 2.0
+    finally:
+        env.close()
+
+
+def test_make_env_beside_environment_is_refused(tmp_path):
+    path = tmp_path / "both.py"
+    path.write_text(WORD_CHAIN + "\nclass Other:\n    def reward(self):\n        return 0\n\n\nENVIRONMENT = Other\n")
+    with pytest.raises(EnvError, match="both ENVIRONMENT and make_env"):
+        Env(str(path), workers=0)
