@@ -18,7 +18,7 @@
 #
 # Extra key=value arguments go to the PPO trainer. SFT_STEPS and PPO_STEPS shorten the run; SEED
 # (default 42) seeds both stages (bench/demo_seeds.py runs the demo over many); SFT_CKPT=<folder> starts
-# GRPO from an earlier warm-up's checkpoint instead of running one.
+# GRPO from an earlier warm-up's checkpoint instead of running one; PPO_STEPS=0 runs the warm-up alone.
 set -euo pipefail
 TASK=${TASK:-successor}
 OUT=${OUT:-outputs/ppo_tiny_$TASK}
@@ -51,6 +51,10 @@ else
       trainer.total_steps="$SFT_STEPS" trainer.seed="$SEED" trainer.disable_wandb=true
 fi
 
+if [ "$PPO_STEPS" = 0 ]; then  # the warm-up alone (tests share one per seed)
+  echo "warm-up: $START"
+  exit 0
+fi
 echo "== GRPO ($PPO_STEPS steps, env envs/demo_$TASK.py)"
 rm -rf "$OUT/ppo"
 torchrun --standalone --nproc_per_node="$NPROC" -m rl2.trainer.ppo \

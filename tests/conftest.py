@@ -81,6 +81,26 @@ def run_torchrun(
     return result
 
 
+@pytest.fixture(scope="session")
+def demo_warmup(tmp_path_factory):
+    """The README demo's SFT warm-up (`recipes/ppo_tiny.sh`, 200 steps, one rank) for a seed, run once per
+    test process and seed (tests that share it share an xdist group): `warmup(seed)` is its checkpoint folder."""
+    done = {}
+
+    def warmup(seed: int) -> str:
+        if seed not in done:
+            out = tmp_path_factory.mktemp(f"demo_warmup_{seed}")
+            env = {**os.environ, "OUT": str(out), "SFT_STEPS": "200", "PPO_STEPS": "0", "NPROC": "1",
+                   "SEED": str(seed), "PYTHONPATH": REPO}
+            result = subprocess.run(["bash", "recipes/ppo_tiny.sh"], capture_output=True, text=True, timeout=400,
+                                    env=env, cwd=REPO)
+            assert result.returncode == 0, result.stderr[-5000:]
+            done[seed] = str(out / "sft" / "step200")
+        return done[seed]
+
+    return warmup
+
+
 def run_python(args: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """A single-process run (world size 1, no torchrun), forked like `run_torchrun`'s ranks; `env`
     entries override (None removes)."""

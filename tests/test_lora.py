@@ -200,8 +200,9 @@ def test_ppo_with_lora_actor_critic_kl_and_tools(tiny_model_dir, tmp_path):
     assert os.path.exists(save_dir / "step4" / "critic" / "adapter_config.json")
 
 
+@pytest.mark.xdist_group("demo_warmup")
 @pytest.mark.parametrize("seed", [10, 42])
-def test_demo_learns_with_lora(tmp_path, seed):
+def test_demo_learns_with_lora(tmp_path, seed, demo_warmup):
     """The README's GRPO demo with a rank-16 LoRA actor (lr 10x the full-tuning demo's, as LoRA wants) learns
     on one rank on the seeds the full-tuning demo test uses: reward from ~0.1 to >= 0.7 in 20 steps."""
     import subprocess
@@ -210,7 +211,7 @@ def test_demo_learns_with_lora(tmp_path, seed):
     from rl2.testing.tiny import save_tiny
 
     save_tiny(str(tmp_path / "model"), hidden_size=128, num_layers=2)
-    env = {**os.environ, "OUT": str(tmp_path), "SFT_STEPS": "200", "PPO_STEPS": "20", "NPROC": "1",
+    env = {**os.environ, "OUT": str(tmp_path), "SFT_CKPT": demo_warmup(seed), "PPO_STEPS": "20", "NPROC": "1",
            "SEED": str(seed), "PYTHONPATH": REPO}
     result = subprocess.run(
         ["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null", "trainer.dump_trajectories=false",

@@ -82,13 +82,14 @@ def demo_model(tmp_path_factory) -> str:
     return save_tiny(str(tmp_path_factory.mktemp("demo") / "model"), hidden_size=128, num_layers=2)
 
 
+@pytest.mark.xdist_group("demo_warmup")
 @pytest.mark.parametrize("seed", [10, 42])
-def test_demo_learns_on_every_seed(tmp_path, seed, demo_model):
+def test_demo_learns_on_every_seed(tmp_path, seed, demo_model, demo_warmup):
     """The short version of bench/demo_seeds.py (which sweeps many seeds): the README's demo, on one
     rank, learns (its reward goes from the warm-up's ~0.1 to >= 0.7 in 20 steps), on the two seeds that
     once failed: 42 collapsed to reward 0 at step 3 (full-lr Adam steps, no warm-up) and 10's SFT
     warm-up stalled (same cause)."""
-    env = {**os.environ, "OUT": str(tmp_path), "SFT_STEPS": "200", "PPO_STEPS": "20", "NPROC": "1",
+    env = {**os.environ, "OUT": str(tmp_path), "SFT_CKPT": demo_warmup(seed), "PPO_STEPS": "20", "NPROC": "1",
            "SEED": str(seed), "PYTHONPATH": REPO}
     shutil.copytree(demo_model, tmp_path / "model")
     result = subprocess.run(
