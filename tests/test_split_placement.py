@@ -242,3 +242,29 @@ def test_split_placement_with_sglang_engines(tiny_model_dir, rl_data, tmp_path, 
         assert all(row["logp_mismatch/max"] < 1e-5 for row in rows)  # the engines hold the trainer's weights
     else:
         assert all(row["logp_mismatch/max"] > 1e-4 for row in rows[1:])
+
+
+PARITY_AGENT = """
+async def run(row, client):
+    reply = await client.chat.completions.create(model="rl2", messages=row["messages"])
+    return float(len(reply.choices[0].message.content) % 2)
+"""
+
+
+@pytest.mark.xdist_group("split")
+def test_an_agent_file_runs_on_the_rollout_ranks(tiny_model_dir, rl_data, tmp_path):
+    """With an agent file (rollout.agent_path) the rollout rank serves the endpoint and runs the agent; the
+    trainer gets its trajectories (agent/* metrics) and trains, one step off."""
+    pytest.importorskip("openai")
+    agent = tmp_path / "agent.py"
+    agent.write_text(PARITY_AGENT)
+    save_dir = str(tmp_path / "split")
+    run_torchrun(_ppo_args(tiny_model_dir, rl_data, save_dir, f"rollout.agent_path={agent}",
+                           "rollout.dynamic_filtering=false", "trainer.total_steps=2", "trainer.test_freq=null",
+                           "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 8}",
+                           "rollout.placement=split", "rollout.ranks=1", "rollout.max_staleness=1"))
+    rows = read_metrics(f"{save_dir}/metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["agent/requests"] == 1.0 and row["agent/drift_requests"] == 0 and row["env_errors"] == 0
+        assert "actor/loss" in row
