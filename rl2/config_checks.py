@@ -182,7 +182,7 @@ def check_off_policy_config(config: Config) -> None:
     correcting = rollout_correction(config).mode != "none"
     if actor.tis_coef < 0:
         raise ConfigError(f"actor.tis_coef must be >= 0 (0 = off), got {actor.tis_coef}")
-    if actor.tis_coef > 0 and actor.rollout_correction not in ("none", "tis"):
+    if actor.tis_coef > 0 and actor.rollout_correction not in ("auto", "none", "tis"):
         raise ConfigError(f"actor.tis_coef={actor.tis_coef} is token-level TIS (RL2's key), "
                           f"actor.rollout_correction={actor.rollout_correction} another correction: give one of them")
     if correcting and not actor.recompute_logprobs:

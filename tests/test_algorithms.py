@@ -395,3 +395,68 @@ def test_masked_mean():
     x, m = randn(50, g), torch.rand(50, generator=g) < 0.5
     ref = sum(x[i].item() for i in range(50) if m[i]) / int(m.sum())
     assert masked_mean(x, m).item() == pytest.approx(ref, abs=1e-12)
+
+
+# ---------------------------------------------------------------- issue 52's bugs, against the equations
+
+
+def test_value_clip_fraction_counts_only_clipped_tokens():
+    """Inside the clip band the clipped value is V itself: no token there counts as clipped (rebuilding it as
+    old + clamp(V - old) lands a rounding step off V and counted ~2% of unclipped fp64 tokens), and the loss
+    there is 0.5 (V - R)^2 exactly; outside it, verl's vf_clipfrac: the clipped error is the larger."""
+    from rl2.algorithms.losses import value_loss
+
+    generator = torch.Generator().manual_seed(0)
+    old = torch.randn(20000, generator=generator, dtype=torch.float64) * 3
+    values = old + torch.randn(20000, generator=generator, dtype=torch.float64) * 0.3
+    returns = old + torch.randn(20000, generator=generator, dtype=torch.float64)
+    clip = 0.2
+    loss, clipped = value_loss(values, old, returns, clip)
+    inside = (values - old).abs() <= clip
+    assert inside.sum() > 5000 and clipped[inside].sum() == 0
+    assert torch.equal(loss[inside], 0.5 * (values - returns)[inside] ** 2)
+    verl_clipped = torch.clamp(values, old - clip, old + clip)  # verl: clip_by_value(vpreds, values ± c)
+    expected = (verl_clipped - returns) ** 2 > (values - returns) ** 2
+    assert torch.equal(clipped.bool(), expected) and clipped.sum() > 1000
+
+
+def test_gae_advantages_are_whitened_as_rl2_does():
+    """RL2's `_compute_gae` (RL2/utils/algorithms.py): advantages minus their mean over the batch's action tokens,
+    over their unbiased std + eps, zero off the actions; returns raw. Written out here on a padded batch."""
+    generator = torch.Generator().manual_seed(1)
+    lengths = [7, 11, 5]
+    masks = [(torch.rand(n, generator=generator) < 0.7).double() for n in lengths]
+    for mask in masks:
+        mask[-1] = 1.0
+    values = [torch.randn(n, generator=generator, dtype=torch.float64) for n in lengths]
+    rewards = torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64)
+    advantages, returns = trajectory_advantages(rewards, torch.ones(3, dtype=torch.bool), masks, "gae", 1,
+                                                gamma=0.9, lamda=0.8, values=values)
+    raw = []
+    for i, mask in enumerate(masks):
+        token_rewards = torch.zeros(lengths[i], dtype=torch.float64)
+        token_rewards[int(mask.nonzero().max())] = rewards[i]
+        raw.append(gae(token_rewards, values[i], mask, 0.9, 0.8)[0])
+    action = torch.cat([a[m.bool()] for a, m in zip(raw, masks)])
+    eps = torch.finfo(torch.float64).eps
+    for a, m, r in zip(advantages, masks, raw):
+        torch.testing.assert_close(a, (r - action.mean()) * m / (action.std() + eps), rtol=0, atol=1e-12)
+    whitened = torch.cat([a[m.bool()] for a, m in zip(advantages, masks)])
+    assert abs(whitened.mean().item()) < 1e-12 and abs(whitened.std().item() - 1) < 1e-9
+    for r, v, m, ret in zip(raw, values, masks, returns):  # returns stay advantage + value, unwhitened
+        torch.testing.assert_close(ret[m.bool()], (r + v)[m.bool()], rtol=0, atol=1e-12)
+
+
+def test_rl2s_tis_coef_alone_means_token_tis():
+    """RL2's `actor.tis_coef=2.0`, given alone (rollout_correction left at its default, auto), is token-level TIS
+    at 2.0, as in RL2; it is refused only beside another correction."""
+    from rl2.algorithms.off_policy import rollout_correction
+    from rl2.config import ConfigError, load_config
+    from rl2.config_checks import check_off_policy_config
+
+    config = load_config(["actor.tis_coef=2.0"])
+    check_off_policy_config(config)
+    correction = rollout_correction(config)
+    assert (correction.mode, correction.threshold) == ("tis", 2.0)
+    with pytest.raises(ConfigError, match="give one of them"):
+        check_off_policy_config(load_config(["actor.tis_coef=2.0", "actor.rollout_correction=icepop"]))

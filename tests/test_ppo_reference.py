@@ -300,6 +300,10 @@ def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str
             a, r = gae_reference(token_rewards, old_values[i], mask, case.gamma, case.lamda)
             advantages.append(a)
             returns.append(r)
+        # RL2's _compute_gae whitens the advantages over the batch's action tokens (unbiased std + float eps)
+        action = torch.cat([a[m.bool()] for a, m in zip(advantages, masks)])
+        eps = torch.finfo(action.dtype).eps
+        advantages = [(a - action.mean()) * m / (action.std() + eps) for a, m in zip(advantages, masks)]
     chosen = [i for i, row in enumerate(batch) if row["group"] in groups]
     result = {}
     if case.freeze_steps == 0:

@@ -122,7 +122,9 @@ def trajectory_advantages(
       it once over the whole step's batch, as here (every rank holds all trajectories).
     Invalid trajectories get advantage 0 and count in no mean or std.
     estimator="gae": the reward lands on the last action token, the KL on every token, and GAE runs
-    against the critic's `values`.
+    against the critic's `values`; the advantages are then whitened over the batch's action tokens (minus
+    their mean, over their unbiased std + float eps; the returns are not), as RL2's `_compute_gae` and verl's
+    `masked_whiten` do.
     """
     if estimator == "reinforce":
         scores = rewards.clone()
@@ -141,4 +143,15 @@ def trajectory_advantages(
         advantage, ret = gae(token_rewards, values[i], mask, gamma, lamda)
         per_token.append(advantage)
         returns.append(ret)
-    return per_token, returns
+    return whiten(per_token, masks), returns
+
+
+def whiten(advantages: list[Tensor], masks: list[Tensor]) -> list[Tensor]:
+    """(advantage - mean) / (std + eps) over every masked token of the batch (unbiased std, eps the dtype's
+    machine epsilon, as RL2's `_compute_gae`), 0 off the masks; unchanged with fewer than two tokens."""
+    kept = torch.cat([a[m.bool()] for a, m in zip(advantages, masks)]) if advantages else torch.zeros(0)
+    if kept.numel() < 2:
+        return advantages
+    mean, std = kept.mean(), kept.std()
+    eps = torch.finfo(kept.dtype).eps
+    return [(a - mean) * m / (std + eps) for a, m in zip(advantages, masks)]

@@ -96,7 +96,9 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float)
     loss = 0.5 * max((V - R)^2, (V_clipped - R)^2). Returns (per_token_loss, clipped), with clipped
     1.0 where the clipped term is strictly larger.
     """
-    clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+    # Clamped around the old values (not old + clamp(V - old)): inside the band the clipped value is V itself, to
+    # the bit, so the clip fraction counts only tokens that were clipped.
+    clipped_values = torch.clamp(values, old_values - clip, old_values + clip)
     error = (values - returns) ** 2
     clipped_error = (clipped_values - returns) ** 2
     loss = 0.5 * torch.maximum(error, clipped_error)

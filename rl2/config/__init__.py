@@ -178,7 +178,7 @@ class AdvConfig:
     estimator: str = _f("reinforce", "advantage estimator", ["gae", "reinforce"])
     gamma: float = _f(1.0, "discount factor")
     lamda: float = _f(1.0, "GAE lambda")
-    norm_var: bool = _f(False, "divide advantages by their standard deviation")
+    norm_var: bool = _f(False, "reinforce: divide advantages by their group's (or with global_norm the batch's) standard deviation; GAE's advantages are always whitened over the batch's tokens, as RL2's and verl's")
     global_norm: bool = _f(False, "reinforce: baseline and (with norm_var) std of the whole batch instead of each group's, as RL2's adv.global_norm; always so with data.responses_per_prompt=1")
     resample_on_correct: bool = _f(False, "GRPO-RoC: generate rollout.oversample responses per prompt, keep data.responses_per_prompt")
     roc_mode: str = _f("sample", "GRPO-RoC: draw positives with probability ~ 1/penalty (the paper) or take the lowest penalties (the released code)", ROC_MODES)
