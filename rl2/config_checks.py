@@ -180,6 +180,14 @@ def check_off_policy_config(config: Config) -> None:
 
     actor, rollout = config.actor, config.rollout
     correcting = rollout_correction(config).mode != "none"
+    loss_names = {"token": "token_mean", "sequence": "seq_mean_token_mean"}
+    for name in ("actor", "critic"):
+        section = getattr(config, name)
+        if section.loss_agg and section.loss_level != "token" and loss_names[section.loss_level] != section.loss_agg:
+            raise ConfigError(f"{name}.loss_level={section.loss_level} is {name}.loss_agg="
+                              f"{loss_names[section.loss_level]}, but {name}.loss_agg={section.loss_agg}: give one of them")
+        if section.loss_agg_norm is not None and not section.loss_agg_norm > 0:
+            raise ConfigError(f"{name}.loss_agg_norm must be > 0, got {section.loss_agg_norm}")
     if actor.tis_coef < 0:
         raise ConfigError(f"actor.tis_coef must be >= 0 (0 = off), got {actor.tis_coef}")
     if actor.tis_coef > 0 and actor.rollout_correction not in ("auto", "none", "tis"):

@@ -460,3 +460,34 @@ def test_rl2s_tis_coef_alone_means_token_tis():
     assert (correction.mode, correction.threshold) == ("tis", 2.0)
     with pytest.raises(ConfigError, match="give one of them"):
         check_off_policy_config(load_config(["actor.tis_coef=2.0", "actor.rollout_correction=icepop"]))
+
+
+def test_loss_aggregations_are_the_peers_formulas():
+    """Each `actor.loss_agg` against the peers' formulas written out on a padded batch (fp64): verl's
+    token-mean, seq-mean-token-mean, seq-mean-token-sum, and TRL's dr_grpo = Dr. GRPO's constant normaliser
+    (sum over the batch / (batch size x max_completion_length)); `loss_level`'s names are aliases."""
+    generator = torch.Generator().manual_seed(3)
+    lengths, max_len = [5, 9, 3, 7], 12
+    masks = [(torch.rand(n, generator=generator) < 0.8).double() for n in lengths]
+    masks[2] = torch.zeros(3, dtype=torch.float64)  # a sequence without action tokens counts in no mean
+    losses = [torch.randn(n, generator=generator, dtype=torch.float64) for n in lengths]
+    padded_loss = torch.zeros(4, max_len, dtype=torch.float64)
+    padded_mask = torch.zeros(4, max_len, dtype=torch.float64)
+    for i, (loss, mask) in enumerate(zip(losses, masks)):
+        padded_loss[i, :len(loss)], padded_mask[i, :len(mask)] = loss, mask
+    live = padded_mask.sum(-1) > 0
+    per_sequence_sum = (padded_loss * padded_mask).sum(-1)[live]
+    expected = {
+        "token_mean": (padded_loss * padded_mask).sum() / padded_mask.sum(),
+        "seq_mean_token_mean": (per_sequence_sum / padded_mask.sum(-1)[live]).mean(),
+        "seq_mean_token_sum": per_sequence_sum.mean(),
+        "seq_mean_token_sum_norm": (padded_loss * padded_mask).sum() / (int(live.sum()) * max_len),
+    }
+    for mode, value in expected.items():
+        weights = loss_weights(masks, mode, norm=max_len)
+        got = sum((w * loss).sum() for w, loss in zip(weights, losses))
+        assert abs(got.item() - value.item()) < 1e-7, mode  # the weights are float32
+    for alias, mode in (("token", "token_mean"), ("sequence", "seq_mean_token_mean")):
+        assert all(torch.equal(a, b) for a, b in zip(loss_weights(masks, alias), loss_weights(masks, mode)))
+    with pytest.raises(ValueError, match="positive constant"):
+        loss_weights(masks, "seq_mean_token_sum_norm")

@@ -27,8 +27,8 @@ def rl_data(tmp_path_factory) -> str:
 @pytest.mark.parametrize(
     "estimator,two_rank_overrides",
     [("grpo", []), ("gae", []), ("gae", ["actor.sp_size=2", "critic.sp_size=2"]), ("gspo-icepop", []),
-     ("cispo-geo-mis", ["actor.sp_size=2"])],
-    ids=["grpo", "gae", "gae-sequence-parallel", "gspo-icepop", "cispo-geo-mis-sequence-parallel"],
+     ("cispo-geo-mis", ["actor.sp_size=2"]), ("dr-grpo", [])],
+    ids=["grpo", "gae", "gae-sequence-parallel", "gspo-icepop", "cispo-geo-mis-sequence-parallel", "dr-grpo"],
 )
 def test_update_is_world_size_invariant_and_sync_matches(
     tiny_model_dir, rl_data, tmp_path, estimator, two_rank_overrides

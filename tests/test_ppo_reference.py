@@ -43,6 +43,7 @@ class Case:
     clip: float = 0.2
     clip_high: float | None = None
     loss_level: str = "token"
+    loss_agg: str | None = None
     recompute_logprobs: bool = True
     gamma: float = 1.0
     lamda: float = 1.0
@@ -81,6 +82,7 @@ class Case:
             f"kl.type={self.kl_type}", f"kl.coef={self.kl_coef}", f"kl.reward_estimator={self.reward_estimator}",
             f"kl.loss_estimator={self.loss_estimator}", f"actor.clip={self.clip}", f"actor.clip_high={clip_high}",
             f"actor.loss_level={self.loss_level}", f"actor.recompute_logprobs={str(self.recompute_logprobs).lower()}",
+            *([f"actor.loss_agg={self.loss_agg}"] if self.loss_agg else []),
             f"critic.clip={self.critic_clip}", f"critic.loss_level={self.critic_loss_level}",
             f"actor.update_per_rollout={self.update_per_rollout}", f"actor.freeze_steps={self.freeze_steps}",
             f"critic.update_per_rollout={self.critic_update_per_rollout}",
@@ -133,6 +135,8 @@ CASES = {
                 "proximal over behaviour), or correction_threshold ignored", rollout_correction="tis",
                 correction_threshold=1.1, logprob_noise=0.3),
     "tis-coef": Case("RL2's actor.tis_coef ignored", tis_coef=1.1, logprob_noise=0.3),
+    "dr-grpo-loss-agg": Case("actor.loss_agg=seq_mean_token_sum_norm ignored (Dr. GRPO's constant normaliser, "
+                             "the run's max_new_tokens)", loss_agg="seq_mean_token_sum_norm"),
     "mis": Case("rejected tokens left in the loss's denominator, or not rejected", rollout_correction="mis",
                 correction_threshold=1.1, logprob_noise=0.3),
     "seq-tis": Case("the sequence-level truncated weight (the product of the ratios) not applied",
@@ -245,6 +249,8 @@ def weights(masks: list[torch.Tensor], level: str) -> list[torch.Tensor]:
         total = sum(m.sum() for m in masks)
         return [m / total for m in masks]
     counted = sum(1 for m in masks if m.sum() > 0)
+    if level == "seq_mean_token_sum_norm":  # TRL's dr_grpo: / (sequences x max completion length)
+        return [m / (counted * MAX_NEW_TOKENS) for m in masks]
     return [m / (m.sum() * counted) if m.sum() > 0 else m for m in masks]
 
 
@@ -307,7 +313,7 @@ def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str
     chosen = [i for i, row in enumerate(batch) if row["group"] in groups]
     result = {}
     if case.freeze_steps == 0:
-        actor_weights = weights([masks[i] for i in chosen], case.loss_level)
+        actor_weights = weights([masks[i] for i in chosen], case.loss_agg or case.loss_level)
         for i, w in zip(chosen, actor_weights):
             logp = token_logps(policy, ids[i], case.temperature)
             ratio = (logp - old[i]).exp()

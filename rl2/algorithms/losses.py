@@ -9,7 +9,7 @@ tokens the policy generated, 0 on prompt and tool tokens.
 import torch
 from torch import Tensor
 
-from rl2.config import KL_ESTIMATORS, LOSS_LEVELS
+from rl2.config import KL_ESTIMATORS, LOSS_AGGS, LOSS_LEVELS
 
 
 def kl_penalty(logps: Tensor, ref_logps: Tensor, estimator: str) -> Tensor:
@@ -106,24 +106,37 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float)
     return loss, clipped
 
 
-def loss_weights(action_masks: list[Tensor], level: str) -> list[Tensor]:
+def loss_weights(action_masks: list[Tensor], level: str, norm: float | None = None) -> list[Tensor]:
     """Per-token float32 weights such that the batch loss is sum over sequences of (weights * loss).sum().
 
-    level="token": every action token weighs 1 / (action tokens in the batch), the token-level mean
-    of DAPO (Yu et al. 2025) and Dr. GRPO (Liu et al. 2025). level="sequence": a sequence with k > 0
-    action tokens gives each 1 / (k * sequences with action tokens), the mean of per-sequence means
-    of the original GRPO. Masked tokens weigh 0; the weights sum to 1, or are all 0 if the batch has
-    no action tokens.
+    With S the sequences that have action tokens, a sequence's k > 0 action tokens each weigh:
+    - "token_mean" ("token"): 1 / (action tokens in the batch), DAPO's token-level mean (Yu et al. 2025);
+    - "seq_mean_token_mean" ("sequence"): 1 / (k S), the mean of per-sequence means of GRPO's paper;
+    - "seq_mean_token_sum": 1 / S, each sequence's token sum, averaged over sequences;
+    - "seq_mean_token_sum_norm": 1 / (S norm), the token sums over a constant, Dr. GRPO's (Liu et al. 2025)
+      normaliser (TRL's `dr_grpo`: / (batch size x max_completion_length)).
+    Masked tokens weigh 0; all 0 if the batch has no action tokens. The two means' weights sum to 1.
     """
-    if level not in LOSS_LEVELS:
-        raise ValueError(f"unknown loss level {level!r}; expected one of {LOSS_LEVELS}")
+    level = {"token": "token_mean", "sequence": "seq_mean_token_mean"}.get(level, level)
+    if level not in LOSS_AGGS:
+        raise ValueError(f"unknown loss aggregation {level!r}; expected one of {LOSS_LEVELS + LOSS_AGGS}")
+    if level == "seq_mean_token_sum_norm" and not (norm and norm > 0):
+        raise ValueError(f"seq_mean_token_sum_norm needs a positive constant (actor.loss_agg_norm), got {norm}")
     masks = [mask.bool().float() for mask in action_masks]
     counts = [int(mask.sum().item()) for mask in masks]
-    if level == "token":
+    if level == "token_mean":
         total = sum(counts)
         return [mask / total if total > 0 else mask for mask in masks]
     n_sequences = sum(count > 0 for count in counts)
-    return [mask / (count * n_sequences) if count > 0 else mask for mask, count in zip(masks, counts)]
+    if level == "seq_mean_token_mean":
+        return [mask / (count * n_sequences) if count > 0 else mask for mask, count in zip(masks, counts)]
+    divisor = n_sequences * (norm if level == "seq_mean_token_sum_norm" else 1.0)
+    return [mask / divisor if count > 0 else mask for mask, count in zip(masks, counts)]
+
+
+def loss_aggregation(config) -> str:
+    """A model section's loss aggregation: `loss_agg`, else its `loss_level` (RL2's key) by name."""
+    return config.loss_agg or {"token": "token_mean", "sequence": "seq_mean_token_mean"}[config.loss_level]
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -134,9 +147,10 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return total / mask.sum().clamp(min=1)
 
 
-def with_loss_weights(sequences: list[dict[str, Tensor]], level: str = "token") -> list[dict[str, Tensor]]:
+def with_loss_weights(sequences: list[dict[str, Tensor]], level: str = "token",
+                      norm: float | None = None) -> list[dict[str, Tensor]]:
     """`sequences` with their `loss_weight` (`loss_weights` of their loss masks at `level`)."""
-    weights = loss_weights([seq["loss_mask"] for seq in sequences], level)
+    weights = loss_weights([seq["loss_mask"] for seq in sequences], level, norm)
     return [{**seq, "loss_weight": weight} for seq, weight in zip(sequences, weights)]
 
 

@@ -47,6 +47,7 @@ class DataConfig:
 # The allowed values of the settings with choices: the one list, which the code that uses them imports.
 DTYPE_NAMES = ["float32", "bfloat16", "float16"]
 LOSS_LEVELS = ["token", "sequence"]
+LOSS_AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 POLICY_LOSSES = ["ppo", "gspo", "cispo"]
 CORRECTIONS = ["auto", "none", "tis", "seq_tis", "geo_tis", "mis", "seq_mis", "geo_mis", "icepop", "decoupled"]
 ATTENTION_CHOICES = ["auto", "flash_attention_2", "torch_varlen", "flex_attention", "sdpa_loop"]
@@ -75,7 +76,9 @@ class ModelConfig:
     compile: bool = _f(False, "compile each decoder layer with torch.compile (with FSDP2 and checkpointing; first steps pay the compilation)")
     logps_chunk_size: int = _f(2048, "policy log-probs and entropy from the LM head this many tokens at a time, never holding [tokens, vocab] fp32 logits; 0 = full logits")
     update_per_rollout: int = _f(1, "optimizer steps per rollout: the rollout is split into this many minibatches")
-    loss_level: str = _f("token", "loss averaging: mean over all tokens of the minibatch, or mean of per-sequence means", LOSS_LEVELS)
+    loss_level: str = _f("token", "loss averaging (RL2's avg_level; actor.loss_agg names more): token = token_mean, sequence = seq_mean_token_mean", LOSS_LEVELS)
+    loss_agg: Optional[str] = _f(None, "loss aggregation over a minibatch, verl's loss_agg_mode: token_mean (DAPO; TRL's dapo/bnpo), seq_mean_token_mean (GRPO's paper; TRL's grpo), seq_mean_token_sum (each sequence's token sum, averaged over sequences), seq_mean_token_sum_norm (Dr. GRPO: the token sum over sequences x loss_agg_norm, a constant; = TRL's loss_type=dr_grpo); null = from loss_level", LOSS_AGGS)
+    loss_agg_norm: Optional[float] = _f(None, "seq_mean_token_sum_norm's constant (Dr. GRPO's and TRL's max completion length); null = rollout.train_sampling_params' max_new_tokens")
     clip: float = _f(0.2, "clip range of the policy ratio (value clip for the critic)")
     clip_high: Optional[float] = _f(None, "DAPO upper clip; None = same as clip")
     lr: float = _f(1e-6, "learning rate of the optimizer")

@@ -10,7 +10,7 @@ command does not read are named in one note instead.
 from dataclasses import dataclass
 
 # Model keys only the RL update reads (minibatches, clipping, frozen first steps, loss averaging).
-RL_MODEL_KEYS = ("update_per_rollout", "clip", "clip_high", "loss_level", "freeze_steps")
+RL_MODEL_KEYS = ("update_per_rollout", "clip", "clip_high", "loss_level", "loss_agg", "loss_agg_norm", "freeze_steps")
 # Actor keys only the RL update reads (its policy loss, corrections and entropy bonus).
 RL_ACTOR_KEYS = ("recompute_logprobs", "policy_loss", "gspo_clip", "gspo_clip_high", "rollout_correction",
                  "correction_threshold", "icepop_low", "icepop_high", "tis_coef", "entropy_coef")

@@ -19,6 +19,7 @@ from rl2.algorithms.losses import (
     cispo_loss,
     gspo_loss,
     kl_penalty,
+    loss_aggregation,
     masked_mean,
     policy_loss,
     value_loss,
@@ -287,7 +288,8 @@ class PPOTrainer(Trainer):
             if model is None or step <= model.config.freeze_steps:
                 continue
             for minibatch in self._minibatches(sequences, model.config.update_per_rollout, step):
-                minibatch = with_loss_weights(minibatch, model.config.loss_level)
+                norm = model.config.loss_agg_norm or self.rollout.train_params.max_new_tokens
+                minibatch = with_loss_weights(minibatch, loss_aggregation(model.config), norm)
                 for key, value in model.train_step(per_turn_sequences(minibatch), loss_fn).items():
                     metrics.setdefault(f"{name}/{key}", []).append(value)
         averaged = {key: sum(values) / len(values) for key, values in metrics.items()}

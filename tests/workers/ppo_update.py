@@ -40,6 +40,8 @@ ESTIMATORS = {
                     "actor.icepop_high=1.25", "actor.entropy_coef=0.01"],
     "cispo-geo-mis": ["adv.norm_var=true", "actor.policy_loss=cispo", "actor.clip_high=0.1",
                       "actor.rollout_correction=geo_mis", "actor.correction_threshold=1.05"],
+    # Dr. GRPO: no std division, each sequence's token sum over a constant
+    "dr-grpo": ["actor.loss_agg=seq_mean_token_sum_norm", "actor.loss_agg_norm=16"],
 }
 NOISY_ENGINE = ("gspo-icepop", "cispo-geo-mis")
 
