@@ -132,6 +132,11 @@ def check_rl_config(config: Config) -> None:
     if config.rollout.trajectory_format == "per_turn" and not config.data.apply_chat_template:
         raise ConfigError("rollout.trajectory_format=per_turn renders each turn's prompt with the chat template: "
                           "it needs data.apply_chat_template=true")
+    if config.adv.estimator == "rloo" and config.data.responses_per_prompt < 2 and not config.adv.global_norm:
+        raise ConfigError("adv.estimator=rloo leaves each response out of its group's baseline: it needs "
+                          "data.responses_per_prompt >= 2 (or adv.global_norm=true for the batch)")
+    if not config.adv.std_eps >= 0:
+        raise ConfigError(f"adv.std_eps must be >= 0, got {config.adv.std_eps}")
     if config.actor.update_per_rollout < 1 or config.critic.update_per_rollout < 1:
         raise ConfigError("actor.update_per_rollout and critic.update_per_rollout must be >= 1")
     longest = config.actor.max_length_per_device * config.actor.sp_size
@@ -188,6 +193,8 @@ def check_off_policy_config(config: Config) -> None:
                               f"{loss_names[section.loss_level]}, but {name}.loss_agg={section.loss_agg}: give one of them")
         if section.loss_agg_norm is not None and not section.loss_agg_norm > 0:
             raise ConfigError(f"{name}.loss_agg_norm must be > 0, got {section.loss_agg_norm}")
+    if actor.clip_c is not None and not actor.clip_c > 1:
+        raise ConfigError(f"actor.clip_c (dual-clip PPO) must be > 1, got {actor.clip_c}")
     if actor.tis_coef < 0:
         raise ConfigError(f"actor.tis_coef must be >= 0 (0 = off), got {actor.tis_coef}")
     if actor.tis_coef > 0 and actor.rollout_correction not in ("auto", "none", "tis"):

@@ -491,3 +491,78 @@ def test_loss_aggregations_are_the_peers_formulas():
         assert all(torch.equal(a, b) for a, b in zip(loss_weights(masks, alias), loss_weights(masks, mode)))
     with pytest.raises(ValueError, match="positive constant"):
         loss_weights(masks, "seq_mean_token_sum_norm")
+
+
+def verl_masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's `masked_whiten` (verl/utils/torch_functional.py), written out: unbiased masked variance."""
+    mean = (values * mask).sum() / mask.sum()
+    var = (((values - mean) ** 2) * mask).sum() / mask.sum() * (mask.sum() / (mask.sum() - 1))
+    return (values - mean) * torch.rsqrt(var + 1e-8)
+
+
+def padded(values: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(values), width, dtype=torch.float64)
+    for i, v in enumerate(values):
+        out[i, :len(v)] = v
+    return out
+
+
+def test_rloo_and_reinforce_plus_plus_are_verls():
+    """RLOO, REINFORCE++-baseline and REINFORCE++ (gamma 0.9) on single-turn responses, against verl's
+    `compute_rloo_outcome_advantage`, `compute_reinforce_plus_plus_baseline_outcome_advantage` and
+    `compute_reinforce_plus_plus_outcome_advantage` written out (fp64, groups of 4, one response invalid)."""
+    generator = torch.Generator().manual_seed(4)
+    lengths = [int(n) for n in torch.randint(2, 9, (8,), generator=generator)]
+    masks = [torch.ones(n, dtype=torch.float64) for n in lengths]
+    rewards = torch.rand(8, generator=generator, dtype=torch.float64)
+    valid = torch.ones(8, dtype=torch.bool)
+    valid[5] = False
+    rewards[5] = 0.0
+    mask2d = padded(masks, 8)
+
+    rloo, _ = trajectory_advantages(rewards, valid, masks, "rloo", 4)
+    for g in range(2):
+        members = [i for i in range(4 * g, 4 * g + 4) if valid[i]]
+        n, mean = len(members), rewards[members].mean()
+        for i in members:  # verl: r n/(n-1) - mean n/(n-1)
+            torch.testing.assert_close(rloo[i], (rewards[i] * n / (n - 1) - mean * n / (n - 1)) * masks[i])
+    assert rloo[5].abs().sum() == 0
+
+    baseline, _ = trajectory_advantages(rewards, valid, masks, "reinforce_plus_plus_baseline", 4)
+    centred = rewards.clone()
+    for g in range(2):
+        members = [i for i in range(4 * g, 4 * g + 4) if valid[i]]
+        centred[members] -= rewards[members].mean()
+    centred[~valid] = 0
+    expected = verl_masked_whiten(centred[:, None] * mask2d, mask2d) * mask2d
+    torch.testing.assert_close(padded(baseline, 8), expected, rtol=0, atol=1e-10)
+
+    plus_plus, _ = trajectory_advantages(rewards, valid, masks, "reinforce_plus_plus", 4, gamma=0.9)
+    token_rewards = torch.zeros(8, 8, dtype=torch.float64)
+    for i, n in enumerate(lengths):
+        token_rewards[i, n - 1] = rewards[i] if valid[i] else 0.0
+    returns, running = torch.zeros_like(token_rewards), torch.zeros(8, dtype=torch.float64)
+    for t in reversed(range(8)):  # verl's loop
+        running = token_rewards[:, t] + 0.9 * running
+        returns[:, t] = running
+        running = running * mask2d[:, t]
+    expected = verl_masked_whiten(returns, mask2d) * mask2d
+    torch.testing.assert_close(padded(plus_plus, 8), expected, rtol=0, atol=1e-10)
+
+
+def test_dual_clip_bounds_negative_advantages():
+    """verl's dual-clip: with A < 0 the loss is min(max(-rA, -clip(r)A), -c A); A >= 0 as plain PPO."""
+    generator = torch.Generator().manual_seed(5)
+    logps = torch.randn(5000, generator=generator, dtype=torch.float64)
+    old = logps + torch.randn(5000, generator=generator, dtype=torch.float64) * 1.5
+    advantages = torch.randn(5000, generator=generator, dtype=torch.float64)
+    loss, clipped = policy_loss(logps, old, advantages, 0.2, 0.28, clip_c=3.0)
+    ratio = (logps - old).exp()
+    losses1, losses2 = -advantages * ratio, -advantages * ratio.clamp(0.8, 1.28)
+    clip_losses1 = torch.maximum(losses1, losses2)
+    expected = torch.where(advantages < 0, torch.minimum(-advantages * 3.0, clip_losses1), clip_losses1)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12)
+    dual = (advantages < 0) & (-advantages * 3.0 < clip_losses1)
+    assert dual.sum() > 50 and clipped[dual].eq(1).all()
+    plain, _ = policy_loss(logps, old, advantages, 0.2, 0.28)
+    assert torch.equal(loss[~dual], plain[~dual])

@@ -142,7 +142,7 @@ def test_unknown_nested_key():
         load_config(["actor.lrr=1e-5"])
     msg = str(e.value)
     assert "'actor.lrr'" in msg and "under 'actor'" in msg
-    assert "clip, clip_high, compile, correction_threshold, dtype" in msg and "lr" in msg
+    assert "clip, clip_c, clip_high, compile, correction_threshold, dtype" in msg and "lr" in msg
 
 
 def test_unknown_key_in_yaml(tmp_path):

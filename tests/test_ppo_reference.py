@@ -44,6 +44,7 @@ class Case:
     clip_high: float | None = None
     loss_level: str = "token"
     loss_agg: str | None = None
+    clip_c: float | None = None
     recompute_logprobs: bool = True
     gamma: float = 1.0
     lamda: float = 1.0
@@ -83,6 +84,7 @@ class Case:
             f"kl.loss_estimator={self.loss_estimator}", f"actor.clip={self.clip}", f"actor.clip_high={clip_high}",
             f"actor.loss_level={self.loss_level}", f"actor.recompute_logprobs={str(self.recompute_logprobs).lower()}",
             *([f"actor.loss_agg={self.loss_agg}"] if self.loss_agg else []),
+            *([f"actor.clip_c={self.clip_c}"] if self.clip_c else []),
             f"critic.clip={self.critic_clip}", f"critic.loss_level={self.critic_loss_level}",
             f"actor.update_per_rollout={self.update_per_rollout}", f"actor.freeze_steps={self.freeze_steps}",
             f"critic.update_per_rollout={self.critic_update_per_rollout}",
@@ -135,6 +137,9 @@ CASES = {
                 "proximal over behaviour), or correction_threshold ignored", rollout_correction="tis",
                 correction_threshold=1.1, logprob_noise=0.3),
     "tis-coef": Case("RL2's actor.tis_coef ignored", tis_coef=1.1, logprob_noise=0.3),
+    "rloo": Case("adv.estimator=rloo ignored (the group mean taken as the baseline)", estimator="rloo"),
+    "dual-clip": Case("actor.clip_c ignored (dual-clip PPO's bound on negative advantages)", clip_c=1.2,
+                      logprob_noise=0.5),
     "dr-grpo-loss-agg": Case("actor.loss_agg=seq_mean_token_sum_norm ignored (Dr. GRPO's constant normaliser, "
                              "the run's max_new_tokens)", loss_agg="seq_mean_token_sum_norm"),
     "mis": Case("rejected tokens left in the loss's denominator, or not rejected", rollout_correction="mis",
@@ -288,10 +293,18 @@ def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str
     kl = [kl_estimate(o, r, case.reward_estimator) * m for o, r, m in zip(old, ref, masks)]
     reward_kl = case.kl_type == "reward" and case.kl_coef > 0
     critic, returns = None, None
-    if case.estimator == "reinforce":
+    if case.estimator in ("reinforce", "rloo"):
         scores = rewards - (case.kl_coef * torch.stack([k.sum() for k in kl]) if reward_kl else 0)
         group = len(batch) if case.global_norm else GROUP_SIZE
-        per_sequence = baseline_advantages(scores, valid, group, case.norm_var)
+        if case.estimator == "rloo":  # each score minus the mean of the other valid scores of its group
+            per_sequence = torch.zeros_like(scores)
+            for start in range(0, len(scores), group):
+                members = [i for i in range(start, start + group) if valid[i]]
+                for i in members:
+                    others = [scores[j] for j in members if j != i]
+                    per_sequence[i] = scores[i] - sum(others) / len(others) if others else 0.0
+        else:
+            per_sequence = baseline_advantages(scores, valid, group, case.norm_var)
         advantages = [a * m for a, m in zip(per_sequence, masks)]
     else:
         critic = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
@@ -326,6 +339,8 @@ def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str
                 loss = -ratio.detach().clamp(max=1 + high) * advantages[i] * logp
             else:
                 loss = -torch.minimum(ratio * advantages[i], ratio.clamp(1 - case.clip, 1 + high) * advantages[i])
+                if case.clip_c:  # dual-clip: a negative advantage's loss is at most clip_c |A|
+                    loss = torch.where(advantages[i] < 0, torch.minimum(loss, -case.clip_c * advantages[i]), loss)
             loss = loss * is_weights[i]
             if case.kl_type == "loss" and case.kl_coef > 0:
                 loss = loss + case.kl_coef * kl_estimate(logp, ref[i], case.loss_estimator)

@@ -90,6 +90,30 @@ def uniform_groups(rewards: Sequence[float], group_size: int) -> list[int]:
     return uniform
 
 
+def leave_one_out_advantages(rewards: Tensor, group_size: int, valid: Tensor | None = None) -> Tensor:
+    """RLOO's advantages: each valid reward minus the mean of the other valid rewards of its group of
+    `group_size`; 0 for invalid ones and in groups with fewer than two valid members."""
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
+    groups, members = rewards.reshape(-1, group_size), valid.reshape(-1, group_size)
+    count = members.sum(dim=1, keepdim=True)
+    total = torch.where(members, groups, torch.zeros_like(groups)).sum(dim=1, keepdim=True)
+    others = (total - groups) / (count - 1).clamp(min=1)
+    advantages = torch.where(members & (count > 1), groups - others, torch.zeros_like(groups))
+    return advantages.reshape(rewards.shape)
+
+
+@torch.no_grad()
+def discounted_returns(token_rewards: Tensor, action_mask: Tensor, gamma: float) -> Tensor:
+    """Per action token the discounted sum of the token rewards from it on (action tokens only are steps);
+    0 elsewhere."""
+    returns = torch.zeros_like(token_rewards)
+    running = 0.0
+    for t in reversed(torch.nonzero(action_mask.bool()).flatten().tolist()):
+        running = float(token_rewards[t]) + gamma * running
+        returns[t] = running
+    return returns
+
+
 def trajectory_advantages(
     rewards: Tensor,
     valid: Tensor,
@@ -103,6 +127,7 @@ def trajectory_advantages(
     kl: list[Tensor] | None = None,
     kl_coef: float = 0.0,
     values: list[Tensor] | None = None,
+    std_eps: float = 1e-6,
 ) -> tuple[list[Tensor], list[Tensor] | None]:
     """Per-token advantages of a batch of trajectories (and GAE's returns, else None).
 
@@ -120,19 +145,40 @@ def trajectory_advantages(
       global_norm: baseline = rewards.mean(); std = rewards.std()`, else the same per group, then
       `advantages = rewards - baseline` and, `if norm_var`, `advantages /= std + eps`; RL2 computes
       it once over the whole step's batch, as here (every rank holds all trajectories).
-    Invalid trajectories get advantage 0 and count in no mean or std.
+    Invalid trajectories get advantage 0 and count in no mean or std. `std_eps` is added to the std.
+    estimator="rloo" (Ahmadian et al. 2024): the score minus the mean of the *other* valid responses of its
+    group, G/(G-1) (score - group mean), as verl's `compute_rloo_outcome_advantage`.
+    estimator="reinforce_plus_plus_baseline" (Hu et al. 2025; verl's): the score minus its group's mean, then
+    whitened over the batch's action tokens.
+    estimator="reinforce_plus_plus" (Hu et al. 2025): per action token the discounted return of the token
+    rewards (the score's reward on the last action token, the KL penalty on each when given; `gamma`), then
+    whitened over the batch's action tokens. Only action tokens are time steps (a tool's tokens are skipped,
+    as in `gae`; verl's resets the return at every masked token).
     estimator="gae": the reward lands on the last action token, the KL on every token, and GAE runs
     against the critic's `values`; the advantages are then whitened over the batch's action tokens (minus
     their mean, over their unbiased std + float eps; the returns are not), as RL2's `_compute_gae` and verl's
     `masked_whiten` do.
     """
-    if estimator == "reinforce":
+    if estimator in ("reinforce", "rloo", "reinforce_plus_plus_baseline"):
         scores = rewards.clone()
         if kl is not None:
             scores -= kl_coef * torch.stack([(k * m).sum() for k, m in zip(kl, masks)])
         batch_baseline = global_norm or group_size == 1
-        advantages = group_advantages(scores, max(len(scores), 1) if batch_baseline else group_size, norm_var, valid)
-        return [a * m for a, m in zip(advantages, masks)], None
+        size = max(len(scores), 1) if batch_baseline else group_size
+        if estimator == "rloo":
+            advantages = leave_one_out_advantages(scores, size, valid)
+        else:
+            advantages = group_advantages(scores, size, norm_var and estimator == "reinforce", valid, std_eps)
+        per_token = [a * m for a, m in zip(advantages, masks)]
+        return (whiten(per_token, masks, verl=True) if estimator == "reinforce_plus_plus_baseline" else per_token), None
+    if estimator == "reinforce_plus_plus":
+        per_token = []
+        for i, mask in enumerate(masks):
+            token_rewards = -kl_coef * kl[i] * mask if kl is not None else torch.zeros_like(mask)
+            if mask.any() and valid[i]:
+                token_rewards[int(mask.nonzero().max())] += rewards[i]
+            per_token.append(discounted_returns(token_rewards, mask, gamma) * valid[i])
+        return whiten(per_token, masks, verl=True), None
     if values is None:
         raise ValueError("estimator='gae' needs the critic's values")
     per_token, returns = [], []
@@ -146,12 +192,13 @@ def trajectory_advantages(
     return whiten(per_token, masks), returns
 
 
-def whiten(advantages: list[Tensor], masks: list[Tensor]) -> list[Tensor]:
+def whiten(advantages: list[Tensor], masks: list[Tensor], verl: bool = False) -> list[Tensor]:
     """(advantage - mean) / (std + eps) over every masked token of the batch (unbiased std, eps the dtype's
-    machine epsilon, as RL2's `_compute_gae`), 0 off the masks; unchanged with fewer than two tokens."""
+    machine epsilon, as RL2's `_compute_gae`), or with `verl` (advantage - mean) / sqrt(var + 1e-8) (verl's
+    `masked_whiten`); 0 off the masks; unchanged with fewer than two tokens."""
     kept = torch.cat([a[m.bool()] for a, m in zip(advantages, masks)]) if advantages else torch.zeros(0)
     if kept.numel() < 2:
         return advantages
-    mean, std = kept.mean(), kept.std()
-    eps = torch.finfo(kept.dtype).eps
-    return [(a - mean) * m / (std + eps) for a, m in zip(advantages, masks)]
+    mean = kept.mean()
+    scale = torch.rsqrt(kept.var() + 1e-8) if verl else 1 / (kept.std() + torch.finfo(kept.dtype).eps)
+    return [(a - mean) * m * scale for a, m in zip(advantages, masks)]

@@ -30,13 +30,15 @@ def kl_penalty(logps: Tensor, ref_logps: Tensor, estimator: str) -> Tensor:
 
 
 def policy_loss(
-    logps: Tensor, old_logps: Tensor, advantages: Tensor, clip: float, clip_high: float | None = None
+    logps: Tensor, old_logps: Tensor, advantages: Tensor, clip: float, clip_high: float | None = None,
+    clip_c: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """PPO clipped surrogate loss per token (Schulman et al. 2017) and where clipping is active.
 
     The ratio is clipped to [1 - clip, 1 + clip_high]; `clip_high` defaults to `clip`, a larger one is
-    DAPO's clip-higher (Yu et al. 2025). Returns (per_token_loss, clipped), with clipped 1.0 where
-    the clipped term is strictly smaller, i.e. where clipping zeroes the gradient.
+    DAPO's clip-higher (Yu et al. 2025). With `clip_c` (dual-clip PPO, Ye et al. 2020; verl's clip_ratio_c)
+    a token with a negative advantage loses at most clip_c x |A|. Returns (per_token_loss, clipped), with
+    clipped 1.0 where a clipped term wins, i.e. where clipping zeroes the gradient.
     """
     if clip_high is None:
         clip_high = clip
@@ -44,8 +46,13 @@ def policy_loss(
     surrogate = ratio * advantages
     clipped_surrogate = torch.clamp(ratio, 1 - clip, 1 + clip_high) * advantages
     loss = -torch.minimum(surrogate, clipped_surrogate)
-    clipped = (clipped_surrogate < surrogate).float()
-    return loss, clipped
+    clipped = clipped_surrogate < surrogate
+    if clip_c is not None:
+        bound = -clip_c * advantages
+        dual = (advantages < 0) & (bound < loss)
+        loss = torch.where(dual, bound, loss)
+        clipped = clipped | dual
+    return loss, clipped.float()
 
 
 def sequence_index(cu_seqlens: Tensor, length: int) -> Tensor:

@@ -81,6 +81,7 @@ class ModelConfig:
     loss_agg_norm: Optional[float] = _f(None, "seq_mean_token_sum_norm's constant (Dr. GRPO's and TRL's max completion length); null = rollout.train_sampling_params' max_new_tokens")
     clip: float = _f(0.2, "clip range of the policy ratio (value clip for the critic)")
     clip_high: Optional[float] = _f(None, "DAPO upper clip; None = same as clip")
+    clip_c: Optional[float] = _f(None, "dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, default 3 there): a token with a negative advantage loses at most clip_c x |A|; null = off, as RL2")
     lr: float = _f(1e-6, "learning rate of the optimizer")
     weight_decay: float = _f(1e-2, "AdamW weight decay")
     max_grad_norm: float = _f(1.0, "gradient norm clipping threshold")
@@ -178,10 +179,11 @@ class KLConfig:
 
 @dataclass
 class AdvConfig:
-    estimator: str = _f("reinforce", "advantage estimator", ["gae", "reinforce"])
+    estimator: str = _f("reinforce", "advantage estimator: reinforce (group baseline: GRPO, Dr. GRPO; RL2's), rloo (leave-one-out baseline, Ahmadian et al. 2024; = verl's rloo), reinforce_plus_plus_baseline (group mean, then whitened over the batch's tokens; = verl's), reinforce_plus_plus (discounted token returns, whitened; Hu et al. 2025), gae (a critic)", ["gae", "reinforce", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
     gamma: float = _f(1.0, "discount factor")
     lamda: float = _f(1.0, "GAE lambda")
     norm_var: bool = _f(False, "reinforce: divide advantages by their group's (or with global_norm the batch's) standard deviation; GAE's advantages are always whitened over the batch's tokens, as RL2's and verl's")
+    std_eps: float = _f(1e-6, "the epsilon added to the group std with norm_var (verl's 1e-6; TRL adds 1e-4)")
     global_norm: bool = _f(False, "reinforce: baseline and (with norm_var) std of the whole batch instead of each group's, as RL2's adv.global_norm; always so with data.responses_per_prompt=1")
     resample_on_correct: bool = _f(False, "GRPO-RoC: generate rollout.oversample responses per prompt, keep data.responses_per_prompt")
     roc_mode: str = _f("sample", "GRPO-RoC: draw positives with probability ~ 1/penalty (the paper) or take the lowest penalties (the released code)", ROC_MODES)

@@ -265,6 +265,7 @@ class PPOTrainer(Trainer):
             kl=kl if config.kl.type == "reward" else None,
             kl_coef=config.kl.coef,
             values=[seq["old_values"] for seq in sequences] if self.critic is not None else None,
+            std_eps=config.adv.std_eps,
         )
         for i, seq in enumerate(sequences):
             seq["advantages"] = advantages[i]
@@ -318,7 +319,7 @@ class PPOTrainer(Trainer):
             loss, clipped = cispo_loss(outputs["logps"], batch["old_logps"], batch["advantages"], clip_high)
         else:
             loss, clipped = policy_loss(outputs["logps"], batch["old_logps"], batch["advantages"], actor.clip,
-                                        actor.clip_high)
+                                        actor.clip_high, actor.clip_c)
         if "is_weights" in batch:
             loss = loss * batch["is_weights"]
         metrics = {"clip_ratio": (clipped * weight).sum(), "entropy": (outputs["entropy"] * weight).sum()}
