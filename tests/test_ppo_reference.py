@@ -60,6 +60,7 @@ class Case:
     gspo_clip: float = 3e-4
     gspo_clip_high: float = 4e-4
     rollout_correction: str = "none"
+    rejected_tokens: str = "drop"
     correction_threshold: float = 2.0
     icepop_low: float = 0.5
     icepop_high: float = 5.0
@@ -92,6 +93,7 @@ class Case:
             f"actor.gspo_clip_high={self.gspo_clip_high}", f"actor.rollout_correction={self.rollout_correction}",
             f"actor.correction_threshold={self.correction_threshold}", f"actor.icepop_low={self.icepop_low}",
             f"actor.icepop_high={self.icepop_high}", f"actor.tis_coef={self.tis_coef}",
+            f"actor.rejected_tokens={self.rejected_tokens}",
             f"actor.entropy_coef={self.entropy_coef}", f"rollout.overlong_buffer={self.overlong_buffer}",
             f"rollout.overlong_penalty={self.overlong_penalty}",
             f"rollout.overlong_filtering={str(self.overlong_filtering).lower()}",
@@ -148,6 +150,9 @@ CASES = {
                     rollout_correction="seq_tis", correction_threshold=1.5, logprob_noise=0.3),
     "geo-mis": Case("whole sequences not rejected by their geometric-mean ratio", rollout_correction="geo_mis",
                     correction_threshold=1.03, logprob_noise=0.3),
+    "icepop-keep-rejected": Case("actor.rejected_tokens=keep_in_denominator ignored (rejected tokens dropped from "
+                                 "the mean's denominator)", rollout_correction="icepop", icepop_low=0.85,
+                                 icepop_high=1.15, rejected_tokens="keep_in_denominator", logprob_noise=0.3),
     "icepop": Case("IcePop's band ignored", rollout_correction="icepop", icepop_low=0.85, icepop_high=1.15,
                    logprob_noise=0.3),
     "decoupled-gae": Case("decoupled PPO's weights not applied on GAE's path", estimator="gae",
@@ -288,7 +293,11 @@ def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str
     behaviour = [torch.tensor(lp) for lp in captured["logprobs"]]
     is_weights = []
     for i, mask in enumerate(masks):
-        weight, masks[i] = corrected(case, old[i], behaviour[i], mask)
+        weight, kept = corrected(case, old[i], behaviour[i], mask)
+        if case.rejected_tokens == "keep_in_denominator":  # weight 0, still in the mean's denominator
+            weight = torch.where(kept.bool() | ~mask.bool(), weight, torch.zeros_like(weight))
+        else:
+            masks[i] = kept
         is_weights.append(weight)
     kl = [kl_estimate(o, r, case.reward_estimator) * m for o, r, m in zip(old, ref, masks)]
     reward_kl = case.kl_type == "reward" and case.kl_coef > 0

@@ -17,9 +17,10 @@ each token an importance weight and may reject tokens or whole sequences:
   proximal policy already (the recomputed log-probs).
 
 Log-ratios are clamped to +-20 before exponentiating (as verl does): a product over a long sequence
-overflows otherwise. Rejected tokens leave the loss and its denominator (the loss weights are made
-from the masks after rejection, as verl's decoupled mode does; slime and AReaL keep them in the
-denominator, which shrinks every other token's step by the share rejected).
+overflows otherwise. Rejected tokens leave the loss and its denominator by default (the loss weights are
+made from the masks after rejection, as verl's rejection sampling does); verl's IcePop, TRL's `*_mask`
+modes, slime and AReaL keep them in the denominator with weight 0, which shrinks every other token's step
+by the share rejected: `actor.rejected_tokens=keep_in_denominator`.
 """
 
 from dataclasses import dataclass

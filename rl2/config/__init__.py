@@ -108,6 +108,7 @@ class ActorConfig(ModelConfig):
     correction_threshold: float = _f(2.0, "C of the rollout corrections (truncation or rejection above C); also the band [1/C, C] of the offpolicy/*_outside metrics")
     icepop_low: float = _f(0.5, "IcePop: tokens whose ratio is below this are rejected")
     icepop_high: float = _f(5.0, "IcePop: tokens whose ratio is above this are rejected")
+    rejected_tokens: str = _f("drop", "tokens a rollout correction rejects: drop = out of the loss and of its denominator (verl's rejection sampling); keep_in_denominator = weight 0, still counted in the mean (verl's IcePop, TRL's *_mask modes, slime, AReaL)", ["drop", "keep_in_denominator"])
     tis_coef: float = _f(0.0, "RL2's actor.tis_coef: > 0 is rollout_correction=tis with correction_threshold=tis_coef")
     entropy_coef: float = _f(0.0, "RL: entropy bonus: the loss minus this times each token's entropy (RL2's actor.entropy.coef)")
 

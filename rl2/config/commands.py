@@ -13,7 +13,7 @@ from dataclasses import dataclass
 RL_MODEL_KEYS = ("update_per_rollout", "clip", "clip_high", "loss_level", "loss_agg", "loss_agg_norm", "freeze_steps")
 # Actor keys only the RL update reads (its policy loss, corrections and entropy bonus).
 RL_ACTOR_KEYS = ("recompute_logprobs", "clip_c", "policy_loss", "gspo_clip", "gspo_clip_high", "rollout_correction",
-                 "correction_threshold", "icepop_low", "icepop_high", "tis_coef", "entropy_coef")
+                 "correction_threshold", "icepop_low", "icepop_high", "rejected_tokens", "tis_coef", "entropy_coef")
 DPO_KEYS = ("beta", "label_smoothing")
 # What the loops over a fixed dataset (SFT, RM, DPO) read of `data` and `trainer`.
 OFFLINE_DATA = tuple(f"data.{key}" for key in (

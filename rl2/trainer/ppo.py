@@ -227,13 +227,17 @@ class PPOTrainer(Trainer):
 
     def correct(self, sequences: list[RLSequence]) -> dict[str, float]:
         """The rollout correction (`rl2.algorithms.off_policy`): each sequence's importance weights, and
-        its rejected tokens taken out of its loss mask (so out of the loss and its denominator too)."""
+        its rejected tokens taken out of its loss mask (so out of the loss and its denominator too), or with
+        `actor.rejected_tokens=keep_in_denominator` given weight 0 (out of the loss, still counted)."""
         before = [seq["loss_mask"] for seq in sequences]
+        drop = self.config.actor.rejected_tokens == "drop"
+        after = []
         for seq in sequences:
             weights, keep = correction_weights(seq["old_logps"], seq["engine_logps"], seq["loss_mask"], self.correction)
-            seq["is_weights"] = weights.float()
-            seq["loss_mask"] = seq["loss_mask"] * keep
-        after = [seq["loss_mask"] for seq in sequences]
+            after.append(seq["loss_mask"] * keep)
+            seq["is_weights"] = weights.float() if drop else weights.float() * keep
+            if drop:
+                seq["loss_mask"] = after[-1]
         tokens = sum(mask.sum() for mask in before)
         kept = torch.cat(after).bool()
         trained = [bool(mask.any()) for mask in before]
