@@ -566,3 +566,15 @@ def test_dual_clip_bounds_negative_advantages():
     assert dual.sum() > 50 and clipped[dual].eq(1).all()
     plain, _ = policy_loss(logps, old, advantages, 0.2, 0.28)
     assert torch.equal(loss[~dual], plain[~dual])
+
+
+def test_clamped_k3_is_verls_low_var_kl():
+    """kl.clamp: verl's `low_var_kl`: kl = ref - logp clamped to +-20, exp(kl) - kl - 1 clamped to [-10, 10]."""
+    logps = torch.tensor([-1.0, -30.0, 0.0, -0.5, -9.0], dtype=torch.float64)
+    ref = torch.tensor([-1.5, 0.0, -25.0, -0.4, -1.0], dtype=torch.float64)
+    kl = (ref - logps).clamp(-20, 20)
+    expected = (kl.exp() - kl - 1).clamp(-10, 10)
+    torch.testing.assert_close(kl_penalty(logps, ref, "k3", clamp=True), expected, rtol=0, atol=1e-12)
+    unclamped = kl_penalty(logps, ref, "k3")
+    assert unclamped[1] > 1e10 and kl_penalty(logps, ref, "k3", clamp=True)[1] == 10.0
+    torch.testing.assert_close(unclamped[[0, 3]], expected[[0, 3]], rtol=0, atol=1e-12)

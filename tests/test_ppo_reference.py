@@ -40,6 +40,7 @@ class Case:
     kl_coef: float = 0.0
     reward_estimator: str = "k1"
     loss_estimator: str = "k2"
+    k3_ratio_correction: bool = False
     clip: float = 0.2
     clip_high: float | None = None
     loss_level: str = "token"
@@ -83,6 +84,7 @@ class Case:
             f"rollout.train_sampling_params={{temperature: {self.temperature}, max_new_tokens: {MAX_NEW_TOKENS}}}",
             f"kl.type={self.kl_type}", f"kl.coef={self.kl_coef}", f"kl.reward_estimator={self.reward_estimator}",
             f"kl.loss_estimator={self.loss_estimator}", f"actor.clip={self.clip}", f"actor.clip_high={clip_high}",
+            f"kl.k3_ratio_correction={str(self.k3_ratio_correction).lower()}",
             f"actor.loss_level={self.loss_level}", f"actor.recompute_logprobs={str(self.recompute_logprobs).lower()}",
             *([f"actor.loss_agg={self.loss_agg}"] if self.loss_agg else []),
             *([f"actor.clip_c={self.clip_c}"] if self.clip_c else []),
@@ -112,6 +114,9 @@ CASES = {
                       "ignored", kl_type="reward", kl_coef=0.5, reward_estimator="k3", perturb=0.02),
     "kl-loss": Case("the KL loss's sign; kl.loss_estimator ignored", kl_type="loss", kl_coef=0.5,
                     loss_estimator="k3", perturb=0.02),
+    "kl-loss-ratio-correction": Case("kl.k3_ratio_correction ignored (TRL's pi / pi_old on the KL loss)",
+                                     kl_type="loss", kl_coef=0.5, loss_estimator="k3", perturb=0.02,
+                                     k3_ratio_correction=True, recompute_logprobs=False, logprob_noise=0.3),
     "clip-engine-logprobs": Case("actor.clip / clip_high ignored or swapped; old log-probs not the engine's with "
                                  "recompute_logprobs=false; loss_level=sequence ignored", clip=0.1, clip_high=0.3,
                                  recompute_logprobs=False, logprob_noise=0.3, loss_level="sequence"),
@@ -352,7 +357,10 @@ def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str
                     loss = torch.where(advantages[i] < 0, torch.minimum(loss, -case.clip_c * advantages[i]), loss)
             loss = loss * is_weights[i]
             if case.kl_type == "loss" and case.kl_coef > 0:
-                loss = loss + case.kl_coef * kl_estimate(logp, ref[i], case.loss_estimator)
+                kl_loss = kl_estimate(logp, ref[i], case.loss_estimator)
+                if case.k3_ratio_correction:  # TRL's bias correction: times pi / pi_old
+                    kl_loss = kl_loss * (logp - old[i]).exp()
+                loss = loss + case.kl_coef * kl_loss
             if case.entropy_coef:
                 loss = loss - case.entropy_coef * token_entropy(policy, ids[i], case.temperature)
             (loss * w).sum().backward()

@@ -12,12 +12,13 @@ from torch import Tensor
 from rl2.config import KL_ESTIMATORS, LOSS_AGGS, LOSS_LEVELS
 
 
-def kl_penalty(logps: Tensor, ref_logps: Tensor, estimator: str) -> Tensor:
+def kl_penalty(logps: Tensor, ref_logps: Tensor, estimator: str, clamp: bool = False) -> Tensor:
     """Per-token estimate of KL(pi || ref) from tokens sampled from pi, differentiable w.r.t. `logps`.
 
     Estimators from J. Schulman, "Approximating KL divergence" (2020), with r = ref / pi:
     k1 = -log r (unbiased, high variance, can be negative), k2 = (log r)^2 / 2 (biased, low variance),
-    k3 = r - 1 - log r (unbiased, low variance, always >= 0).
+    k3 = r - 1 - log r (unbiased, low variance, always >= 0). With `clamp` k3 is verl's `low_var_kl`: log r
+    clamped to +-20 and k3 to [-10, 10], so one token far from the reference cannot blow the loss up.
     """
     log_ratio = logps - ref_logps
     if estimator == "k1":
@@ -25,6 +26,9 @@ def kl_penalty(logps: Tensor, ref_logps: Tensor, estimator: str) -> Tensor:
     if estimator == "k2":
         return 0.5 * log_ratio**2
     if estimator == "k3":
+        if clamp:
+            log_ratio = log_ratio.clamp(-20, 20)
+            return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-10, 10)
         return torch.exp(-log_ratio) - 1 + log_ratio
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
 

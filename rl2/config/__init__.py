@@ -176,6 +176,8 @@ class KLConfig:
     type: str = _f("reward", "apply KL as a reward penalty or as a loss term", ["reward", "loss"])
     reward_estimator: str = _f("k1", "KL estimator when type=reward", KL_ESTIMATORS)
     loss_estimator: str = _f("k2", "KL estimator when type=loss", KL_ESTIMATORS)
+    clamp: bool = _f(False, "k3 clamped as verl's low_var_kl: log r to +-20, the estimate to [-10, 10]")
+    k3_ratio_correction: bool = _f(False, "type=loss: each token's KL times pi/pi_old (TRL's use_bias_correction_kl: the tokens were sampled by the old policy)")
 
 
 @dataclass

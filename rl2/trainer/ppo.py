@@ -254,7 +254,8 @@ class PPOTrainer(Trainer):
         masks = [seq["loss_mask"] for seq in sequences]
         metrics, kl = {}, None
         if self.reference is not None:
-            kl = [kl_penalty(s["old_logps"], s["ref_logps"], config.kl.reward_estimator) for s in sequences]
+            kl = [kl_penalty(s["old_logps"], s["ref_logps"], config.kl.reward_estimator, config.kl.clamp)
+                  for s in sequences]
             metrics["kl"] = masked_mean(torch.cat(kl), torch.cat(masks)).item()
         advantages, returns = trajectory_advantages(
             rewards=torch.tensor([0.0 if t.excluded else t.reward for t in trajectories], dtype=torch.float32),
@@ -332,7 +333,9 @@ class PPOTrainer(Trainer):
             mismatch = (outputs["logps"].detach() - batch["engine_logps"]).abs()
             metrics["logp_mismatch"] = (mismatch * weight).sum()
         if self.reference is not None and config.kl.type == "loss":
-            kl = kl_penalty(outputs["logps"], batch["ref_logps"], config.kl.loss_estimator)
+            kl = kl_penalty(outputs["logps"], batch["ref_logps"], config.kl.loss_estimator, config.kl.clamp)
+            if config.kl.k3_ratio_correction:  # TRL: the tokens were sampled by the old policy, not this one
+                kl = kl * torch.exp(outputs["logps"] - batch["old_logps"])
             loss = loss + config.kl.coef * kl
             metrics["kl_loss"] = (kl * weight).sum()
         if actor.entropy_coef:
