@@ -87,7 +87,7 @@ def test_help_lists_what_the_command_reads(command, capsys):
     text = capsys.readouterr().out
     assert text == config_help(command=command) + "\n"
     assert text.startswith(f"usage: torchrun --nproc_per_node=N -m {reader.module} ")
-    keys = re.findall(r"^  ([a-z_]+\.[a-z_.]+):", text, re.MULTILINE)
+    keys = re.findall(r"^  ([a-z_]+\.[a-z0-9_.]+):", text, re.MULTILINE)
 
     def leaf_keys(cls, prefix):  # nested sections (actor.lora) by their keys
         for g in fields(cls):
@@ -102,7 +102,7 @@ def test_help_lists_what_the_command_reads(command, capsys):
 
 def test_help_per_command_examples():
     def keys(command: str) -> set[str]:
-        return set(re.findall(r"^  ([a-z_]+\.[a-z_]+):", config_help(command=command), re.MULTILINE))
+        return set(re.findall(r"^  ([a-z_]+\.[a-z0-9_]+):", config_help(command=command), re.MULTILINE))
 
     assert "critic.save_dir" in keys("rm") and not any(key.startswith("actor.") for key in keys("rm"))
     assert not any(key.startswith(("rollout.", "critic.", "kl.")) for key in keys("sft"))
