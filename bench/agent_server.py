@@ -26,12 +26,10 @@ issue's target being <= 1.10 at the demo's rollout (16 prompts x 8 responses = 1
 sessions' statistics (`Trajectory.agent_stats`, summed): `drift_requests` 0 says that no sampled token was
 re-encoded.
 
-    python bench/agent_server.py [--concurrency 1 16 128 --new-tokens 48 --repeats 3 --threads 1 --shared-client]
+    python bench/agent_server.py [--concurrency 1 16 128 --new-tokens 48 --repeats 3 --threads 1]
 """
 
 import argparse
-import asyncio
-import contextlib
 import os
 import statistics
 import tempfile
@@ -49,7 +47,6 @@ from rl2.engines import Engine, Generation, HFEngine, SamplingParams
 from rl2.rollout.env import Env
 from rl2.rollout.multi_turn import ToolCalling, rollout
 from rl2.rollout.rollout_metrics import agent_metrics
-from rl2.serve import agent_rollout as agent_module
 from rl2.serve.agent_rollout import AgentFile, agent_rollout
 from rl2.serve.openai_server import OpenAIServer
 from rl2.testing.tiny import save_tiny
@@ -162,35 +159,6 @@ def agent_totals(trajectories) -> dict:
     return dict(totals)
 
 
-@contextlib.contextmanager
-def shared_http_client(server: OpenAIServer):
-    """`rl2.serve.agent_rollout.openai_client` replaced for the `--shared-client` path: every trajectory's
-    AsyncOpenAI a `with_options(api_key=...)` copy of one client, so that they share one httpx pool (and
-    one SSL context) instead of building their own."""
-    original, shared = agent_module.openai_client, {}
-
-    def openai_client(base_url: str, api_key: str, timeout: float):
-        import openai
-
-        if "client" not in shared:
-            shared["client"] = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=timeout)
-        client = shared["client"].with_options(api_key=api_key, timeout=timeout)
-
-        async def keep_open() -> None:  # closing a copy would close the shared pool
-            return None
-
-        client.close = keep_open
-        return client
-
-    agent_module.openai_client = openai_client
-    try:
-        yield
-    finally:
-        agent_module.openai_client = original
-        if "client" in shared:  # its pool lives on the server's loop, where the agents ran
-            asyncio.run_coroutine_threadsafe(shared["client"].close(), server.loop).result(timeout=10)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 128],
@@ -201,8 +169,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the server has a thread of its own)")
     parser.add_argument("--call-end", choices=["stop-string", "eos"], default="stop-string",
                         help="how the first turn's call ends: at </tool_call> (a stop string's turn) or with eos")
-    parser.add_argument("--shared-client", action="store_true",
-                        help="also time the server with one HTTP client shared by the trajectories' AsyncOpenAI")
     parser.add_argument("--target", type=float, default=1.10, help="server / direct wall time the server must stay under")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -229,7 +195,7 @@ def main() -> None:
     agent = AgentFile(f"{folder}/agent.py")
     hermes = get_tool_parser("hermes")
     server = OpenAIServer(tokenizer)
-    paths = ["direct", "server"] + (["shared"] if args.shared_client else [])
+    paths = ["direct", "server"]
     results = []
     try:
         with Env(f"{folder}/env.py", timeout=30, workers=0) as env:
@@ -247,11 +213,7 @@ def main() -> None:
                     return agent_rollout(server, engine, agent, tokenizer, hermes, prompts, per_prompt, params,
                                          max_requests=2, max_length=None)
 
-                def shared():
-                    with shared_http_client(server):
-                        return served()
-
-                runs = {"direct": direct, "server": served, "shared": shared}
+                runs = {"direct": direct, "server": served}
                 walls = {name: [] for name in paths}
                 seen = {name: [] for name in paths}
                 for repeat in range(args.repeats + 1):  # the first warms up; the paths alternate
@@ -269,9 +231,8 @@ def main() -> None:
     print(f"device {device} ({args.threads} torch threads); tiny chatml-tools model (hidden 128, 2 layers); "
           f"2 turns of {args.new_tokens} tokens a trajectory (eos ignored), the demo's lookup call in the first "
           f"(ending: {args.call_end}); medians of {args.repeats} rollouts after a warm-up")
-    extra = f" {'shared s':>9} {'shared/direct':>14}" if args.shared_client else ""
     print(f"{'traj':>5} {'prompts x n':>11} {'direct s':>9} {'server s':>9} {'requests':>9} {'req/s':>8} "
-          f"{'added ms/req':>13} {'server/direct':>14}{extra}")
+          f"{'added ms/req':>13} {'server/direct':>14}")
     ratios = {}
     for concurrency, n_prompts, per_prompt, walls, seen in results:
         direct_s, server_s = statistics.median(walls["direct"]), statistics.median(walls["server"])
@@ -279,13 +240,8 @@ def main() -> None:
         ratios[concurrency] = server_s / direct_s
         line = (f"{concurrency:>5} {f'{n_prompts} x {per_prompt}':>11} {direct_s:>9.3f} {server_s:>9.3f} {requests:>9} "
                 f"{requests / server_s:>8.1f} {(server_s - direct_s) / requests * 1e3:>13.2f} {server_s / direct_s:>14.3f}")
-        if args.shared_client:
-            shared_s = statistics.median(walls["shared"])
-            line += f" {shared_s:>9.3f} {shared_s / direct_s:>14.3f}"
         print(line)
     print("added ms/req: (server wall - direct wall) / requests, over the whole rollout (requests run concurrently)")
-    if args.shared_client:
-        print("shared: the server path with one HTTP client for all trajectories (not what rl2/serve does today)")
 
     print("\nwhat the paths generated (every run; direct and server must agree on tokens and turns):")
     mismatch = False

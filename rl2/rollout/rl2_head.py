@@ -70,14 +70,13 @@ def rl2_head_rollout(
     rows = [prompt for prompt in prompts for _ in range(responses_per_prompt)]
     samples = [Sample(sample=dict(row.get("row") or _row(row))) for row in rows]
     # Sessions for the chat completions a file makes for itself (a summariser, a judge): served, not trained.
-    sessions = [AgentSession(tokenizer, get_tool_parser("hermes"), max_length=max_length) for _ in rows]
-    stop_ids = set(params.stop_token_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    keys, slots = server.open(sessions, params, version, max_requests, max_length, stop_ids)
+    hermes = get_tool_parser("hermes")
+    sessions = [AgentSession(tokenizer, hermes) for _ in rows]
     errors: list[list[str]] = [[] for _ in rows]
 
-    async def run_one(i: int) -> None:
+    async def run_one(i: int, key: str) -> None:
         try:
-            await asyncio.wait_for(env_file.generate(config, tokenizer, server.session_url(keys[i]), samples[i]), timeout)
+            await asyncio.wait_for(env_file.generate(config, tokenizer, server.session_url(key), samples[i]), timeout)
             if samples[i].status != Sample.Status.DONE:
                 errors[i].append(f"env file {env_file.path}: generate returned with the sample {samples[i].status.value}")
         except asyncio.TimeoutError:
@@ -85,18 +84,8 @@ def rl2_head_rollout(
         except Exception as error:  # noqa: BLE001 - the user's file: recorded on its trajectory
             errors[i].append(f"env file {env_file.path}: generate raised{where(error, env_file.path)} "
                              f"{describe_exception(error)}")
-        finally:
-            slots.close(i)
 
-    async def run_all() -> None:
-        await asyncio.gather(*(run_one(i) for i in range(len(rows))))
-
-    running = asyncio.run_coroutine_threadsafe(run_all(), server.loop)
-    try:
-        engine.generate_turns(slots.first_turns(), params, slots.on_generation, max_requests)
-        running.result()
-    finally:
-        server.close_rollout()
+    server.serve_rollout(engine, sessions, run_one, params, version, max_requests, max_length)
     return [_trajectory(sample, row, errors[i], first_group + i // responses_per_prompt, version)
             for i, (sample, row) in enumerate(zip(samples, rows))]
 

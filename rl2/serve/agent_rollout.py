@@ -82,38 +82,24 @@ def agent_rollout(
     """`responses_per_prompt` trajectories of `prompts` (dataset rows), each one run of the agent, grouped by
     prompt; at most `max_requests` generations each and `max_length` tokens a sequence."""
     rows = [prompt for prompt in prompts for _ in range(responses_per_prompt)]
-    sessions = [AgentSession(tokenizer, parser, merge, max_length) for _ in rows]
-    stop_ids = set(params.stop_token_ids)
-    if not params.ignore_eos and tokenizer.eos_token_id is not None:
-        stop_ids.add(tokenizer.eos_token_id)
-    keys, slots = server.open(sessions, params, version, max_requests, max_length, stop_ids)
+    sessions = [AgentSession(tokenizer, parser, merge) for _ in rows]
+    shared = openai_client(server.base_url, timeout)
 
-    async def run_one(i: int, shared) -> None:
+    async def run_one(i: int, key: str) -> None:
         session, row = sessions[i], _agent_row(rows[i])
-        client = shared.with_options(api_key=keys[i])  # shares the connection pool: not closed here
+        client = shared.with_options(api_key=key)  # shares the connection pool: not closed here
         try:
-            result = await asyncio.wait_for(agent(row, client, server.base_url, keys[i]), timeout)
+            result = await asyncio.wait_for(agent(row, client, server.base_url, key), timeout)
             _take_reward(session, result, agent.path)
         except asyncio.TimeoutError:
             session.errors.append(f"agent {agent.path}: run did not finish within {timeout:g} s (rollout.agent_timeout)")
         except Exception as error:  # noqa: BLE001 - the user's agent: recorded on its trajectory
             session.errors.append(f"agent {agent.path}: run raised{where(error, agent.path)} {describe_exception(error)}")
-        finally:
-            slots.close(i)
 
-    async def run_all() -> None:
-        shared = openai_client(server.base_url, timeout)
-        try:
-            await asyncio.gather(*(run_one(i, shared) for i in range(len(rows))))
-        finally:
-            await shared.close()
-
-    agents = asyncio.run_coroutine_threadsafe(run_all(), server.loop)
     try:
-        engine.generate_turns(slots.first_turns(), params, slots.on_generation, max_requests)
-        agents.result()
-    finally:
-        ignored = server.close_rollout()
+        ignored = server.serve_rollout(engine, sessions, run_one, params, version, max_requests, max_length)
+    finally:  # its connection pool lives on the server's loop, where the agents ran
+        asyncio.run_coroutine_threadsafe(shared.close(), server.loop).result(timeout=10)
     trajectories = [_trajectory(session, row, first_group + i // responses_per_prompt, version)
                     for i, (session, row) in enumerate(zip(sessions, rows))]
     if ignored and trajectories:

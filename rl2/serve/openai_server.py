@@ -17,12 +17,12 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
-from rl2.engines import Generation, SamplingParams, Turn
+from rl2.engines import Engine, Generation, SamplingParams, Turn
 from rl2.serve.engine_slots import EngineSlots
 from rl2.serve.session import AgentSession, Plan, RequestError, openai_messages
 
@@ -118,20 +118,37 @@ class OpenAIServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
 
-    def open(self, sessions: list[AgentSession], params: SamplingParams, version: int, max_requests: int,
-             max_length: int | None, stop_ids: set[int]) -> tuple[list[str], EngineSlots]:
-        """Serve `sessions` (one API key each, returned in order) until `close_rollout`."""
+    def serve_rollout(self, engine: Engine, sessions: list[AgentSession], episode: Callable[[int, str], Awaitable],
+                      params: SamplingParams, version: int, max_requests: int,
+                      max_length: int | None) -> dict[str, int]:
+        """Serve `sessions` (one API key each) while `episode(i, key)` drives session i on this server's loop and
+        `engine` generates their requests, at most `max_requests` each (`EngineSlots`: a session's slot closes
+        when its episode ends); its keys are refused once all are done. Returns the request fields that were
+        ignored, counted."""
         keys = [f"rl2-{secrets.token_hex(12)}" for _ in sessions]
         slots = EngineSlots(len(sessions))
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
+            stop_ids.add(self.tokenizer.eos_token_id)
         self.rollout = Rollout({key: (i, s) for i, (key, s) in enumerate(zip(keys, sessions))}, slots, params,
                                version, max_requests, max_length, stop_ids)
-        return keys, slots
 
-    def close_rollout(self) -> dict[str, int]:
-        """Stop serving the rollout's sessions (their keys are refused from now on); the request fields
-        that were ignored, counted."""
-        rollout, self.rollout = self.rollout, None
-        return rollout.ignored_fields if rollout else {}
+        async def one(i: int) -> None:
+            try:
+                await episode(i, keys[i])
+            finally:
+                slots.close(i)
+
+        async def every() -> None:
+            await asyncio.gather(*(one(i) for i in range(len(sessions))))
+
+        running = asyncio.run_coroutine_threadsafe(every(), self.loop)
+        try:
+            engine.generate_turns(slots.first_turns(), params, slots.on_generation, max_requests)
+            running.result()
+        finally:
+            rollout, self.rollout = self.rollout, None
+        return rollout.ignored_fields
 
     # ---- handlers ------------------------------------------------------------------------
 

@@ -103,8 +103,8 @@ def same_message(ours: dict, theirs: dict) -> bool:
 class AgentSession:
     """The sequences of one trajectory and what it cost to keep them exact."""
 
-    def __init__(self, tokenizer, parser: ToolParser, merge: bool = True, max_length: int | None = None):
-        self.tokenizer, self.parser, self.merge, self.max_length = tokenizer, parser, merge, max_length
+    def __init__(self, tokenizer, parser: ToolParser, merge: bool = True):
+        self.tokenizer, self.parser, self.merge = tokenizer, parser, merge
         self.sequences: list[AgentSequence] = []
         self.requests = 0  # generations kept
         self.requests_started = 0  # generations asked of the engine
