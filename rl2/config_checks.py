@@ -135,6 +135,11 @@ def check_rl_config(config: Config) -> None:
     if config.adv.estimator == "rloo" and config.data.responses_per_prompt < 2 and not config.adv.global_norm:
         raise ConfigError("adv.estimator=rloo leaves each response out of its group's baseline: it needs "
                           "data.responses_per_prompt >= 2 (or adv.global_norm=true for the batch)")
+    if not 0 < config.adv.turn_discount <= 1:
+        raise ConfigError(f"adv.turn_discount must be in (0, 1], got {config.adv.turn_discount}")
+    if config.adv.turn_discount != 1.0 and config.adv.estimator == "gae":
+        raise ConfigError("adv.turn_discount scales each sequence's advantage by its place in the trajectory; "
+                          "adv.estimator=gae discounts per token with adv.gamma instead: give one of them")
     if not config.adv.std_eps >= 0:
         raise ConfigError(f"adv.std_eps must be >= 0, got {config.adv.std_eps}")
     if config.actor.update_per_rollout < 1 or config.critic.update_per_rollout < 1:

@@ -114,6 +114,14 @@ def discounted_returns(token_rewards: Tensor, action_mask: Tensor, gamma: float)
     return returns
 
 
+def turn_discounts(turn_starts: Tensor, discount: float) -> Tensor:
+    """Per token of a trajectory of several sequences (`turn_starts`: 1.0 where a sequence begins), the
+    factor `discount ** (K - 1 - k)` of the k-th of its K sequences: the last sequence 1, each earlier one
+    a further `discount` (a reward that comes at the end reaches earlier turns discounted)."""
+    index = turn_starts.cumsum(0)
+    return discount ** (index[-1] - index) if len(index) else torch.ones_like(turn_starts)
+
+
 def trajectory_advantages(
     rewards: Tensor,
     valid: Tensor,

@@ -185,6 +185,7 @@ class AdvConfig:
     estimator: str = _f("reinforce", "advantage estimator: reinforce (group baseline: GRPO, Dr. GRPO; RL2's), rloo (leave-one-out baseline, Ahmadian et al. 2024; = verl's rloo), reinforce_plus_plus_baseline (group mean, then whitened over the batch's tokens; = verl's), reinforce_plus_plus (discounted token returns, whitened; Hu et al. 2025), gae (a critic)", ["gae", "reinforce", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
     gamma: float = _f(1.0, "discount factor")
     lamda: float = _f(1.0, "GAE lambda")
+    turn_discount: float = _f(1.0, "a trajectory of several sequences (rollout.trajectory_format=per_turn, an agent's sequences, an RL2 HEAD file's new states): sequence k of K trains on its trajectory's advantage times turn_discount^(K-1-k), the last sequence undiscounted (the per-step discount of multi-turn agent RL); not with adv.estimator=gae, which discounts per token with adv.gamma")
     norm_var: bool = _f(False, "reinforce: divide advantages by their group's (or with global_norm the batch's) standard deviation; GAE's advantages are always whitened over the batch's tokens, as RL2's and verl's")
     std_eps: float = _f(1e-6, "the epsilon added to the group std with norm_var (verl's 1e-6; TRL adds 1e-4)")
     global_norm: bool = _f(False, "reinforce: baseline and (with norm_var) std of the whole batch instead of each group's, as RL2's adv.global_norm; always so with data.responses_per_prompt=1")

@@ -13,7 +13,7 @@ import os
 import torch
 from tqdm import tqdm
 
-from rl2.algorithms.advantages import trajectory_advantages
+from rl2.algorithms.advantages import trajectory_advantages, turn_discounts
 from rl2.algorithms.group_filters import groups_with_signal, resample_groups
 from rl2.algorithms.losses import (
     cispo_loss,
@@ -274,9 +274,11 @@ class PPOTrainer(Trainer):
         )
         for i, seq in enumerate(sequences):
             seq["advantages"] = advantages[i]
+            if config.adv.turn_discount != 1.0 and "turn_starts" in seq:
+                seq["advantages"] = advantages[i] * turn_discounts(seq["turn_starts"], config.adv.turn_discount)
             if returns is not None:
                 seq["returns"] = returns[i]
-        metrics["advantage/mean"] = masked_mean(torch.cat(advantages), torch.cat(masks)).item()
+        metrics["advantage/mean"] = masked_mean(torch.cat([s["advantages"] for s in sequences]), torch.cat(masks)).item()
         return metrics
 
     def prepare(self, trajectories: list[Trajectory]) -> tuple[list[RLSequence], dict[str, float]]:
