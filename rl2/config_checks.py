@@ -123,9 +123,6 @@ def check_rl_config(config: Config) -> None:
         raise ConfigError(f"rollout.max_unscored_steps must be >= 1, got {config.rollout.max_unscored_steps}")
     if config.data.responses_per_prompt < 1:
         raise ConfigError(f"data.responses_per_prompt must be >= 1, got {config.data.responses_per_prompt}")
-    if config.rollout.agent_path and config.rollout.partial_rollout:
-        raise ConfigError("rollout.agent_path with rollout.partial_rollout is not supported yet: an agent's "
-                          "requests would have to be held across steps; set rollout.partial_rollout=false")
     if config.rollout.agent_path and not config.data.apply_chat_template:
         raise ConfigError("rollout.agent_path serves chat completions through the chat template: it needs "
                           "data.apply_chat_template=true")

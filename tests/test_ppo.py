@@ -479,15 +479,17 @@ def test_per_turn_trains_what_whole_trains_on_a_history_stable_template(tiny_mod
 def test_an_openai_sdk_agent_trains_on_two_ranks(function_calling_demo, tmp_path):
     """The function-calling demo with its conversation held by an agent written with the OpenAI SDK
     (envs/demo_tools_agent.py) on 2 ranks, each serving its own endpoint, from the same warm-up: its requests
-    are the trajectories, one exact sequence each (nothing re-encoded), and rl2 trains on them."""
+    are the trajectories, one exact sequence each (nothing re-encoded), and rl2 trains on them; with partial
+    rollout, the agents still at work when a step has its groups go on in the next one, on their rank."""
     env = {**os.environ, "OUT": str(tmp_path), "TASK": "tools", "NPROC": "2", "PPO_STEPS": "2", "PYTHONPATH": REPO,
            "SFT_CKPT": os.path.join(function_calling_demo, "sft", "step80")}
     result = subprocess.run(["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null",
-                             "rollout.agent_path=envs/demo_tools_agent.py"],
+                             "rollout.agent_path=envs/demo_tools_agent.py", "rollout.partial_rollout=true"],
                             capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-5000:]
     rows = read_metrics(str(tmp_path / "ppo" / "metrics.jsonl"))
     assert [row["step"] for row in rows] == [1, 2]
+    assert rows[0]["partial/carried_groups"] > 0 and rows[1]["partial/resumed_ratio"] > 0
     for row in rows:
         assert row["env_errors"] == 0 and row["trajectories"] == 128 and "actor/loss" in row
         assert 1 < row["agent/requests"] <= 2 and row["agent/sequences"] == 1 and row["agent/drift_requests"] == 0

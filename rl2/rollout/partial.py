@@ -33,6 +33,11 @@ def partial_rollout(config, service) -> "PartialRollout | None":
         return None
     generated = config.rollout.oversample if config.adv.resample_on_correct else config.data.responses_per_prompt
     per_step = config.data.prompts_per_rollout or config.data.batch_size
+    if getattr(service, "agent", None) is not None:  # agents go on where they run: each rank keeps its own
+        from rl2.serve.agent_partial import AgentPartialRollout
+
+        return AgentPartialRollout(service, per_step, partial_extra_prompts(config), config.rollout.partial_max_age,
+                                   generated)
     return PartialRollout(service, per_step, partial_extra_prompts(config), config.rollout.partial_max_age, generated)
 
 
@@ -109,22 +114,9 @@ class PartialRollout:
         return all_gather_objects(trained)
 
     def metrics(self, trained: list[Trajectory], version: int) -> dict[str, float]:
-        """How much of what trains was sampled by older policies, how old, and what generating cost:
-        `partial/resumed_ratio` (trajectories begun in an earlier step), `partial/stale_token_ratio`,
-        `partial/age_mean` and `partial/age_max` (policy versions behind, over generated tokens),
-        `partial/carried_groups`, and `partial/generated_per_trained` (tokens generated this step, by
-        every group in flight, per generated token that trains)."""
-        ages = [version - v for t in trained for v, m in zip(t.versions, t.action_mask) if m]
-        generated_now = sum(v == version for group in self.carried for t in group for v in t.versions)
-        generated_now += sum(v == version for t in trained for v in t.versions)
-        return {
-            "partial/resumed_ratio": sum(t.started < version for t in trained) / max(len(trained), 1),
-            "partial/stale_token_ratio": sum(age > 0 for age in ages) / max(len(ages), 1),
-            "partial/age_mean": sum(ages) / max(len(ages), 1),
-            "partial/age_max": float(max(ages, default=0)),
-            "partial/carried_groups": float(len(self.carried)),
-            "partial/generated_per_trained": generated_now / max(len(ages), 1),
-        }
+        """`partial_metrics` of this step (the carried groups are every rank's)."""
+        carried = [t.versions for group in self.carried for t in group]
+        return partial_metrics(trained, carried, len(self.carried), version)
 
     def state_dict(self) -> dict:
         """The carried-over groups (JSON-able) and the next group id, for a checkpoint."""
@@ -135,3 +127,23 @@ class PartialRollout:
         self.next_group = state["next_group"]
         self.carried = [[Trajectory.from_dict(fields) for fields in group] for group in state["carried"]]
 
+
+def partial_metrics(trained: list[Trajectory], carried_versions: list[list[int]], carried_groups: int,
+                    version: int) -> dict[str, float]:
+    """How much of what trains was sampled by older policies, how old, and what generating cost:
+    `partial/resumed_ratio` (trajectories begun in an earlier step), `partial/stale_token_ratio`,
+    `partial/age_mean` and `partial/age_max` (policy versions behind, over generated tokens),
+    `partial/carried_groups`, and `partial/generated_per_trained` (tokens generated this step, by
+    every group in flight, per generated token that trains); `carried_versions` are the token versions of
+    every trajectory carried over."""
+    ages = [version - v for t in trained for v, m in zip(t.versions, t.action_mask) if m]
+    generated_now = sum(v == version for versions in carried_versions for v in versions)
+    generated_now += sum(v == version for t in trained for v in t.versions)
+    return {
+        "partial/resumed_ratio": sum(t.started < version for t in trained) / max(len(trained), 1),
+        "partial/stale_token_ratio": sum(age > 0 for age in ages) / max(len(ages), 1),
+        "partial/age_mean": sum(ages) / max(len(ages), 1),
+        "partial/age_max": float(max(ages, default=0)),
+        "partial/carried_groups": float(carried_groups),
+        "partial/generated_per_trained": generated_now / max(len(ages), 1),
+    }

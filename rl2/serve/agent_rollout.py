@@ -14,6 +14,7 @@ leaves the trajectory without a reward, with the error kept (as a failing `rewar
 import asyncio
 import inspect
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rl2.chat.tool_parsers import ToolParser
@@ -63,6 +64,30 @@ def openai_client(base_url: str, timeout: float):
     return openai.AsyncOpenAI(base_url=base_url, api_key="rl2", max_retries=0, timeout=timeout)
 
 
+def agent_episodes(agent: AgentFile, server: OpenAIServer, sessions: list[AgentSession], rows: list[dict],
+                   client, timeout: float) -> Callable[[int, str], Awaitable]:
+    """`episode(i, key)`: one run of the agent on `rows[i]` with a copy of `client` holding `key`, its
+    reward (or its error) kept on `sessions[i]`."""
+
+    async def run_one(i: int, key: str) -> None:
+        session, row = sessions[i], _agent_row(rows[i])
+        keyed = client.with_options(api_key=key)  # shares the connection pool: not closed here
+        try:
+            result = await asyncio.wait_for(agent(row, keyed, server.base_url, key), timeout)
+            _take_reward(session, result, agent.path)
+        except asyncio.TimeoutError:
+            session.errors.append(f"agent {agent.path}: run did not finish within {timeout:g} s (rollout.agent_timeout)")
+        except Exception as error:  # noqa: BLE001 - the user's agent: recorded on its trajectory
+            session.errors.append(f"agent {agent.path}: run raised{where(error, agent.path)} {describe_exception(error)}")
+
+    return run_one
+
+
+def close_client(server: OpenAIServer, client) -> None:
+    """Close the shared client's connection pool, which lives on the server's loop, where the agents ran."""
+    asyncio.run_coroutine_threadsafe(client.close(), server.loop).result(timeout=10)
+
+
 def agent_rollout(
     server: OpenAIServer,
     engine: Engine,
@@ -84,23 +109,12 @@ def agent_rollout(
     rows = [prompt for prompt in prompts for _ in range(responses_per_prompt)]
     sessions = [AgentSession(tokenizer, parser, merge) for _ in rows]
     shared = openai_client(server.base_url, timeout)
-
-    async def run_one(i: int, key: str) -> None:
-        session, row = sessions[i], _agent_row(rows[i])
-        client = shared.with_options(api_key=key)  # shares the connection pool: not closed here
-        try:
-            result = await asyncio.wait_for(agent(row, client, server.base_url, key), timeout)
-            _take_reward(session, result, agent.path)
-        except asyncio.TimeoutError:
-            session.errors.append(f"agent {agent.path}: run did not finish within {timeout:g} s (rollout.agent_timeout)")
-        except Exception as error:  # noqa: BLE001 - the user's agent: recorded on its trajectory
-            session.errors.append(f"agent {agent.path}: run raised{where(error, agent.path)} {describe_exception(error)}")
-
     try:
-        ignored = server.serve_rollout(engine, sessions, run_one, params, version, max_requests, max_length)
-    finally:  # its connection pool lives on the server's loop, where the agents ran
-        asyncio.run_coroutine_threadsafe(shared.close(), server.loop).result(timeout=10)
-    trajectories = [_trajectory(session, row, first_group + i // responses_per_prompt, version)
+        episode = agent_episodes(agent, server, sessions, rows, shared, timeout)
+        ignored = server.serve_rollout(engine, sessions, episode, params, version, max_requests, max_length)
+    finally:
+        close_client(server, shared)
+    trajectories = [agent_trajectory(session, row, first_group + i // responses_per_prompt, version)
                     for i, (session, row) in enumerate(zip(sessions, rows))]
     if ignored and trajectories:
         trajectories[0].agent_stats["ignored_fields"] = ignored
@@ -126,7 +140,7 @@ def _take_reward(session: AgentSession, result: Any, path: str) -> None:
     session.reward = float(result)
 
 
-def _trajectory(session: AgentSession, row: dict, group: int, version: int) -> Trajectory:
+def agent_trajectory(session: AgentSession, row: dict, group: int, version: int) -> Trajectory:
     """A trajectory of the session's sequences, one after the other (each trained as its own when there
     are several, as `rollout.trajectory_format=per_turn` does)."""
     token_ids, action_mask, logprobs, versions, starts = [], [], [], [], []

@@ -18,12 +18,13 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from rl2.engines import Engine, Generation, SamplingParams, Turn
-from rl2.serve.engine_slots import EngineSlots
+from rl2.serve.engine_slots import EngineSlots, Served
 from rl2.serve.session import AgentSession, Plan, RequestError, openai_messages
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,9 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "presence_penalty", 
 
 @dataclass
 class Rollout:
-    """The sessions of one rollout, by API key, and how their requests are generated."""
+    """How one rollout's requests are generated: its slots (one per trajectory), sampling parameters, the
+    policy version generating, and the limits; kept across steps by a partial rollout."""
 
-    sessions: dict[str, tuple[int, AgentSession]]
     slots: EngineSlots
     params: SamplingParams
     version: int
@@ -56,7 +57,8 @@ class OpenAIServer:
 
     def __init__(self, tokenizer, model_name: str = "rl2-policy"):
         self.tokenizer, self.model_name = tokenizer, model_name
-        self.rollout: Rollout | None = None
+        self.sessions: dict[str, tuple[Rollout, int, AgentSession]] = {}  # by API key: its rollout, slot, session
+        self.max_length: int | None = None
         self.loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="openai-server", daemon=True)
@@ -114,51 +116,84 @@ class OpenAIServer:
     def close(self) -> None:
         if not self.loop.is_running():
             return
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(timeout=10)
+
+        async def stop() -> None:  # agents still running (a partial rollout's) end here
+            others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+            await self._runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
 
-    def serve_rollout(self, engine: Engine, sessions: list[AgentSession], episode: Callable[[int, str], Awaitable],
-                      params: SamplingParams, version: int, max_requests: int,
-                      max_length: int | None) -> dict[str, int]:
-        """Serve `sessions` (one API key each) while `episode(i, key)` drives session i on this server's loop and
-        `engine` generates their requests, at most `max_requests` each (`EngineSlots`: a session's slot closes
-        when its episode ends); its keys are refused once all are done. Returns the request fields that were
-        ignored, counted."""
-        keys = [f"rl2-{secrets.token_hex(12)}" for _ in sessions]
-        slots = EngineSlots(len(sessions))
+    def open_rollout(self, params: SamplingParams, version: int, max_requests: int,
+                     max_length: int | None) -> Rollout:
+        """A rollout whose sessions (`open_sessions`) are generated with `params`, at most `max_requests`
+        generations each and `max_length` tokens a sequence."""
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
             stop_ids.add(self.tokenizer.eos_token_id)
-        self.rollout = Rollout({key: (i, s) for i, (key, s) in enumerate(zip(keys, sessions))}, slots, params,
-                               version, max_requests, max_length, stop_ids)
+        self.max_length = max_length
+        return Rollout(EngineSlots(), params, version, max_requests, max_length, stop_ids)
+
+    def open_sessions(self, rollout: Rollout, sessions: list[AgentSession], episode: Callable[[int, str], Awaitable],
+                      on_end: Callable[[int], None] | None = None) -> tuple[list[str], list[int], list[Future]]:
+        """Make `sessions` reachable (an API key and a slot of `rollout` each) and start `episode(i, key)` for
+        each on this server's loop; a session's slot closes when its episode ends, then `on_end(i)` runs (on
+        the loop). Returns the keys, the slots and the episodes' futures."""
+        keys = [f"rl2-{secrets.token_hex(12)}" for _ in sessions]
+        slots = rollout.slots.add(len(sessions))
+        for key, slot, session in zip(keys, slots, sessions):
+            self.sessions[key] = (rollout, slot, session)
 
         async def one(i: int) -> None:
             try:
                 await episode(i, keys[i])
             finally:
-                slots.close(i)
+                rollout.slots.close(slots[i])
+                if on_end is not None:
+                    on_end(i)
 
-        async def every() -> None:
-            await asyncio.gather(*(one(i) for i in range(len(sessions))))
+        return keys, slots, [asyncio.run_coroutine_threadsafe(one(i), self.loop) for i in range(len(sessions))]
 
-        running = asyncio.run_coroutine_threadsafe(every(), self.loop)
+    def close_sessions(self, rollout: Rollout, keys: list[str]) -> None:
+        """Refuse `keys` from now on and drop their slots."""
+        slots = [self.sessions.pop(key)[1] for key in keys if key in self.sessions]
+        rollout.slots.remove(slots)
+
+    @staticmethod
+    def run_engine(engine: Engine, rollout: Rollout, slots: list[int], version: int) -> None:
+        """Generate the requests of `slots` with `engine` (policy `version`) until each slot's episode ends,
+        or until `rollout.slots.pause()`."""
+        rollout.version = version
+        engine.generate_turns(rollout.slots.start(slots, version), rollout.params, rollout.slots.on_generation,
+                              rollout.max_requests)
+
+    def serve_rollout(self, engine: Engine, sessions: list[AgentSession], episode: Callable[[int, str], Awaitable],
+                      params: SamplingParams, version: int, max_requests: int,
+                      max_length: int | None) -> dict[str, int]:
+        """Serve `sessions` while `episode(i, key)` drives session i on this server's loop and `engine`
+        generates their requests, at most `max_requests` each; their keys are refused once all are done.
+        Returns the request fields that were ignored, counted."""
+        rollout = self.open_rollout(params, version, max_requests, max_length)
+        keys, slots, running = self.open_sessions(rollout, sessions, episode)
         try:
-            engine.generate_turns(slots.first_turns(), params, slots.on_generation, max_requests)
-            running.result()
+            self.run_engine(engine, rollout, slots, version)
+            for future in running:
+                future.result()
         finally:
-            rollout, self.rollout = self.rollout, None
+            self.close_sessions(rollout, keys)
         return rollout.ignored_fields
 
     # ---- handlers ------------------------------------------------------------------------
 
     def _session(self, request: web.Request) -> tuple[Rollout, int, AgentSession]:
         key = request.match_info.get("key") or request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        rollout = self.rollout
-        if rollout is None or key not in rollout.sessions:
+        if key not in self.sessions:
             raise _Refused(401, "invalid_api_key", "unknown API key: each trajectory has its own, given to its agent")
-        slot, session = rollout.sessions[key]
-        return rollout, slot, session
+        return self.sessions[key]
 
     async def _body(self, request: web.Request) -> dict:
         try:
@@ -170,7 +205,7 @@ class OpenAIServer:
         return body
 
     async def _generate(self, rollout: Rollout, slot: int, session: AgentSession, plan: Plan,
-                        max_tokens: int | None) -> Generation | None:
+                        max_tokens: int | None) -> Served | None:
         """The generation of `plan` in its trajectory's slot; None where no token fits the length limit."""
         if session.requests_started >= rollout.max_requests:
             raise _Refused(400, "invalid_request_error",
@@ -198,11 +233,12 @@ class OpenAIServer:
             for index in range(n):
                 plan = session.plan(messages, tools)
                 prompt_ids = plan.prompt_ids
-                generation = await self._generate(rollout, slot, session, plan, max_tokens)
-                if generation is None:
+                served = await self._generate(rollout, slot, session, plan, max_tokens)
+                if served is None:
                     choices.append(({"role": "assistant", "content": ""}, "length", [], []))
                     continue
-                message, finish = session.record(plan, generation, rollout.version, rollout.stop_ids)
+                generation = served.generation
+                message, finish = session.record(plan, generation, served.versions, rollout.stop_ids)
                 choices.append((message, finish, list(generation.token_ids), list(generation.logprobs)))
         except _Refused as refused:
             return refused.response()
@@ -284,10 +320,11 @@ class OpenAIServer:
             choices = []
             for index in range(_count(body, "n", 1)):
                 plan = session.plan_tokens(ids)
-                generation = await self._generate(rollout, slot, session, plan, _max_tokens(body))
+                served = await self._generate(rollout, slot, session, plan, _max_tokens(body))
+                generation = served.generation if served else None
                 tokens = list(generation.token_ids) if generation else []
-                if generation is not None:
-                    session.record_tokens(plan, generation, rollout.version)
+                if served is not None:
+                    session.record_tokens(plan, generation, served.versions)
                 choice = {"index": index, "text": self.tokenizer.decode(tokens, skip_special_tokens=False),
                           "finish_reason": generation.finish_reason if generation else "length", "logprobs": None}
                 if body.get("return_token_ids"):
@@ -313,7 +350,7 @@ class OpenAIServer:
                         "LangChain: ChatOpenAI without use_responses_api)").response()
 
     async def models(self, request: web.Request) -> web.Response:
-        max_length = self.rollout.max_length if self.rollout else None
+        max_length = self.max_length
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rl2", "max_model_len": max_length}]})
 
@@ -338,8 +375,9 @@ class OpenAIServer:
                          if name in ("temperature", "top_p", "top_k") and value != getattr(rollout.params, name)}
             _count_ignored(rollout, differing)
             max_tokens = sampling.get("max_new_tokens")
-            generation = await self._generate(rollout, slot, session, Plan([], None, list(ids)),
-                                              max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None)
+            served = await self._generate(rollout, slot, session, Plan([], None, list(ids)),
+                                          max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None)
+            generation = served.generation if served else None
         except _Refused as refused:
             return refused.response()
         except RequestError as error:
@@ -394,7 +432,7 @@ class OpenAIServer:
         except RequestError as error:
             return _Refused(400, "invalid_request_error", str(error)).response()
         tokens = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        max_length = self.rollout.max_length if self.rollout else None
+        max_length = self.max_length
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": max_length})
 
     async def reward(self, request: web.Request) -> web.Response:

@@ -39,11 +39,12 @@ class AgentSequence:
     versions: list[int] = field(default_factory=list)
     calls_made: int = 0  # tool-call ids given so far (the parser numbers them)
 
-    def append(self, tokens: list[int], generated: bool, logprobs: list[float] | None = None, version: int = -1) -> None:
+    def append(self, tokens: list[int], generated: bool, logprobs: list[float] | None = None,
+               versions: list[int] | None = None) -> None:
         self.token_ids += tokens
         self.action_mask += [int(generated)] * len(tokens)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
-        self.versions += [version if generated else -1] * len(tokens)
+        self.versions += versions if versions is not None else [-1] * len(tokens)
 
 
 @dataclass
@@ -143,13 +144,13 @@ class AgentSession:
                             reused=len(sequence.token_ids))
         return Plan(messages, None, list(prompt_ids))
 
-    def record_tokens(self, plan: Plan, generation: Generation, version: int) -> None:
-        """Keep a finished raw completion of `plan`."""
-        sequence = self._keep(plan, generation, version)
+    def record_tokens(self, plan: Plan, generation: Generation, versions: list[int]) -> None:
+        """Keep a finished raw completion of `plan` (`versions`: the policy version of each token)."""
+        sequence = self._keep(plan, generation, versions)
         text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=False)
         sequence.messages = copy.deepcopy(plan.messages) + [{"role": "assistant", "content": text}]
 
-    def _keep(self, plan: Plan, generation: Generation, version: int) -> AgentSequence:
+    def _keep(self, plan: Plan, generation: Generation, versions: list[int]) -> AgentSequence:
         """Append `plan`'s prompt (what is new of it) and its generation to the sequence they belong to."""
         self.requests += 1
         self.reused_tokens += plan.reused
@@ -162,14 +163,15 @@ class AgentSession:
             sequence = AgentSequence(copy.deepcopy(plan.messages), plan.tools, calls_made=base.calls_made if base else 0)
             sequence.append(plan.prompt_ids, generated=False)
             self.sequences.append(sequence)
-        sequence.append(list(generation.token_ids), generated=True, logprobs=list(generation.logprobs), version=version)
+        sequence.append(list(generation.token_ids), generated=True, logprobs=list(generation.logprobs),
+                        versions=list(versions))
         self.truncated |= generation.finish_reason == "length"
         return sequence
 
-    def record(self, plan: Plan, generation: Generation, version: int, stop_ids: set[int]) -> tuple[dict, str]:
-        """Keep a finished generation of `plan`; the assistant message it becomes (tool calls parsed when the
-        request had tools) and its finish reason."""
-        sequence = self._keep(plan, generation, version)
+    def record(self, plan: Plan, generation: Generation, versions: list[int], stop_ids: set[int]) -> tuple[dict, str]:
+        """Keep a finished generation of `plan` (`versions`: the policy version of each token); the assistant
+        message it becomes (tool calls parsed when the request had tools) and its finish reason."""
+        sequence = self._keep(plan, generation, versions)
         tokens = list(generation.token_ids)
         # A stop token id, or another special token the engine stops on (a generation config's eos), as
         # `rl2.rollout.multi_turn` reads a turn: the template writes the end-of-turn token itself.

@@ -1,0 +1,181 @@
+"""Partial rollout of agent files (`rollout.agent_path` with `rollout.partial_rollout`): as for env files
+(`rl2.rollout.partial`), a step stops generating once its share of groups is done, and the other
+trajectories go on in the next step under the new weights; here the agents themselves go on.
+
+An agent is a coroutine on the rank's server loop, in the middle of its own code: it cannot move to another
+rank or be saved. So each rank keeps its own groups in flight: its agents keep running between steps (a
+request they make then waits in their slot), a generation the pause cut short keeps its tokens and is drawn
+on from the same random stream under the new weights, and the reply the agent waits for carries tokens of
+both versions, each recorded with its version. Each step a rank takes new prompts up to its share of the
+`target + extra` groups in flight. A checkpoint saves the rows of the groups in flight; a resumed run starts
+those agents again from their first request (what they had generated is lost: their code's state is not
+saveable).
+"""
+
+import asyncio
+import copy
+from dataclasses import dataclass, field
+
+from rl2.distributed.process_group import all_gather_objects, rank, world_size
+from rl2.engines import SamplingParams
+from rl2.metrics import PhaseTimer
+from rl2.rollout.multi_turn import assign_rewards
+from rl2.rollout.partial import partial_metrics
+from rl2.rollout.trajectory import Trajectory
+from rl2.serve.agent_rollout import agent_episodes, agent_trajectory, openai_client
+from rl2.serve.session import AgentSession
+
+
+@dataclass
+class LiveGroup:
+    """The agents of one prompt, running on this rank."""
+
+    group: int  # its id: unique across steps
+    prompt: dict
+    started: int  # the policy version when its agents began
+    sessions: list[AgentSession]
+    keys: list[str] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    left: int = 0  # agents still running
+
+
+def shares(total: int) -> list[int]:
+    """Each rank's part of `total` (as `rank_slice` deals it)."""
+    size = world_size()
+    return [total * (r + 1) // size - total * r // size for r in range(size)]
+
+
+class AgentPartialRollout:
+    """The groups of agents this rank keeps in flight from step to step (see the module)."""
+
+    def __init__(self, service, target: int, extra: int, max_age: int, responses_per_prompt: int):
+        self.service = service
+        self.target, self.extra, self.max_age = target, extra, max_age
+        self.responses_per_prompt = responses_per_prompt
+        self.carried: list[LiveGroup] = []  # this rank's, in the order they started
+        self.finished: list[LiveGroup] = []  # of those, the ones whose agents all ended, in that order
+        self.restarts: list[dict] = []  # a resumed run's prompts in flight at its checkpoint (every rank's)
+        self.next_group = 0
+        self.rollout = None  # the server's rollout, kept across steps
+        self.client = None
+        self._wanted: list[int] | None = None
+        self._step: tuple[int, set[int]] | None = None  # this step's target and the groups that must finish
+
+    def prompts_wanted(self) -> int:
+        """New prompts this step takes: each rank fills its share of `target + extra` groups in flight."""
+        carried = all_gather_objects([len(self.carried)])
+        self._wanted = [max(share - count, 0) for share, count in zip(shares(self.target + self.extra), carried)]
+        return max(sum(self._wanted) - len(self.restarts), 0)
+
+    def generate(self, prompts: list[dict], params: SamplingParams, seed: int, version: int,
+                 timer: PhaseTimer | None = None, release_after: bool = False) -> list[Trajectory]:
+        """Let the carried agents go on and start agents on this rank's part of `prompts` under policy
+        `version`; return the scored trajectories of the groups that train (every rank's, in rank order)."""
+        timer = timer or PhaseTimer()
+        service, config = self.service, self.service.config
+        if self._wanted is None:
+            self.prompts_wanted()
+        prompts, self.restarts = self.restarts + prompts, []
+        first = sum(self._wanted[:rank()])
+        mine = prompts[first:first + self._wanted[rank()]]
+        if self.rollout is None:
+            self.client = openai_client(service.server.base_url, config.rollout.agent_timeout)
+            self.rollout = service.server.open_rollout(params, version, config.rollout.max_turns, service.max_length)
+        self.rollout.params = params
+        for j, prompt in enumerate(mine):
+            self._start(self.next_group + first + j, prompt, version)
+        self.next_group += len(prompts)
+        self._wanted = None
+
+        in_flight = sum(all_gather_objects([len(self.carried)]))
+        target = shares(min(self.target, in_flight))[rank()]
+        must_finish = {g.group for g in self.carried if version - g.started >= self.max_age}
+        service.engine.wake()
+        service.engine.reseed(seed * 1_000_003 + rank())
+        with timer("rollout"):
+            self._on_loop(self._set_step, target, must_finish)
+            slots = [slot for g in self.carried for slot in g.slots]
+            if not self._on_loop(self._reached):
+                self.rollout.version = version
+                firsts = self.rollout.slots.start(slots, version)
+                if self._on_loop(self._reached):  # reached while the call was set up
+                    self.rollout.slots.pause()
+                service.engine.generate_turns(firsts, params, self.rollout.slots.on_generation,
+                                              config.rollout.max_turns)
+            trained = self._on_loop(self._take_trained)
+        if release_after:
+            service.engine.sleep()
+        trajectories = [agent_trajectory(session, g.prompt, g.group, g.started)
+                        for g in trained for session in g.sessions]
+        if self.rollout.ignored_fields and trajectories:
+            trajectories[0].agent_stats["ignored_fields"] = dict(self.rollout.ignored_fields)
+        self.rollout.ignored_fields.clear()
+        unscored = [t for t in trajectories if t.reward is None and not t.errors]
+        if service.env is not None and unscored:
+            with timer("reward"):
+                assign_rewards(service.env, unscored)
+        return all_gather_objects(trajectories)
+
+    def _start(self, group_id: int, prompt: dict, version: int) -> None:
+        service, config = self.service, self.service.config
+        from rl2.chat.tool_parsers import get_tool_parser
+
+        sessions = [AgentSession(service.tokenizer, get_tool_parser(config.rollout.tool_parser),
+                                 config.rollout.agent_sequences == "merge") for _ in range(self.responses_per_prompt)]
+        group = LiveGroup(group_id, prompt, version, sessions, left=len(sessions))
+        episode = agent_episodes(service.agent, service.server, sessions, [prompt] * len(sessions), self.client,
+                                 config.rollout.agent_timeout)
+        self.carried.append(group)
+
+        def ended(_: int) -> None:  # on the server's loop
+            group.left -= 1
+            if group.left == 0:
+                self.finished.append(group)
+                if self._step is not None and self._reached():
+                    self.rollout.slots.pause()
+                    service.engine.abort()
+
+        group.keys, group.slots, _ = service.server.open_sessions(self.rollout, sessions, episode, ended)
+
+    # ---- on the server's loop: the agents' callbacks run there ------------------------------------
+
+    def _on_loop(self, fn, *args):
+        async def call():
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(call(), self.service.server.loop).result()
+
+    def _set_step(self, target: int, must_finish: set[int]) -> None:
+        self._step = (target, must_finish)
+
+    def _reached(self) -> bool:
+        target, must_finish = self._step
+        return len(self.finished) >= target and must_finish <= {g.group for g in self.finished}
+
+    def _take_trained(self) -> list[LiveGroup]:
+        """The groups that train this step (the first `target` to finish, and those that had to), out of flight."""
+        target, must_finish = self._step
+        self._step = None
+        trained = self.finished[:target] + [g for g in self.finished[target:] if g.group in must_finish]
+        taken = {id(g) for g in trained}
+        self.finished = [g for g in self.finished if id(g) not in taken]
+        self.carried = [g for g in self.carried if id(g) not in taken]
+        for group in trained:
+            self.service.server.close_sessions(self.rollout, group.keys)
+        return trained
+
+    # ---- metrics and checkpoints ------------------------------------------------------------------
+
+    def metrics(self, trained: list[Trajectory], version: int) -> dict[str, float]:
+        """`partial_metrics` of this step, the groups in flight on every rank."""
+        local = [[v for sequence in s.sequences for v in sequence.versions] for g in self.carried for s in g.sessions]
+        carried = [versions for part in all_gather_objects([local]) for versions in part]
+        return partial_metrics(trained, carried, sum(all_gather_objects([len(self.carried)])), version)
+
+    def state_dict(self) -> dict:
+        """The prompts of every rank's groups in flight (their agents start again on resume)."""
+        prompts = all_gather_objects([copy.deepcopy(g.prompt) for g in self.carried]) + self.restarts
+        return {"next_group": self.next_group, "restart_prompts": prompts}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_group = state["next_group"]
+        self.restarts = list(state.get("restart_prompts", []))

@@ -1,0 +1,158 @@
+"""Partial rollout with agent files (`rl2.serve.agent_partial`): the agents still at work when a step has its
+groups go on in the next step on the same server; a generation the pause cut keeps its tokens and goes on
+from the same random stream, each token with the version that drew it; requests made between steps wait
+and are answered under the new weights; groups train whole; a checkpoint restarts the groups in flight."""
+
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from conftest import tokenize_prompt
+from rl2.chat.tool_parsers import get_tool_parser
+from rl2.engines import HFEngine, SamplingParams
+from rl2.serve.agent_partial import AgentPartialRollout
+from rl2.serve.agent_rollout import AgentFile, agent_rollout
+from rl2.serve.openai_server import OpenAIServer
+
+pytest.importorskip("openai")
+CPU = torch.device("cpu")
+GROUP = 2
+
+AGENT = """
+import asyncio
+
+async def run(row, client):
+    messages = list(row["messages"])
+    for request in range(REQUESTS):
+        if request:
+            messages.append({"role": "user", "content": "Go on."})
+        reply = await client.chat.completions.create(model="rl2", messages=messages)
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        await asyncio.sleep(0)
+    return float(len(messages[-1]["content"]) % 2)
+"""
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    server = OpenAIServer(tokenizer)
+    yield server
+    server.close()
+
+
+def prompts(tokenizer, n: int, start: int = 0) -> list[dict]:
+    rows = []
+    for i in range(start, start + n):
+        messages = [{"role": "user", "content": f"Count from {i} to {i + 40}:" + " and on" * (5 * (i % 5))}]
+        rows.append({"prompt_ids": tokenize_prompt(messages, tokenizer), "messages": messages, "answer": str(i)})
+    return rows
+
+
+def agent(tmp_path, requests: int) -> AgentFile:
+    path = tmp_path / f"agent_{requests}.py"
+    path.write_text(textwrap.dedent(AGENT).replace("REQUESTS", str(requests)))
+    return AgentFile(str(path))
+
+
+def service(server, engine, tokenizer, agent_file, max_length: int, max_turns: int):
+    """What AgentPartialRollout uses of a RolloutService."""
+    rollout = SimpleNamespace(agent_timeout=60.0, max_turns=max_turns, tool_parser="hermes", agent_sequences="merge")
+    return SimpleNamespace(engine=engine, env=None, tokenizer=tokenizer, server=server, agent=agent_file,
+                           max_length=max_length, config=SimpleNamespace(rollout=rollout))
+
+
+def test_paused_agents_continue_token_for_token(tiny_model_dir, tokenizer, server, tmp_path):
+    """One request per agent, weights unchanged between steps: every trajectory of step 1's prompts has the
+    tokens and log-probs of the same rollout without pauses; those drawn after the pause carry version 1;
+    step 1 stops once one group is done (target 1 of 6), and the rest train in step 2 (max_age 1)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=48)
+    engine = HFEngine(tiny_model_dir, tokenizer, CPU, seed=5, max_batch_size=8)
+    batch = prompts(tokenizer, 6)
+    max_length = max(len(p["prompt_ids"]) for p in batch) + 12  # answers of 12 to ~45 tokens
+    one_request = agent(tmp_path, 1)
+    engine.reseed(11 * 1_000_003)
+    whole = agent_rollout(server, engine, one_request, tokenizer, get_tool_parser("hermes"), batch, GROUP, params, 1,
+                          max_length)
+
+    partial = AgentPartialRollout(service(server, engine, tokenizer, one_request, max_length, 1), target=1, extra=5,
+                                  max_age=1, responses_per_prompt=GROUP)
+    assert partial.prompts_wanted() == 6
+    first = partial.generate(batch, params, seed=11, version=0)
+    assert len(first) == GROUP and len(partial.carried) == 5
+    assert partial.prompts_wanted() == 1
+    second = partial.generate(prompts(tokenizer, 1, start=100), params, seed=12, version=1)
+    started_in_step_1 = [t for t in first + second if t.started == 0]
+    assert len(started_in_step_1) == 6 * GROUP
+    reference = {(t.group, i % GROUP): t for i, t in enumerate(whole)}
+    resumed = 0
+    for i, t in enumerate(sorted(started_in_step_1, key=lambda t: t.group)):
+        expected = reference[(t.group, i % GROUP)]
+        assert t.token_ids == expected.token_ids and t.messages == expected.messages
+        torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(expected.logprobs), rtol=0, atol=1e-4)
+        generated = [v for v, m in zip(t.versions, t.action_mask) if m]
+        assert generated == sorted(generated) and set(generated) <= {0, 1}
+        resumed += 1 in generated and 0 in generated
+        assert t.reward is not None and not t.errors
+    assert resumed > 0, "no generation was cut by the pause: the test would not test resuming"
+    metrics = partial.metrics(second, version=1)
+    assert metrics["partial/resumed_ratio"] > 0 and metrics["partial/age_max"] == 1.0
+
+
+def test_requests_made_between_steps_wait_for_the_new_weights(tiny_model_dir, tokenizer, server, tmp_path):
+    """Agents of three requests: those still at work when step 1 has its group go on, their next requests
+    answered in step 2 under version 1; every trajectory stays one exact sequence (the later requests
+    continue the sampled ids) whose tokens' versions never go back; every group trains whole, by step 3."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=24)
+    engine = HFEngine(tiny_model_dir, tokenizer, CPU, seed=7, max_batch_size=4)
+    batch = prompts(tokenizer, 4)
+    partial = AgentPartialRollout(service(server, engine, tokenizer, agent(tmp_path, 3), 4096, 3), target=1,
+                                  extra=3, max_age=2, responses_per_prompt=GROUP)
+    trained = []
+    for version in range(3):
+        wanted = partial.prompts_wanted()
+        trained += partial.generate(prompts(tokenizer, wanted, start=10 * version) if version else batch[:wanted],
+                                    params, seed=version, version=version)
+    from_step_1 = [t for t in trained if t.started == 0]
+    assert len(from_step_1) == 4 * GROUP  # max_age 2: every group of step 1 trained by step 3
+    assert {t.group for t in from_step_1} == {0, 1, 2, 3}
+    spans = 0
+    for t in from_step_1:
+        assert t.turns == 3 and t.turn_starts is None and not t.errors and t.reward is not None
+        assert t.agent_stats["reused_tokens"] > 0 and t.agent_stats["drift_requests"] == 0
+        generated = [v for v, m in zip(t.versions, t.action_mask) if m]
+        assert generated == sorted(generated)
+        spans += len(set(generated)) > 1
+    assert spans > 0, "no agent went on across a step"
+    assert all(len([t for t in trained if t.group == g]) == GROUP for g in {t.group for t in trained})
+
+
+def test_a_checkpoint_restarts_the_groups_in_flight(tiny_model_dir, tokenizer, server, tmp_path):
+    """The state holds the prompts of the groups in flight; a resumed rollout starts their agents again
+    (their generated tokens are lost: an agent's code cannot be saved) and takes fewer new prompts."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=24)
+    engine = HFEngine(tiny_model_dir, tokenizer, CPU, seed=3, max_batch_size=4)
+    make = lambda: AgentPartialRollout(service(server, engine, tokenizer, agent(tmp_path, 2), 4096, 2), target=1,
+                                       extra=3, max_age=2, responses_per_prompt=GROUP)
+    partial = make()
+    partial.prompts_wanted()
+    partial.generate(prompts(tokenizer, 4), params, seed=0, version=0)
+    state = partial.state_dict()
+    assert len(state["restart_prompts"]) == len(partial.carried) == 3 and state["next_group"] == 4
+    carried_questions = [g.prompt["messages"][0]["content"] for g in partial.carried]
+
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert resumed.prompts_wanted() == 1
+    trained = resumed.generate(prompts(tokenizer, 1, start=50), params, seed=1, version=1)
+    in_flight = [g.prompt["messages"][0]["content"] for g in resumed.carried]
+    questions = {t.messages[0]["content"] for t in trained} | set(in_flight)
+    assert set(carried_questions) <= questions and len(questions) == 4
+    assert all(t.started == 1 and 0 not in t.versions for t in trained)
