@@ -22,7 +22,7 @@ async def run(row: dict, client) -> float:
     for turn in range(2):
         reply = await client.chat.completions.create(model="rl2", messages=messages, tools=[LOOKUP])
         message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
+        messages.append({"content": "", **message.model_dump(exclude_none=True)})  # a call alone has no content
         if not message.tool_calls or turn == 1:
             break
         for call in message.tool_calls:

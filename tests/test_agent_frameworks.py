@@ -9,6 +9,7 @@ with `stream_options`, `tool_choice`, `parallel_tool_calls`, a sampling field, c
 `name` on messages).
 """
 
+import os
 import textwrap
 
 import pytest
@@ -19,6 +20,7 @@ from rl2.engines import SamplingParams
 from rl2.serve.agent_rollout import AgentFile, agent_rollout
 from rl2.serve.openai_server import OpenAIServer
 from rl2.testing.tiny import build_tiny_tokenizer
+from conftest import REPO
 from scripted_engine import ScriptedEngine
 
 QUESTION = "What is the code of the red box?"
@@ -220,3 +222,37 @@ def test_the_responses_api_is_refused_saying_what_to_use(server, tokenizer, tmp_
     (error,) = trajectory.errors
     assert "NotFoundError" in error and "does not serve the Responses API" in error, error
     assert trajectory.reward is None and trajectory.agent_stats["requests"] == 0 and engine.calls == []
+
+
+@pytest.mark.parametrize("agent", ["demo_tools_agent", "demo_tools_agents_sdk", "demo_tools_langgraph"])
+@pytest.mark.parametrize("model", ["answers", "calls_again"])
+def test_the_demo_agents_score_the_function_calling_demo(tmp_path, agent, model):
+    """The function-calling demo's agents (the OpenAI SDK's, the Agents SDK's, LangGraph's; README) on its
+    template: a model that calls lookup() and then gives the code it read scores 1, one exact sequence of two
+    requests; one that calls the tool again instead of answering scores 0 (two model calls at most)."""
+    need({"demo_tools_agents_sdk": "agents", "demo_tools_langgraph": "langgraph"}.get(agent, "agents"))
+    import re
+
+    tokenizer = build_tiny_tokenizer(template="chatml-tools")
+    call = '<tool_call>\n{"name": "lookup", "arguments": {}}\n</tool_call>'
+
+    def reply(text: str) -> str:
+        read = re.findall(r"code (\d)", text)
+        return f"The code is {read[-1]}." if read and model == "answers" else call
+
+    engine = ScriptedEngine(tokenizer, reply)
+    messages = [{"role": "user", "content": "What is the code of the pink eel box?"}]
+    row = {"prompt_ids": tokenizer(render_chat(messages, tokenizer, True), add_special_tokens=False)["input_ids"],
+           "messages": messages, "answer": "5"}
+    server = OpenAIServer(tokenizer)
+    try:
+        (trajectory,) = agent_rollout(server, engine, AgentFile(os.path.join(REPO, "envs", f"{agent}.py")), tokenizer,
+                                      get_tool_parser("hermes"), [row], 1, SamplingParams(max_new_tokens=48), 2, 4096,
+                                      timeout=60)
+    finally:
+        server.close()
+    assert trajectory.errors == [] and trajectory.reward == (1.0 if model == "answers" else 0.0), trajectory.messages
+    stats = trajectory.agent_stats
+    assert stats["requests"] == 2 and stats["sequences"] == 1 and stats["drift_requests"] == 0
+    assert [len(c) for c in engine.calls] == [1, 1] and trajectory.token_ids[:len(engine.calls[1][0])] == engine.calls[1][0]
+    assert "code 5 5 5" in tokenizer.decode(trajectory.token_ids)
