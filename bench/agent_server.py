@@ -27,6 +27,7 @@ sessions' statistics (`Trajectory.agent_stats`, summed): `drift_requests` 0 says
 re-encoded.
 
     python bench/agent_server.py [--concurrency 1 16 128 --new-tokens 48 --repeats 3 --threads 1]
+                                 [--hidden-size 128 --layers 2]   (a larger model: generation costs more)
 """
 
 import argparse
@@ -169,13 +170,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the server has a thread of its own)")
     parser.add_argument("--call-end", choices=["stop-string", "eos"], default="stop-string",
                         help="how the first turn's call ends: at </tool_call> (a stop string's turn) or with eos")
+    parser.add_argument("--hidden-size", type=int, default=128, help="the tiny model's (the demo's: 128)")
+    parser.add_argument("--layers", type=int, default=2, help="the tiny model's (the demo's: 2)")
     parser.add_argument("--target", type=float, default=1.10, help="server / direct wall time the server must stay under")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     folder = tempfile.mkdtemp(prefix="rl2-agent-server-")
-    save_tiny(folder, template="chatml-tools", hidden_size=128, num_layers=2)
+    save_tiny(folder, template="chatml-tools", hidden_size=args.hidden_size, num_layers=args.layers)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     call_ids = tokenizer(CALL, add_special_tokens=False)["input_ids"]
     if args.call_end == "eos":
@@ -228,7 +231,8 @@ def main() -> None:
     finally:
         server.close()
 
-    print(f"device {device} ({args.threads} torch threads); tiny chatml-tools model (hidden 128, 2 layers); "
+    print(f"device {device} ({args.threads} torch threads); tiny chatml-tools model (hidden {args.hidden_size}, "
+          f"{args.layers} layers); "
           f"2 turns of {args.new_tokens} tokens a trajectory (eos ignored), the demo's lookup call in the first "
           f"(ending: {args.call_end}); medians of {args.repeats} rollouts after a warm-up")
     print(f"{'traj':>5} {'prompts x n':>11} {'direct s':>9} {'server s':>9} {'requests':>9} {'req/s':>8} "

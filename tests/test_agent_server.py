@@ -258,3 +258,19 @@ def test_raw_completions_continue_by_token_ids_and_each_mode_splits_requests(ser
     first, second = each.turn_starts
     assert each.token_ids[second:] == engine.calls[1][0] + tokenizer("The code is 3")["input_ids"] + [tokenizer.eos_token_id]
     assert each.token_ids[second:second + second] == each.token_ids[:second]  # the first sequence, as sampled
+
+
+def test_a_first_request_for_the_rows_prompt_takes_the_rows_ids(tokenizer):
+    """A session knows its dataset row: a first request for exactly the row's messages and tools is given the
+    row's prompt ids (the template's rendering, made once by the dataset), any other request is rendered."""
+    from rl2.serve.session import AgentSession
+
+    messages = [{"role": "user", "content": "What is on the red box?"}]
+    rendered = tokenizer(render_chat(messages, tokenizer, True, [LOOKUP]), add_special_tokens=False)["input_ids"]
+    marked = [7, 7, 7]  # ids the template would never give: where they come back, the row's were taken
+    row = {"messages": messages, "tools": [LOOKUP], "prompt_ids": marked, "answer": "3"}
+    assert AgentSession(tokenizer, get_tool_parser("hermes"), row=row).plan(messages, [LOOKUP]).prompt_ids == marked
+    assert AgentSession(tokenizer, get_tool_parser("hermes")).plan(messages, [LOOKUP]).prompt_ids == rendered
+    other = [{"role": "user", "content": "What is on the blue box?"}]
+    session = AgentSession(tokenizer, get_tool_parser("hermes"), row=row)
+    assert session.plan(messages, None).prompt_ids != marked and session.plan(other, [LOOKUP]).prompt_ids != marked

@@ -121,7 +121,8 @@ class AgentPartialRollout:
         from rl2.chat.tool_parsers import get_tool_parser
 
         sessions = [AgentSession(service.tokenizer, get_tool_parser(config.rollout.tool_parser),
-                                 config.rollout.agent_sequences == "merge") for _ in range(self.responses_per_prompt)]
+                                 config.rollout.agent_sequences == "merge", prompt)
+                    for _ in range(self.responses_per_prompt)]
         group = LiveGroup(group_id, prompt, version, sessions, left=len(sessions))
         episode = agent_episodes(service.agent, service.server, sessions, [prompt] * len(sessions), self.client,
                                  config.rollout.agent_timeout)

@@ -107,7 +107,7 @@ def agent_rollout(
     """`responses_per_prompt` trajectories of `prompts` (dataset rows), each one run of the agent, grouped by
     prompt; at most `max_requests` generations each and `max_length` tokens a sequence."""
     rows = [prompt for prompt in prompts for _ in range(responses_per_prompt)]
-    sessions = [AgentSession(tokenizer, parser, merge) for _ in rows]
+    sessions = [AgentSession(tokenizer, parser, merge, row) for row in rows]
     shared = openai_client(server.base_url, timeout)
     try:
         episode = agent_episodes(agent, server, sessions, rows, shared, timeout)

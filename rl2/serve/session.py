@@ -104,8 +104,12 @@ def same_message(ours: dict, theirs: dict) -> bool:
 class AgentSession:
     """The sequences of one trajectory and what it cost to keep them exact."""
 
-    def __init__(self, tokenizer, parser: ToolParser, merge: bool = True):
+    def __init__(self, tokenizer, parser: ToolParser, merge: bool = True, row: dict | None = None):
         self.tokenizer, self.parser, self.merge = tokenizer, parser, merge
+        # The dataset row's prompt, rendered by the same template: a first request for exactly its messages
+        # and tools takes its ids instead of rendering them again.
+        self.row_prompt = ((row["messages"], row.get("tools"), list(row["prompt_ids"]))
+                           if row and row.get("prompt_ids") and row.get("messages") else None)
         self.sequences: list[AgentSequence] = []
         self.requests = 0  # generations kept
         self.requests_started = 0  # generations asked of the engine
@@ -128,6 +132,11 @@ class AgentSession:
                 bridge = observation_tokens(self.tokenizer, sequence.token_ids, sequence.messages, new, True, tools)
                 prompt = sequence.token_ids + bridge
                 return Plan(messages, tools, prompt, sequence, len(sequence.token_ids), reused=len(sequence.token_ids))
+        if self.row_prompt is not None and not self.sequences:
+            row_messages, row_tools, row_ids = self.row_prompt
+            if row_tools == tools and len(row_messages) == len(messages) and all(
+                    a == b for a, b in zip(row_messages, messages)):
+                return Plan(messages, tools, list(row_ids))
         text = render_chat(messages, self.tokenizer, True, tools)
         prompt = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         self.drift += any(m["role"] == "assistant" for m in messages)
