@@ -128,3 +128,16 @@ def test_make_env_beside_environment_is_refused(tmp_path):
     path.write_text(WORD_CHAIN + "\nclass Other:\n    def reward(self):\n        return 0\n\n\nENVIRONMENT = Other\n")
     with pytest.raises(EnvError, match="both ENVIRONMENT and make_env"):
         Env(str(path), workers=0)
+
+
+def test_step_rewards_are_discounted_by_gamma(tmp_path):
+    """With a step discount (`adv.gamma`) the trajectory's reward is the return from the first step,
+    r_0 + gamma r_1 + gamma^2 r_2; the dumps keep the undiscounted step rewards."""
+    path = tmp_path / "game.py"
+    path.write_text(textwrap.dedent(WORD_CHAIN))
+    env = Env(str(path), workers=0, need_interact=True, step_discount=0.5)
+    try:
+        trajectory = play(env, ["cat", "bird", "cow"], answer="abc")
+    finally:
+        env.close()
+    assert trajectory.step_rewards == [0.0, 1.0, 1.0] and trajectory.reward == 0.5 + 0.25

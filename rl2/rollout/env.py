@@ -174,6 +174,7 @@ class Env:
         workers: int | None = None,
         memory_mb: int = 8192,
         tool_timeout: float | None = None,
+        step_discount: float = 1.0,
     ):
         if timeout <= 0:
             raise ValueError(f"env timeout must be positive, got {timeout}")
@@ -195,7 +196,7 @@ class Env:
             raise EnvError(f"env file {self.path} defines both ENVIRONMENT and make_env: give one of them")
         self.steps_environment = make_env is not None  # gym-style: step(text) after each turn
         if make_env is not None:
-            self.environment_factory = functools.partial(GymEpisode, make_env)
+            self.environment_factory = functools.partial(GymEpisode, make_env, step_discount)
         scores_itself = self.environment_factory is not None and (
             make_env is not None or hasattr(self.environment_factory, "reward"))
         self._reward_fn = env_function(module, self.path, "reward_fn", ("messages", "answer"), required=not scores_itself)
@@ -218,11 +219,13 @@ class Env:
         self._worker_faults: dict[int, dict[str, int]] = {}  # worker pid -> its module's fault totals
 
     @classmethod
-    def from_config(cls, rollout: RolloutConfig, need_interact: bool = False) -> "Env":
-        """The env file of `rollout.env_path` with the run's env settings."""
+    def from_config(cls, rollout: RolloutConfig, need_interact: bool = False, step_discount: float = 1.0) -> "Env":
+        """The env file of `rollout.env_path` with the run's env settings (`step_discount`: a gym-style
+        environment's step rewards discounted by it, `adv.gamma`)."""
         return cls(rollout.env_path, timeout=rollout.env_timeout, concurrency=rollout.env_concurrency,
                    need_interact=need_interact, args=rollout.env_args, workers=rollout.env_workers,
-                   memory_mb=rollout.env_worker_memory_mb, tool_timeout=rollout.tool_timeout)
+                   memory_mb=rollout.env_worker_memory_mb, tool_timeout=rollout.tool_timeout,
+                   step_discount=step_discount)
 
     @property
     def mode(self) -> str:

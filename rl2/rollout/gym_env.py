@@ -12,7 +12,8 @@
 
 The observation of `reset` is the trajectory's first user message (after the row's own messages); each
 `step` gets the turn's text, and its observation is the next user message until `done`. The rewards of the
-steps are summed into the trajectory's reward (an env file's `reward_fn`, if it has one, scores instead);
+steps are summed into the trajectory's reward, each discounted by `adv.gamma` per step before it (the return
+from the start: r_0 + gamma r_1 + gamma^2 r_2 ...; an env file's `reward_fn`, if it has one, scores instead);
 each step's reward is kept in the dumps (`step_rewards`). rl2 runs these as it runs `ENVIRONMENT`
 instances: `GymEpisode` is one.
 """
@@ -25,8 +26,8 @@ class GymEpisode:
     """One trajectory's episode of a `make_env` environment, as rl2's stateful environments are driven:
     `reset(messages, answer, **row)`, `step(text)` after each turn, `reward()`, `close()`."""
 
-    def __init__(self, make_env: Callable[[dict], Any]):
-        self.make_env = make_env
+    def __init__(self, make_env: Callable[[dict], Any], discount: float = 1.0):
+        self.make_env, self.discount = make_env, discount
         self.env: Any = None
         self.rewards: list[float] = []
         self.done = False
@@ -55,7 +56,8 @@ class GymEpisode:
         return self._take(result)
 
     def reward(self) -> float:
-        return float(sum(self.rewards))
+        """The steps' rewards, discounted from the first step."""
+        return float(sum(reward * self.discount ** t for t, reward in enumerate(self.rewards)))
 
     def close(self) -> Any:
         close = getattr(self.env, "close", None)

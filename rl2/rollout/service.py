@@ -92,7 +92,8 @@ class RolloutService(RolloutRecords):
 
             self.rl2_head = RL2HeadFile(env_path, config.rollout.env_args)
         elif env_path:
-            self.env = Env.from_config(config.rollout, need_interact=config.rollout.max_turns > 1 and not agent)
+            self.env = Env.from_config(config.rollout, need_interact=config.rollout.max_turns > 1 and not agent,
+                                       step_discount=config.adv.gamma)
         self.tool_calling = ToolCalling.for_env(self.env, config.rollout)
         self.engine = build_engine_from_config(config.rollout, config.actor, tokenizer, config.trainer.seed)
         if agent or self.rl2_head:
