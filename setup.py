@@ -37,7 +37,8 @@ setup(
         # trainer.tensorboard=true: TensorBoard event files beside metrics.jsonl.
         "tensorboard": ["tensorboard"],
         "dense": ["sentence-transformers", "faiss-cpu"],
-        # reasoning-gym's generated tasks as RL rows and their scorers (python -m rl2.data.reasoning_gym).
-        "envs": ["reasoning-gym"],
+        # reasoning-gym's generated tasks as RL rows and their scorers (python -m rl2.data.reasoning_gym);
+        # OpenEnv servers played through openenv-core's client (envs/openenv.py).
+        "envs": ["reasoning-gym", "openenv-core"],
     },
 )

@@ -94,6 +94,7 @@ def new_trajectories(prompts: list[dict], responses_per_prompt: int, first_group
             tools=copy.deepcopy(prompt.get("tools")),
             turn_starts=[0] if per_turn else None,
             source=prompt.get("source"),
+            row=prompt.get("row"),
         )
         for g, prompt in enumerate(prompts)
         for _ in range(responses_per_prompt)
@@ -149,6 +150,8 @@ def continue_rollout(
 
     if env is not None and env.environment_factory is not None:
         _start_environments(env, [t for t in trajectories if not t.done], tokenizer, apply_chat_template)
+    for trajectory in trajectories:
+        trajectory.row = None  # read by make_env only: not carried into the gathers and checkpoints
     for trajectory in trajectories:
         if not trajectory.done and trajectory.errors:  # its environment did not start
             finish(trajectory)
@@ -262,7 +265,8 @@ def _start_environments(env: Env, trajectories: list[Trajectory], tokenizer, app
     answer); an observation `reset` returns is appended to the prompt as a user message (nothing has been
     generated yet: the prompt is rendered again). One that fails to start is an env error."""
     new = [t for t in trajectories if t.environment is None and t.turns == 0 and t.turn_start < 0]
-    rows = [{"messages": copy.deepcopy(t.messages), "answer": t.answer} for t in new]
+    rows = [{**((t.row or {}) if env.steps_environment else {}), "messages": copy.deepcopy(t.messages),
+             "answer": t.answer} for t in new]  # make_env(row) gets the row's columns; ENVIRONMENT.reset its own
     for trajectory, result in zip(new, env.start_environments(rows)):
         if result.error is not None:
             trajectory.errors.append(result.error)

@@ -48,6 +48,8 @@ class Trajectory:
     step_rewards: list[float] = field(default_factory=list)
     # The row's `data_source` (the task or dataset it comes from): test metrics per source; None: none.
     source: str | None = None
+    # The dataset row's other columns, for a gym-style environment's `make_env(row)`; None: not kept.
+    row: dict | None = None
 
     @classmethod
     def from_dict(cls, fields: dict) -> "Trajectory":
