@@ -96,3 +96,23 @@ def test_openenv_mistakes_are_named(word_chain_url):
     finally:
         env.close()
     assert trajectory.reward is None and trajectory.errors and "step" in trajectory.errors[0]
+
+
+def test_a_checkpointed_episode_is_replayed_in_a_new_session(word_chain_url):
+    """A paused trajectory's episode survives a checkpoint (pickled as its reset arguments and actions): the
+    restored one opens a new session, replays its actions and goes on where the old one stood."""
+    import pickle
+
+    from rl2.rollout.gym_env import GymEpisode
+    from rl2.rollout.openenv import OpenEnvClient
+
+    client = OpenEnvClient(word_chain_url, observation_field="prompt", reset_fields=["letters"])
+    episode = GymEpisode(client)
+    assert episode.reset([{"role": "user", "content": "Let us play."}], None, letters="abc") == \
+        "Say a word that starts with a."
+    assert episode.step("apple") == [{"role": "user", "content": "Now one that starts with b."}]
+    restored = pickle.loads(pickle.dumps(episode))
+    episode.close()
+    assert restored.step("bee") == [{"role": "user", "content": "Now one that starts with c."}]
+    assert restored.step("dog") == [] and restored.done and restored.rewards == [1.0, 1.0, 0.0]
+    restored.close()

@@ -10,8 +10,9 @@ only text field) is the next user message (a tool message with `observation_role
 that answer tool calls); the step's `reward` and `done` are the server's. Row columns named
 in `reset_fields` are passed to the server's `reset` (OpenEnv's reset takes extra fields), so one server can
 play a different game per row. The sessions' WebSockets are bound to one event loop: a thread of the client's
-own runs it, and rl2 calls the episodes' methods from its threads. A session lives on the server: a paused
-trajectory's episode cannot be saved (a checkpoint then stops with an error saying so).
+own runs it, and rl2 calls the episodes' methods from its threads. A session lives on the server and cannot be
+saved: a paused trajectory's episode is checkpointed as its reset arguments and the actions taken, and a
+resumed run opens a new session and replays them (the same state for a deterministic environment).
 """
 
 import asyncio
@@ -40,6 +41,14 @@ class OpenEnvClient:
         self.observation_role = observation_role
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if key not in ("_loop", "_lock", "client_class")}
+
+    def __setstate__(self, state: dict) -> None:
+        from openenv.core import GenericEnvClient
+
+        self.__dict__.update(state, client_class=GenericEnvClient, _loop=None, _lock=threading.Lock())
 
     def __call__(self, row: dict) -> "OpenEnvEpisode":
         return OpenEnvEpisode(self, {name: row[name] for name in self.reset_fields if name in row})
@@ -81,20 +90,26 @@ class OpenEnvEpisode:
     def __init__(self, client: OpenEnvClient, reset_arguments: dict):
         self.client, self.reset_arguments = client, reset_arguments
         self.session = None
+        self.actions: list[str] = []  # taken so far: replayed in a new session after a checkpoint
 
-    def reset(self) -> str:
-        async def start() -> Any:
-            self.session = self.client.client_class(base_url=self.client.url)
-            await self.session.connect()
-            return await self.session.reset(**self.reset_arguments)
-
-        result = self.client.run(start())
+    def reset(self) -> str | list[dict]:
+        result = self.client.run(self._start())
         return self.client.observation_turn(result.observation)
 
     def step(self, action: str) -> tuple[str | list[dict], float, bool, dict]:
+        if self.session is None:  # restored from a checkpoint: a new session, brought to where this one was
+            self.client.run(self._start())
+            for taken in self.actions:
+                self.client.run(self.session.step({self.client.action_field: taken}))
         result = self.client.run(self.session.step({self.client.action_field: action}))
+        self.actions.append(action)
         turn = "" if result.done else self.client.observation_turn(result.observation)
         return turn, float(result.reward or 0.0), bool(result.done), {"observation": result.observation}
+
+    async def _start(self) -> Any:
+        self.session = self.client.client_class(base_url=self.client.url)
+        await self.session.connect()
+        return await self.session.reset(**self.reset_arguments)
 
     def close(self) -> None:
         if self.session is not None:
@@ -102,5 +117,7 @@ class OpenEnvEpisode:
             self.client.run(session.close())
 
     def __getstate__(self) -> dict:
-        raise TypeError(f"an OpenEnv episode is a session on the server {self.client.url}: it cannot be saved "
-                        "(rollout.partial_rollout checkpoints a paused trajectory's environment)")
+        return {"client": self.client, "reset_arguments": self.reset_arguments, "actions": self.actions}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, session=None)
