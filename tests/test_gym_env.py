@@ -141,3 +141,15 @@ def test_step_rewards_are_discounted_by_gamma(tmp_path):
     finally:
         env.close()
     assert trajectory.step_rewards == [0.0, 1.0, 1.0] and trajectory.reward == 0.5 + 0.25
+
+
+def test_the_last_turn_is_stepped_at_the_turn_limit(tmp_path):
+    """At rollout.max_turns the episode ends, but its last reply is still stepped: its reward counts (the
+    game is not over, so nothing follows)."""
+    env = write(tmp_path, WORD_CHAIN)
+    try:
+        trajectory = play(env, ["apple", "bee"], answer="abc", max_turns=2)
+    finally:
+        env.close()
+    assert trajectory.turns == 2 and trajectory.step_rewards == [1.0, 1.0] and trajectory.reward == 2.0
+    assert [m["role"] for m in trajectory.messages] == ["user", "user", "assistant", "user", "assistant"]

@@ -199,13 +199,29 @@ def continue_rollout(
                 _parse_calls(trajectory, tool_calling.parser)
             if trajectory.turns == max_turns:
                 trajectory.done = True
+            if trajectory.done and env is not None and env.steps_environment and not trajectory.errors:
+                last_steps.append(step_last_turn(trajectory))  # its reward is the environment's to give
+                return None
             if trajectory.done:
                 finish(trajectory)
                 return None
             return ask_tool(trajectory)
 
+        def step_last_turn(trajectory: Trajectory) -> Future:
+            """A gym-style environment steps the episode's last turn too (at rollout.max_turns or the length
+            limit): no turn follows, but the step's reward counts."""
+            def stepped(result: EnvResult) -> None:
+                if result.error is not None:
+                    trajectory.errors.append(result.error)
+                finish(trajectory)
+
+            return _then(interactions.step(trajectory.environment, trajectory.messages[-1]["content"]), stepped)
+
+        last_steps: list[Future] = []
         first = [ask_tool(t) if t.stage == "interact" else _turn(t, params, max_length) for t in active]
         engine.generate_turns(first, params, on_generation, max_turns)  # also with none: a lockstep engine's call
+        for step in last_steps:
+            step.result()
 
 
 def _parse_calls(trajectory: Trajectory, parser: ToolParser) -> None:
