@@ -7,7 +7,8 @@ goes on); any other reply is the answer: reward 1 when its last number is the co
     TASK=lookup bash recipes/ppo_tiny.sh rollout.env_path=envs/demo_lookup_gym.py
 """
 
-from demo_lookup import QUESTION, reward_fn, secret_code, tool_reply
+from demo_lookup import QUESTION, secret_code, tool_reply
+from demo_lookup import reward_fn as answer_reward  # not named reward_fn here: the steps' rewards score
 
 
 class LookupGame:
@@ -24,7 +25,7 @@ class LookupGame:
         if "<tool_call>lookup</tool_call>" in reply and not self.looked:
             self.looked = True
             return [{"role": "tool", "content": tool_reply(self.code)}], 0.0, False, {}
-        return "", reward_fn([{"role": "assistant", "content": reply}], self.answer), True, {}
+        return "", answer_reward([{"role": "assistant", "content": reply}], self.answer), True, {}
 
 
 def make_env(row: dict) -> LookupGame:
