@@ -1,5 +1,6 @@
 """The PPO trainer: world-size invariance, weight sync, the demo learning, exact resume, start-up errors."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from conftest import GRAD_RTOL, REPO, assert_same_gradients, run_python, run_torchrun
 from rl2.metrics import read_metrics
 from rl2.testing.tiny import save_tiny
+from server_process import free_port
 
 WORKER = "tests/workers/ppo_update.py"
 
@@ -309,6 +311,19 @@ def test_tool_demo_reward_rises(tmp_path, demo_model):
     dump = [json.loads(line) for line in open(tmp_path / "ppo" / "trajectories" / "step_12.jsonl")]
     called = [t for t in dump if t["turns"] == 2]
     assert called and all(t["messages"][2]["role"] == "tool" for t in called)
+    if importlib.util.find_spec("openenv") is None:
+        return
+    # The same game on an OpenEnv server (recipes/openenv_demo: openenv-core's server, rl2 its client, one
+    # session a trajectory), from the same warm-up: scored by the server's step rewards alone.
+    env = {**env, "OUT": str(tmp_path / "openenv"), "SFT_CKPT": str(tmp_path / "sft" / "step200"), "PORT": str(free_port())}
+    result = subprocess.run(["bash", "recipes/openenv_demo/run.sh", "trainer.test_freq=null"],
+                            capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-5000:]
+    rows = read_metrics(str(tmp_path / "openenv" / "ppo" / "metrics.jsonl"))
+    assert all(row["env_errors"] == 0 for row in rows)
+    assert sum(row["reward/mean"] for row in rows[-3:]) / 3 > rows[0]["reward/mean"] + 0.2
+    dump = [json.loads(line) for line in open(tmp_path / "openenv" / "ppo" / "trajectories" / "step_12.jsonl")]
+    assert all(len(t["step_rewards"]) == t["turns"] and t["reward"] == sum(t["step_rewards"]) for t in dump)
 
 
 @pytest.mark.parametrize(
