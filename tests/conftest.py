@@ -63,6 +63,16 @@ def tokenize_prompt(messages: list[dict], tokenizer) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def counting_prompts(tokenizer, n: int, start: int = 0) -> list[dict]:
+    """RL prompts of different lengths ("Count from i to i + 40:" and some padding words): under a max_length,
+    answers of different lengths (the partial-rollout tests)."""
+    rows = []
+    for i in range(start, start + n):
+        messages = [{"role": "user", "content": f"Count from {i} to {i + 40}:" + " and on" * (5 * (i % 5))}]
+        rows.append({"prompt_ids": tokenize_prompt(messages, tokenizer), "messages": messages, "answer": str(i)})
+    return rows
+
+
 def run_torchrun(
     args: list[str], nproc: int = 2, timeout: int = 300, check: bool = True, env: dict | None = None,
     cwd: str = REPO,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import tokenize_prompt
+from conftest import counting_prompts as prompts
 from rl2.chat.tool_parsers import get_tool_parser
 from rl2.engines import HFEngine, SamplingParams
 from rl2.serve.agent_partial import AgentPartialRollout
@@ -46,14 +46,6 @@ def server(tokenizer):
     server = OpenAIServer(tokenizer)
     yield server
     server.close()
-
-
-def prompts(tokenizer, n: int, start: int = 0) -> list[dict]:
-    rows = []
-    for i in range(start, start + n):
-        messages = [{"role": "user", "content": f"Count from {i} to {i + 40}:" + " and on" * (5 * (i % 5))}]
-        rows.append({"prompt_ids": tokenize_prompt(messages, tokenizer), "messages": messages, "answer": str(i)})
-    return rows
 
 
 def agent(tmp_path, requests: int) -> AgentFile:

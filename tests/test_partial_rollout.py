@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import tokenize_prompt
+from conftest import counting_prompts as prompts
 from rl2.engines import Engine, Generation, HFEngine, SamplingParams
 from rl2.rollout.env import Env
 from rl2.rollout.multi_turn import rollout
@@ -25,15 +25,6 @@ GROUP = 2
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-def prompts(tokenizer, n: int, start: int = 0) -> list[dict]:
-    """Prompts of different lengths: under a max_length, answers of different lengths."""
-    rows = []
-    for i in range(start, start + n):
-        messages = [{"role": "user", "content": f"Count from {i} to {i + 40}:" + " and on" * (5 * (i % 5))}]
-        rows.append({"prompt_ids": tokenize_prompt(messages, tokenizer), "messages": messages, "answer": str(i)})
-    return rows
 
 
 def service(engine, env, tokenizer, max_turns: int = 1, max_length: int = 4096):
