@@ -182,9 +182,9 @@ def test_bad_interpolation():
 
 def test_bad_choice():
     with pytest.raises(ConfigError) as e:
-        load_config(["rollout.engine=vllm"])
+        load_config(["rollout.engine=trt"])
     msg = str(e.value)
-    assert "'rollout.engine'" in msg and "'vllm'" in msg and "hf, sglang" in msg
+    assert "'rollout.engine'" in msg and "'trt'" in msg and "hf, sglang, vllm" in msg
     with pytest.raises(ConfigError, match="k1, k2, k3"):
         load_config(["kl.loss_estimator=k4"])
 

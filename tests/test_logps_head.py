@@ -188,6 +188,8 @@ def test_fused_chunks_equal_the_eager_ones(entropy_grad):
         loss.backward()
         results.append((logps.detach(), entropy.detach(), hidden.grad.clone(), weight.grad.clone()))
         hidden.grad = weight.grad = None
+    # fp32 sums in another order (inductor's kernels reassociate the vocabulary reductions): gradients of
+    # magnitude ~10 differ by a few ulps times sqrt(terms), up to ~1.5e-5 seen in a CI run
     for fused_result in results[1:]:
         for got, expected in zip(fused_result, results[0]):
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=5e-5)
