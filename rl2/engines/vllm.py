@@ -22,6 +22,7 @@ it starts; chunked prefill is off (with it, seeded requests fail); sleep and wak
 
 import gc
 import glob
+import importlib.util
 import itertools
 import os
 import threading
@@ -39,7 +40,8 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 def load_vllm():
     """vLLM's `LLM`, `SamplingParams`, `RequestOutputKind` and `TokensPrompt`, or a one-line ImportError."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if importlib.util.find_spec("vllm") is not None:  # set only where vLLM is: read by it, nothing else
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     try:
         from vllm import LLM
         from vllm import SamplingParams as VLLMSamplingParams
@@ -60,9 +62,9 @@ class VLLMEngine(Engine):
                  max_batch_size: int = 256, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
                  tp_size: int = 1, **_):
         on_cpu = device.type == "cpu"
-        if on_cpu:
-            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # else a 13 s compile at the first log-prob request
         LLM, self._params_class, self._output_kind, self._prompt = load_vllm()
+        if on_cpu:  # only once vLLM is there: this turns torch.compile off in the whole process
+            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # else a 13 s compile at the first log-prob request
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, enforce_eager=on_cpu,
                        logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_num_seqs=max_batch_size,
