@@ -293,12 +293,14 @@ def test_notebook_run_in_one_process(tiny_model_dir, rl_data, tmp_path):
 
 
 def test_tool_demo_reward_rises(tmp_path, demo_model):
-    """The multi-turn demo: the policy learns to call the lookup tool, and the reward follows."""
+    """The multi-turn demo, written as a gym-style game (`envs/demo_lookup_gym.py`: make_env, reset/step, scored
+    by its step rewards; its env-file twin learns the same, bench/RESULTS.md): the policy learns to call the
+    lookup tool, and the reward follows."""
     env = {**os.environ, "OUT": str(tmp_path), "TASK": "lookup", "SFT_STEPS": "200", "PPO_STEPS": "12",
            "PYTHONPATH": REPO}
     shutil.copytree(demo_model, tmp_path / "model")
     result = subprocess.run(
-        ["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null"],
+        ["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null", "rollout.env_path=envs/demo_lookup_gym.py"],
         capture_output=True, text=True, timeout=400, env=env, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-5000:]
@@ -309,6 +311,8 @@ def test_tool_demo_reward_rises(tmp_path, demo_model):
     dump = [json.loads(line) for line in open(tmp_path / "ppo" / "trajectories" / "step_12.jsonl")]
     called = [t for t in dump if t["turns"] == 2]
     assert called and all(t["messages"][2]["role"] == "tool" for t in called)
+    # every turn stepped (the last one too), the reward their sum
+    assert all(len(t["step_rewards"]) == t["turns"] and t["reward"] == sum(t["step_rewards"]) for t in dump)
 
 
 @pytest.mark.parametrize(
