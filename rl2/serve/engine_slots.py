@@ -75,6 +75,9 @@ class EngineSlots:
             self._order, self._version, self._paused = list(ids), version, False
             for slot_id in ids:
                 slot = self._slots[slot_id]
+                if slot.current is not None and not slot.drawn:  # handed out as the pause came: never begun
+                    firsts.append(slot.current[0])
+                    continue
                 if slot.current is not None:  # cut by a pause: the rest of it, from the same random stream
                     turn, finished = slot.current
                     drawn = [token for piece, _ in slot.drawn for token in piece.token_ids]
