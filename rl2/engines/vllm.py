@@ -26,7 +26,6 @@ import importlib.util
 import itertools
 import os
 import threading
-import time
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
@@ -207,11 +206,9 @@ class VLLMEngine(Engine):
         self.asleep = False
 
     def shutdown(self) -> None:
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            del llm, self.engine
+        if getattr(self, "llm", None) is not None:
+            self.llm = self.engine = None
             gc.collect()
-            time.sleep(0)
 
 
 def _checkpoint_weights(model_path: str) -> dict[str, torch.Tensor]:

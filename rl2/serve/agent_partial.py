@@ -64,6 +64,7 @@ class AgentPartialRollout:
     def prompts_wanted(self) -> int:
         """New prompts this step takes: each rank fills its share of `target + extra` groups in flight."""
         carried = all_gather_objects([len(self.carried)])
+        self._carried_counts = carried
         self._wanted = [max(share - count, 0) for share, count in zip(shares(self.target + self.extra), carried)]
         return max(sum(self._wanted) - len(self.restarts), 0)
 
@@ -76,8 +77,11 @@ class AgentPartialRollout:
         if self._wanted is None:
             self.prompts_wanted()
         prompts, self.restarts = self.restarts + prompts, []
-        first = sum(self._wanted[:rank()])
+        firsts = [sum(self._wanted[:r]) for r in range(len(self._wanted))]
+        first = firsts[rank()]
         mine = prompts[first:first + self._wanted[rank()]]
+        # every rank's groups in flight once each has started its part of `prompts` (no second gather)
+        in_flight = sum(self._carried_counts) + sum(len(prompts[f:f + w]) for f, w in zip(firsts, self._wanted))
         if self.rollout is None:
             self.client = openai_client(service.server.base_url, config.rollout.agent_timeout)
             self.rollout = service.server.open_rollout(params, version, config.rollout.max_turns, service.max_length)
@@ -87,7 +91,6 @@ class AgentPartialRollout:
         self.next_group += len(prompts)
         self._wanted = None
 
-        in_flight = sum(all_gather_objects([len(self.carried)]))
         target = shares(min(self.target, in_flight))[rank()]
         must_finish = {g.group for g in self.carried if version - g.started >= self.max_age}
         service.engine.wake()
