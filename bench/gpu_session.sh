@@ -7,14 +7,15 @@
 #   there:  bash bench/gpu_session.sh checks        # device run, carry [".whl"]: bench/gpu_checks.py first
 #           bash bench/gpu_session.sh rollout       # bench/gpu_rollout.py (issue 16's >= 4x target)
 #           bash bench/gpu_session.sh train         # bench/gpu_train.py (issue 15's targets)
-#           bash bench/gpu_session.sh demo          # the GRPO demo on one GPU, then the tool demo
+#           bash bench/gpu_session.sh demo          # the GRPO demo on one GPU, then the tool demo (DEMO_TASKS)
+#           bash bench/gpu_session.sh split         # the GRPO demo one-step-off: 1 trainer + 1 rollout rank, one GPU
 #
 # Arguments after the stage go to its script (`train --shapes 0.5b --steps 2`); STAGE_TIMEOUT (seconds)
 # bounds a stage (each demo half) so that several stages fit one call.
 #
 # Record what they print in bench/RESULTS.md with the date and device.
 set -euo pipefail
-STAGE=${1:?usage: bash bench/gpu_session.sh wheels|checks|rollout|train|demo [script arguments]}
+STAGE=${1:?usage: bash bench/gpu_session.sh wheels|checks|rollout|train|demo|split [script arguments]}
 shift
 cd "$(dirname "$0")/.."
 
@@ -44,10 +45,14 @@ case "$STAGE" in
   checks) timeout "${STAGE_TIMEOUT:-540}" python3 bench/gpu_checks.py "$@" 2>&1 | tee -a "$OUT/checks.txt" ;;
   rollout) timeout "${STAGE_TIMEOUT:-560}" python3 bench/gpu_rollout.py "$@" 2>&1 | tee -a "$OUT/rollout.txt" ;;
   train) timeout "${STAGE_TIMEOUT:-560}" python3 bench/gpu_train.py "$@" 2>&1 | tee -a "$OUT/train.txt" ;;
-  demo)
-    (NPROC=1 OUT=/tmp/demo timeout "${STAGE_TIMEOUT:-270}" bash recipes/ppo_tiny.sh "$@" 2>&1 | tail -40) \
-        | tee -a "$OUT/demo.txt"
-    (TASK=tools NPROC=1 OUT=/tmp/demo_tool timeout "${STAGE_TIMEOUT:-270}" bash recipes/ppo_tiny.sh "$@" 2>&1 \
-        | tail -40) | tee -a "$OUT/demo.txt" ;;
+  demo)  # DEMO_TASKS picks the demos (default both)
+    for task in ${DEMO_TASKS:-successor tools}; do
+      (TASK=$task NPROC=1 OUT=/tmp/demo_$task timeout "${STAGE_TIMEOUT:-270}" bash recipes/ppo_tiny.sh "$@" 2>&1 \
+          | tail -40) | tee -a "$OUT/demo.txt"
+    done ;;
+  split)  # one-step-off split placement on one GPU: the warm-up on one rank, then 1 trainer + 1 rollout rank
+    (NPROC=1 PPO_STEPS=0 OUT=/tmp/split timeout "${STAGE_TIMEOUT:-270}" bash recipes/ppo_tiny.sh 2>&1 | tail -5
+     NPROC=2 SFT_CKPT=/tmp/split/sft/step200 OUT=/tmp/split timeout "${STAGE_TIMEOUT:-270}" bash recipes/ppo_tiny.sh \
+        rollout.placement=split rollout.ranks=1 rollout.max_staleness=1 "$@" 2>&1 | tail -40) | tee -a "$OUT/split.txt" ;;
   *) echo "unknown stage $STAGE" >&2; exit 2 ;;
 esac

@@ -268,3 +268,13 @@ def test_an_agent_file_runs_on_the_rollout_ranks(tiny_model_dir, rl_data, tmp_pa
     for row in rows:
         assert row["agent/requests"] == 1.0 and row["agent/drift_requests"] == 0 and row["env_errors"] == 0
         assert "actor/loss" in row
+
+
+def test_ranks_share_gpus_round_robin_when_the_node_has_fewer(caplog):
+    """One trainer and one rollout rank on one GPU (each role its own NCCL group): run on an H200 this way."""
+    from rl2.distributed.placement import placement_device_index
+
+    assert [placement_device_index(rank, 8) for rank in range(8)] == list(range(8))
+    with caplog.at_level("WARNING"):
+        assert placement_device_index(1, 1) == 0 and placement_device_index(3, 2) == 1
+    assert "shares GPU 0" in caplog.text

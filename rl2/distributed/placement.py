@@ -9,6 +9,7 @@ result can arrive while the trainer broadcasts the next command. Objects travel 
 """
 
 import datetime
+import logging
 import os
 import pickle
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, ProcessGroupGloo
+
+logger = logging.getLogger(__name__)
 
 TRAIN, ROLLOUT = "train", "rollout"
 
@@ -38,6 +41,16 @@ class Placement:
         return 0 if self.role == TRAIN else 1 + self.global_rank - self.trainers
 
 
+def placement_device_index(local_rank: int, devices: int) -> int:
+    """The GPU of a rank on a node with `devices` GPUs: its own, or shared round-robin when the node has fewer
+    GPUs than ranks. Each role has its own process group, so one trainer and one rollout rank can share a GPU
+    (one-step-off on a single GPU); ranks of the same role on one GPU cannot (NCCL refuses duplicates)."""
+    if local_rank >= devices:
+        logger.warning("rank with LOCAL_RANK=%d shares GPU %d: the node has %d", local_rank, local_rank % devices,
+                       devices)
+    return local_rank % devices
+
+
 def init_placement(rollout_ranks: int, timeout_minutes: int = 30) -> Placement:
     """Split the torchrun world (see the module); every rank calls it once, before anything else
     distributed. A ValueError when the world has no rank left to train or to generate."""
@@ -50,7 +63,7 @@ def init_placement(rollout_ranks: int, timeout_minutes: int = 30) -> Placement:
     role = TRAIN if rank < trainers else ROLLOUT
     role_rank, role_size = (rank, trainers) if role == TRAIN else (rank - trainers, rollout_ranks)
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(placement_device_index(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()))
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, store=PrefixStore(role, store), rank=role_rank, world_size=role_size,
                             timeout=timeout)
