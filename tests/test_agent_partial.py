@@ -29,7 +29,8 @@ async def run(row, client):
     for request in range(REQUESTS):
         if request:
             messages.append({"role": "user", "content": "Go on."})
-        reply = await client.chat.completions.create(model="rl2", messages=messages)
+        short = {"max_tokens": SHORT} if SHORT and row["answer"] == "0" else {}
+        reply = await client.chat.completions.create(model="rl2", messages=messages, **short)
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
         await asyncio.sleep(0)
     return float(len(messages[-1]["content"]) % 2)
@@ -48,10 +49,34 @@ def server(tokenizer):
     server.close()
 
 
-def agent(tmp_path, requests: int) -> AgentFile:
-    path = tmp_path / f"agent_{requests}.py"
-    path.write_text(textwrap.dedent(AGENT).replace("REQUESTS", str(requests)))
+def agent(tmp_path, requests: int, short_first: int = 0) -> AgentFile:
+    """The agent of `requests` requests; with `short_first`, the first row's answers are that many tokens."""
+    path = tmp_path / f"agent_{requests}_{short_first}.py"
+    path.write_text(textwrap.dedent(AGENT).replace("REQUESTS", str(requests)).replace("SHORT", str(short_first)))
     return AgentFile(str(path))
+
+
+class HoldsAfterShortAnswers(HFEngine):
+    """Once `hold_after` answers of at most `short` tokens are done (the first group's), decoding stops until the
+    rollout aborts it: the other answers, all longer, are then surely cut by the pause, however slowly the
+    server's loop runs on a loaded machine (without this, every answer could end before the pause landed)."""
+
+    hold_after = 0
+    short = 0
+
+    def generate_turns(self, turns, params, on_generation, max_turns):
+        done_short = 0
+
+        def held(index, generation):
+            nonlocal done_short
+            upcoming = on_generation(index, generation)
+            if generation.finish_reason != "abort" and len(generation.token_ids) <= self.short:
+                done_short += 1
+                if done_short == self.hold_after:
+                    assert self.aborting.wait(60), "the rollout never paused"
+            return upcoming
+
+        super().generate_turns(turns, params, held, max_turns)
 
 
 def service(server, engine, tokenizer, agent_file, max_length: int, max_turns: int):
@@ -64,16 +89,19 @@ def service(server, engine, tokenizer, agent_file, max_length: int, max_turns: i
 def test_paused_agents_continue_token_for_token(tiny_model_dir, tokenizer, server, tmp_path):
     """One request per agent, weights unchanged between steps: every trajectory of step 1's prompts has the
     tokens and log-probs of the same rollout without pauses; those drawn after the pause carry version 1;
-    step 1 stops once one group is done (target 1 of 6), and the rest train in step 2 (max_age 1)."""
+    step 1 stops once one group is done (target 1 of 6: the first, whose answers are short), and the rest train
+    in step 2 (max_age 1)."""
     params = SamplingParams(temperature=1.0, max_new_tokens=48)
-    engine = HFEngine(tiny_model_dir, tokenizer, CPU, seed=5, max_batch_size=8)
+    engine = HoldsAfterShortAnswers(tiny_model_dir, tokenizer, CPU, seed=5, max_batch_size=12)
     batch = prompts(tokenizer, 6)
     max_length = max(len(p["prompt_ids"]) for p in batch) + 12  # answers of 12 to ~45 tokens
-    one_request = agent(tmp_path, 1)
+    one_request = agent(tmp_path, 1, short_first=3)
     engine.reseed(11 * 1_000_003)
     whole = agent_rollout(server, engine, one_request, tokenizer, get_tool_parser("hermes"), batch, GROUP, params, 1,
                           max_length)
 
+    assert all(sum(t.action_mask) > 3 for t in whole[GROUP:])  # only the first group's answers are short
+    engine.hold_after, engine.short = GROUP, 3
     partial = AgentPartialRollout(service(server, engine, tokenizer, one_request, max_length, 1), target=1, extra=5,
                                   max_age=1, responses_per_prompt=GROUP)
     assert partial.prompts_wanted() == 6
@@ -93,8 +121,7 @@ def test_paused_agents_continue_token_for_token(tiny_model_dir, tokenizer, serve
         assert generated == sorted(generated) and set(generated) <= {0, 1}
         resumed += 1 in generated and 0 in generated
         assert t.reward is not None and not t.errors
-    if resumed == 0:  # under load every answer can end before the pause lands (seen once in CI): say so, not pass
-        pytest.skip("no generation was cut by the pause this run: resuming was not exercised")
+    assert resumed == (6 - 1) * GROUP  # every answer but the first group's was cut (the engine held for the pause)
     metrics = partial.metrics(second, version=1)
     assert metrics["partial/resumed_ratio"] > 0 and metrics["partial/age_max"] == 1.0
 
