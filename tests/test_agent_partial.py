@@ -3,6 +3,7 @@ groups go on in the next step on the same server; a generation the pause cut kee
 from the same random stream, each token with the version that drew it; requests made between steps wait
 and are answered under the new weights; groups train whole; a checkpoint restarts the groups in flight."""
 
+import json
 import textwrap
 from types import SimpleNamespace
 
@@ -154,9 +155,49 @@ def test_requests_made_between_steps_wait_for_the_new_weights(tiny_model_dir, to
     assert all(len([t for t in trained if t.group == g]) == GROUP for g in {t.group for t in trained})
 
 
-def test_a_checkpoint_restarts_the_groups_in_flight(tiny_model_dir, tokenizer, server, tmp_path):
-    """The state holds the prompts of the groups in flight; a resumed rollout starts their agents again
-    (their generated tokens are lost: an agent's code cannot be saved) and takes fewer new prompts."""
+def test_a_resumed_run_replays_its_agents_and_goes_on_exactly(tiny_model_dir, tokenizer, server, tmp_path):
+    """From one checkpoint after step 1 (answers cut by the pause): the run that went on, and a fresh server and
+    engine that load the checkpoint, whose agents start again and are answered from their slots' logs, train
+    the same step 2: the same tokens, log-probs and versions (the cut answers finished from their streams)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=48)
+    batch = prompts(tokenizer, 6)
+    max_length = max(len(p["prompt_ids"]) for p in batch) + 12
+    one_request = agent(tmp_path, 1, short_first=3)
+
+    def run(on_server):
+        engine = HoldsAfterShortAnswers(tiny_model_dir, tokenizer, CPU, seed=5, max_batch_size=12)
+        engine.hold_after, engine.short = GROUP, 3
+        return AgentPartialRollout(service(on_server, engine, tokenizer, one_request, max_length, 1), target=1,
+                                   extra=5, max_age=1, responses_per_prompt=GROUP)
+
+    went_on = run(server)
+    went_on.generate(batch, params, seed=11, version=0)
+    state = json.loads(json.dumps(went_on.state_dict()))  # as the checkpoint's trainer_state.json keeps it
+    saved = [slot for group in state["groups_by_rank"][0] for slot in group["slots"]]
+    assert len(state["groups_by_rank"][0]) == 5 and sum(slot["cut"] is not None for slot in saved) == 10
+    expected = went_on.generate([], params, seed=12, version=1)
+
+    other_server = OpenAIServer(tokenizer)
+    try:
+        resumed = run(other_server)
+        resumed.load_state_dict(state)
+        assert resumed.prompts_wanted() == 1  # 5 in flight of 6 (the dataset gives none here, as at its end)
+        trained = resumed.generate([], params, seed=12, version=1)
+        assert resumed.metrics(trained, 1)["partial/replay_mismatches"] == 0
+    finally:
+        other_server.close()
+    assert len(trained) == len(expected) == 5 * GROUP
+    for got, want in zip(sorted(trained, key=lambda t: t.group), sorted(expected, key=lambda t: t.group)):
+        assert (got.group, got.started, got.token_ids, got.versions) == (want.group, want.started, want.token_ids,
+                                                                         want.versions)
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), rtol=0, atol=1e-5)
+        assert 0 in got.versions and 1 in got.versions
+
+
+def test_a_checkpoint_of_another_world_size_restarts_the_groups_in_flight(tiny_model_dir, tokenizer, server,
+                                                                          tmp_path):
+    """Groups in flight on ranks this run does not have: their agents start again from their prompts, and the
+    run takes that many fewer new prompts."""
     params = SamplingParams(temperature=1.0, max_new_tokens=24)
     engine = HFEngine(tiny_model_dir, tokenizer, CPU, seed=3, max_batch_size=4)
     make = lambda: AgentPartialRollout(service(server, engine, tokenizer, agent(tmp_path, 2), 4096, 2), target=1,
@@ -165,8 +206,9 @@ def test_a_checkpoint_restarts_the_groups_in_flight(tiny_model_dir, tokenizer, s
     partial.prompts_wanted()
     partial.generate(prompts(tokenizer, 4), params, seed=0, version=0)
     state = partial.state_dict()
-    assert len(state["restart_prompts"]) == len(partial.carried) == 3 and state["next_group"] == 4
+    assert len(state["groups_by_rank"][0]) == len(partial.carried) == 3 and state["next_group"] == 4
     carried_questions = [g.prompt["messages"][0]["content"] for g in partial.carried]
+    state["groups_by_rank"] = [state["groups_by_rank"][0][:2], state["groups_by_rank"][0][2:]]  # as 2 ranks had
 
     resumed = make()
     resumed.load_state_dict(state)

@@ -253,8 +253,9 @@ async def run(row, client):
 
 @pytest.mark.xdist_group("split")
 def test_an_agent_file_runs_on_the_rollout_ranks(tiny_model_dir, rl_data, tmp_path):
-    """With an agent file (rollout.agent_path) the rollout rank serves the endpoint and runs the agent; the
-    trainer gets its trajectories (agent/* metrics) and trains, one step off."""
+    """With an agent file (rollout.agent_path) the rollout rank serves the endpoint and runs the agent, with
+    partial rollout (its agents go on between steps); the trainer gets its trajectories (agent/* and partial/*
+    metrics) and trains, one step off."""
     pytest.importorskip("openai")
     agent = tmp_path / "agent.py"
     agent.write_text(PARITY_AGENT)
@@ -262,12 +263,13 @@ def test_an_agent_file_runs_on_the_rollout_ranks(tiny_model_dir, rl_data, tmp_pa
     run_torchrun(_ppo_args(tiny_model_dir, rl_data, save_dir, f"rollout.agent_path={agent}",
                            "rollout.dynamic_filtering=false", "trainer.total_steps=2", "trainer.test_freq=null",
                            "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 8}",
-                           "rollout.placement=split", "rollout.ranks=1", "rollout.max_staleness=1"))
+                           "rollout.placement=split", "rollout.ranks=1", "rollout.max_staleness=1",
+                           "rollout.partial_rollout=true"))
     rows = read_metrics(f"{save_dir}/metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
         assert row["agent/requests"] == 1.0 and row["agent/drift_requests"] == 0 and row["env_errors"] == 0
-        assert "actor/loss" in row
+        assert "actor/loss" in row and row["partial/replay_mismatches"] == 0 and "partial/resumed_ratio" in row
 
 
 def test_ranks_share_gpus_round_robin_when_the_node_has_fewer(caplog):

@@ -7,13 +7,21 @@ rank or be saved. So each rank keeps its own groups in flight: its agents keep r
 request they make then waits in their slot), a generation the pause cut short keeps its tokens and is drawn
 on from the same random stream under the new weights, and the reply the agent waits for carries tokens of
 both versions, each recorded with its version. Each step a rank takes new prompts up to its share of the
-`target + extra` groups in flight. A checkpoint saves the rows of the groups in flight; a resumed run starts
-those agents again from their first request (what they had generated is lost: their code's state is not
-saveable).
+`target + extra` groups in flight.
+
+An agent's state cannot be saved, but what it was served can: a checkpoint keeps, per rank, each group in
+flight with every generation its slots served and the turn a pause cut. A resumed run (the same world size)
+starts those agents again on the same rank and in the same order, and their slots answer them from that log
+(`EngineSlots.restore`): a deterministic agent is back where it was without generating anything, and the cut
+turn goes on from its random stream, so the run goes on exactly. An agent that asks for something else
+leaves the log there and is generated for live (`partial/replay_mismatches`); with another world size the
+groups' agents start again from their prompts.
 """
 
 import asyncio
 import copy
+import logging
+import time
 from dataclasses import dataclass, field
 
 from rl2.distributed.process_group import all_gather_objects, rank, world_size
@@ -24,6 +32,8 @@ from rl2.rollout.partial import partial_metrics
 from rl2.rollout.trajectory import Trajectory
 from rl2.serve.agent_rollout import agent_episodes, agent_trajectory, openai_client
 from rl2.serve.session import AgentSession
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,7 +64,8 @@ class AgentPartialRollout:
         self.responses_per_prompt = responses_per_prompt
         self.carried: list[LiveGroup] = []  # this rank's, in the order they started
         self.finished: list[LiveGroup] = []  # of those, the ones whose agents all ended, in that order
-        self.restarts: list[dict] = []  # a resumed run's prompts in flight at its checkpoint (every rank's)
+        self.restarts: list[dict] = []  # prompts to start again (a checkpoint of another world size)
+        self.restored: list[dict] = []  # this rank's groups in flight at its checkpoint, with their slots' logs
         self.next_group = 0
         self.rollout = None  # the server's rollout, kept across steps
         self.client = None
@@ -63,7 +74,7 @@ class AgentPartialRollout:
 
     def prompts_wanted(self) -> int:
         """New prompts this step takes: each rank fills its share of `target + extra` groups in flight."""
-        carried = all_gather_objects([len(self.carried)])
+        carried = all_gather_objects([len(self.carried) + len(self.restored)])
         self._carried_counts = carried
         self._wanted = [max(share - count, 0) for share, count in zip(shares(self.target + self.extra), carried)]
         return max(sum(self._wanted) - len(self.restarts), 0)
@@ -86,8 +97,13 @@ class AgentPartialRollout:
             self.client = openai_client(service.server.base_url, config.rollout.agent_timeout)
             self.rollout = service.server.open_rollout(params, version, config.rollout.max_turns, service.max_length)
         self.rollout.params = params
+        restored, self.restored = self.restored, []
+        for saved in restored:
+            self._start(saved["group"], saved["prompt"], saved["started"], saved["slots"])
         for j, prompt in enumerate(mine):
             self._start(self.next_group + first + j, prompt, version)
+        if restored:
+            self._replay(restored, config.rollout.agent_timeout)
         self.next_group += len(prompts)
         self._wanted = None
 
@@ -119,7 +135,7 @@ class AgentPartialRollout:
                 assign_rewards(service.env, unscored)
         return all_gather_objects(trajectories)
 
-    def _start(self, group_id: int, prompt: dict, version: int) -> None:
+    def _start(self, group_id: int, prompt: dict, version: int, replays: list[dict] | None = None) -> None:
         service, config = self.service, self.service.config
         from rl2.chat.tool_parsers import get_tool_parser
 
@@ -139,7 +155,24 @@ class AgentPartialRollout:
                     self.rollout.slots.pause()
                     service.engine.abort()
 
-        group.keys, group.slots, _ = service.server.open_sessions(self.rollout, sessions, episode, ended)
+        group.keys, group.slots, _ = service.server.open_sessions(self.rollout, sessions, episode, ended, replays)
+
+    def _replay(self, restored: list[dict], timeout: float) -> None:
+        """Wait until the restored agents have been answered from their logs, then put the groups that had
+        finished at the checkpoint back in their order."""
+        ids = {saved["group"] for saved in restored}
+        slots = [slot for g in self.carried if g.group in ids for slot in g.slots]
+        done = {saved["group"]: saved["finished"] for saved in restored if saved["finished"] is not None}
+        deadline = time.monotonic() + timeout
+        while self.rollout.slots.replaying(slots) or not self._on_loop(self._have_finished, set(done)):
+            if time.monotonic() > deadline:
+                logger.warning("restored agents still replaying their logs after %.0f s: they go on live", timeout)
+                break
+            time.sleep(0.002)
+        self._on_loop(lambda: self.finished.sort(key=lambda g: done.get(g.group, len(done))))
+
+    def _have_finished(self, groups: set[int]) -> bool:
+        return groups <= {g.group for g in self.finished}
 
     # ---- on the server's loop: the agents' callbacks run there ------------------------------------
 
@@ -173,13 +206,26 @@ class AgentPartialRollout:
         """`partial_metrics` of this step, the groups in flight on every rank."""
         local = [[v for sequence in s.sequences for v in sequence.versions] for g in self.carried for s in g.sessions]
         carried = [versions for part in all_gather_objects([local]) for versions in part]
-        return partial_metrics(trained, carried, sum(all_gather_objects([len(self.carried)])), version)
+        metrics = partial_metrics(trained, carried, sum(all_gather_objects([len(self.carried)])), version)
+        mismatches = self.rollout.slots.replay_mismatches if self.rollout is not None else 0
+        metrics["partial/replay_mismatches"] = float(sum(all_gather_objects([mismatches])))
+        return metrics
 
     def state_dict(self) -> dict:
-        """The prompts of every rank's groups in flight (their agents start again on resume)."""
-        prompts = all_gather_objects([copy.deepcopy(g.prompt) for g in self.carried]) + self.restarts
-        return {"next_group": self.next_group, "restart_prompts": prompts}
+        """Every rank's groups in flight, with what their slots served (their agents replay it on resume)."""
+        order = {id(g): i for i, g in enumerate(self.finished)}
+        mine = [{"group": g.group, "prompt": g.prompt, "started": g.started, "finished": order.get(id(g)),
+                 "slots": self.rollout.slots.snapshot(g.slots)} for g in self.carried] + self.restored
+        return {"next_group": self.next_group, "groups_by_rank": all_gather_objects([copy.deepcopy(mine)]),
+                "restart_prompts": self.restarts}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_group = state["next_group"]
         self.restarts = list(state.get("restart_prompts", []))
+        by_rank = state.get("groups_by_rank", [])
+        if len(by_rank) == world_size():
+            self.restored = list(by_rank[rank()])
+        elif any(by_rank):
+            logger.warning("the checkpoint's groups in flight ran on %d ranks, this run has %d: their agents start "
+                           "again from their prompts", len(by_rank), world_size())
+            self.restarts += [saved["prompt"] for part in by_rank for saved in part]

@@ -8,12 +8,17 @@ With partial rollout a slot outlives an engine call: `pause` lets the call end w
 work. A generation the pause cut short keeps the tokens drawn so far, and the next call (`start`, under
 newer weights) draws the rest from the same random stream; requests made meanwhile wait in their slot.
 Every served generation comes with the policy version of each of its tokens.
+
+A slot logs what it served; `snapshot` and `restore` carry that log (and a turn the pause cut) into a
+resumed run, where the slot answers its agent's requests from the log while they are the requests it
+logged, and a cut turn goes on from its stream: rerun from its start, a deterministic agent reaches the
+same state without generating anything again.
 """
 
 import threading
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from rl2.engines.base import FirstTurn, Generation, Turn
 
@@ -33,6 +38,9 @@ class _Slot:
     current: tuple[Turn, Future] | None = None  # the turn being generated (or cut by a pause), its result
     drawn: list[tuple[Generation, int]] = field(default_factory=list)  # its pieces before pauses, with versions
     closed: bool = False
+    log: list[tuple[Turn, Served]] = field(default_factory=list)  # every turn it served
+    replay: deque = field(default_factory=deque)  # a restored log's turns not yet asked for again
+    cut: tuple[Turn, list] | None = None  # a restored turn the pause had cut, and its pieces
 
 
 def _resolved(value) -> Future:
@@ -51,6 +59,7 @@ class EngineSlots:
         self._paused = True
         self._version = 0
         self._next_id = 0
+        self.replay_mismatches = 0  # restored slots whose agent asked for something else than it logged
 
     def add(self, count: int) -> list[int]:
         """`count` new slots (their requests wait for the next `start`)."""
@@ -79,14 +88,13 @@ class EngineSlots:
                     firsts.append(slot.current[0])
                     continue
                 if slot.current is not None:  # cut by a pause: the rest of it, from the same random stream
-                    turn, finished = slot.current
-                    drawn = [token for piece, _ in slot.drawn for token in piece.token_ids]
-                    if len(drawn) < turn.max_new_tokens:
-                        firsts.append(Turn(turn.prompt + drawn, turn.max_new_tokens - len(drawn),
-                                           slot.drawn[-1][0].stream, len(drawn)))
+                    rest = _rest(slot.current[0], slot.drawn)
+                    if rest is not None:
+                        firsts.append(rest)
                         continue
-                    served = _joined(slot.drawn)  # the pause came after its last token: it is whole
+                    (turn, finished), served = slot.current, _joined(slot.drawn)  # the pause came after its last token
                     served.generation.finish_reason = "length"
+                    slot.log.append((turn, served))
                     filled.append((finished, served))
                     slot.current, slot.drawn = None, []
                 firsts.append(self._following(slot))
@@ -103,13 +111,72 @@ class EngineSlots:
             slot = self._slots[slot_id]
             if slot.closed:
                 raise RuntimeError(f"slot {slot_id} is closed: its agent is done")
-            if not self._paused and slot.current is None and not slot.next.done():
+            replayed = self._replayed(slot, turn)
+            if isinstance(replayed, Served):
+                result.set_result(replayed)
+                return result
+            if replayed is not None:  # the restored cut turn: its pieces are kept, the rest drawn when it starts
+                slot.current, slot.drawn = (turn, result), replayed
+                if not self._paused and not slot.next.done():
+                    start = slot.next
+                    turn = _rest(turn, replayed) or turn
+            elif not self._paused and slot.current is None and not slot.next.done():
                 slot.current, start = (turn, result), slot.next
             else:
                 slot.waiting.append((turn, result))
         if start is not None:
             start.set_result(turn)
         return result
+
+    def _replayed(self, slot: _Slot, turn: Turn) -> Served | list | None:
+        """From a restored log (under the lock): the logged generation of `turn`, the pieces of the cut turn it
+        is, or None (live), where a request that is not the logged one ends the replay."""
+        if slot.replay:
+            logged, served = slot.replay[0]
+            if logged == turn:
+                slot.replay.popleft()
+                slot.log.append((logged, served))
+                return served
+        elif slot.cut is not None and slot.cut[0] == turn:
+            (_, pieces), slot.cut = slot.cut, None
+            return pieces
+        if slot.replay or slot.cut is not None:
+            self.replay_mismatches += 1
+            slot.replay.clear()
+            slot.cut = None
+        return None
+
+    def snapshot(self, ids: list[int]) -> list[dict]:
+        """What each of slots `ids` served (and the turn a pause cut, with its pieces), as JSON-ready dicts for
+        `restore` in a resumed run."""
+        with self._lock:
+            saved = []
+            for slot_id in ids:
+                slot = self._slots[slot_id]
+                cut = (slot.current[0], slot.drawn) if slot.current is not None and slot.drawn else slot.cut
+                saved.append({
+                    "log": [{"turn": asdict(turn), "served": asdict(served)} for turn, served in slot.log + list(slot.replay)],
+                    "cut": None if cut is None else {"turn": asdict(cut[0]), "pieces": [
+                        {"generation": asdict(generation), "version": version} for generation, version in cut[1]]},
+                })
+            return saved
+
+    def restore(self, slot_id: int, saved: dict) -> None:
+        """Answer the slot's requests from `saved` (a `snapshot` entry) while they are the ones it logged."""
+        log = deque((_turn(entry["turn"]), Served(_generation(entry["served"]["generation"]),
+                                                   list(entry["served"]["versions"]))) for entry in saved["log"])
+        cut = saved["cut"]
+        if cut is not None:
+            cut = (_turn(cut["turn"]), [(_generation(piece["generation"]), piece["version"]) for piece in cut["pieces"]])
+        with self._lock:
+            slot = self._slots[slot_id]
+            slot.replay, slot.cut = log, cut
+
+    def replaying(self, ids: list[int]) -> int:
+        """How many of slots `ids` still have logged turns their agents have not asked for again."""
+        with self._lock:
+            return sum(1 for slot_id in ids if slot_id in self._slots and not self._slots[slot_id].closed
+                       and (self._slots[slot_id].replay or self._slots[slot_id].cut is not None))
 
     def on_generation(self, index: int, generation: Generation) -> Future | None:
         """The engine finished request `index`'s turn: hand it to its request; the slot's next turn."""
@@ -120,10 +187,12 @@ class EngineSlots:
             slot.drawn.append((generation, self._version))
             if self._paused and generation.finish_reason == "abort":  # cut by the pause: continued later
                 return None
-            (_, finished), slot.current = slot.current, None
+            (turn, finished), slot.current = slot.current, None
             pieces, slot.drawn = slot.drawn, []
+            served = _joined(pieces)
+            slot.log.append((turn, served))
             upcoming = self._following(slot)
-        finished.set_result(_joined(pieces))
+        finished.set_result(served)
         return _resolved(upcoming) if isinstance(upcoming, Turn) else upcoming
 
     def _following(self, slot: _Slot) -> FirstTurn | None:
@@ -157,10 +226,34 @@ class EngineSlots:
             if slot is None:
                 return
             slot.closed = True
+            slot.replay.clear()
+            slot.cut = None
             if slot.current is None and not slot.waiting and not slot.next.done():
                 end = slot.next
         if end is not None:
             end.set_result(None)
+
+
+def _stream(stream) -> tuple[int, int] | None:
+    return None if stream is None else tuple(stream)
+
+
+def _turn(saved: dict) -> Turn:
+    return Turn(list(saved["prompt"]), saved["max_new_tokens"], _stream(saved["stream"]), saved["offset"])
+
+
+def _generation(saved: dict) -> Generation:
+    return Generation(list(saved["token_ids"]), list(saved["logprobs"]), saved["finish_reason"], saved["error"],
+                      _stream(saved["stream"]))
+
+
+def _rest(turn: Turn, pieces: list[tuple[Generation, int]]) -> Turn | None:
+    """The rest of `turn` after the pieces a pause cut it into, from the same random stream; None if none is
+    left."""
+    drawn = [token for piece, _ in pieces for token in piece.token_ids]
+    if len(drawn) >= turn.max_new_tokens:
+        return None
+    return Turn(turn.prompt + drawn, turn.max_new_tokens - len(drawn), pieces[-1][0].stream, len(drawn))
 
 
 def _joined(pieces: list[tuple[Generation, int]]) -> Served:

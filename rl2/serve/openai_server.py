@@ -139,12 +139,16 @@ class OpenAIServer:
         return Rollout(EngineSlots(), params, version, max_requests, max_length, stop_ids)
 
     def open_sessions(self, rollout: Rollout, sessions: list[AgentSession], episode: Callable[[int, str], Awaitable],
-                      on_end: Callable[[int], None] | None = None) -> tuple[list[str], list[int], list[Future]]:
+                      on_end: Callable[[int], None] | None = None,
+                      replays: list[dict] | None = None) -> tuple[list[str], list[int], list[Future]]:
         """Make `sessions` reachable (an API key and a slot of `rollout` each) and start `episode(i, key)` for
         each on this server's loop; a session's slot closes when its episode ends, then `on_end(i)` runs (on
-        the loop). Returns the keys, the slots and the episodes' futures."""
+        the loop). `replays`: each slot's `EngineSlots.snapshot` from an earlier run, answered from first.
+        Returns the keys, the slots and the episodes' futures."""
         keys = [f"rl2-{secrets.token_hex(12)}" for _ in sessions]
         slots = rollout.slots.add(len(sessions))
+        for slot, saved in zip(slots, replays or []):
+            rollout.slots.restore(slot, saved)
         for key, slot, session in zip(keys, slots, sessions):
             self.sessions[key] = (rollout, slot, session)
 
