@@ -2,6 +2,7 @@
 log-probs equal to the actor's after every push (fp32), pushes whose fused groups arrive in pieces, a tied head,
 the prefix cache after a push, multi-turn requests whose turns wait on futures, and abort with tokens kept."""
 
+import json
 import threading
 import time
 from concurrent.futures import Future
@@ -179,3 +180,61 @@ def test_a_batch_larger_than_one_prefill_step(engine, model_dir):
     for prompt, generation in list(zip(prompts, generations))[::16]:
         torch.testing.assert_close(torch.tensor(generation.logprobs),
                                    actor_logprobs(model, prompt, generation.token_ids, 1.0), rtol=0, atol=2e-4)
+
+
+def test_a_cut_generation_goes_on_from_its_tokens(engine, model_dir):
+    """A turn cut by a pause (partial rollout) goes on from the tokens it drew: vLLM cannot resume a random
+    stream at an offset, so the rest is drawn from a seed of (stream, offset), the same every time for the same
+    cut; the tokens are the sampled ones and their log-probs are the actor's (what rl2 guarantees on vLLM)."""
+    model = perturbed(model_dir, 7)
+    engine.update_weights(model.state_dict().items())
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+    prompt = [11, 12, 13, 14]
+    whole = engine.generate([prompt], params)[0]
+    drawn = whole.token_ids[:6]  # as if the pause had come after 6 tokens
+    rest = Turn(prompt + drawn, 10, whole.stream, len(drawn))
+    results = []
+    for _ in range(2):
+        engine.generate_turns([rest], params, lambda index, generation: results.append(generation), max_turns=1)
+    first, again = results
+    assert len(first.token_ids) == 10 and first.token_ids == again.token_ids and first.stream == whole.stream
+    expected = actor_logprobs(model, prompt, drawn + first.token_ids, 1.0)[len(drawn):]
+    torch.testing.assert_close(torch.tensor(first.logprobs), expected, rtol=0, atol=2e-4)
+
+
+def _demo_args(model_dir: str, data: str, save_dir: str, env_file: str, *extra: str) -> list[str]:
+    return ["-m", "rl2.trainer.ppo", f"data.path={data}/train.jsonl", "data.prompts_per_rollout=4",
+            "data.responses_per_prompt=4", f"actor.model_name={model_dir}", "actor.dtype=float32",
+            "actor.gradient_checkpointing=false", f"actor.save_dir={save_dir}", "actor.save_freq=2",
+            f"rollout.env_path={env_file}", "rollout.env_workers=0", "rollout.dynamic_filtering=false",
+            "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.05", "trainer.total_steps=4",
+            "trainer.test_freq=null", "trainer.disable_wandb=true",
+            "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 8}", *extra]
+
+
+def test_one_step_off_on_vllm_resumes_exactly(model_dir, tmp_path):
+    """1 trainer + 1 rollout rank whose engine is vLLM, one step off: the rollout rank dies in step 3; resumed
+    from step 2's checkpoint (which holds the batch in flight) the run equals one never killed (vLLM's seeds are
+    per request, so what it draws does not depend on timing)."""
+    from conftest import run_torchrun
+    from rl2.metrics import read_metrics
+    from test_ppo import PARITY_ENV
+
+    env_file = tmp_path / "parity_env.py"
+    env_file.write_text(PARITY_ENV)
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"messages": [{"role": "user", "content": f"Say {i} and {i + 1}."}], "answer": str(i)} for i in range(64)]
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    split = ("rollout.placement=split", "rollout.ranks=1", "rollout.max_staleness=1")
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    run_torchrun(_demo_args(model_dir, str(data), straight, str(env_file), *split))
+    crashed = run_torchrun(_demo_args(model_dir, str(data), resumed, str(env_file), *split,
+                                      "rollout.env_args.crash_after=48"), check=False)  # batches 1-3: 48 answers
+    assert crashed.returncode == 3, crashed.stderr[-3000:]
+    run_torchrun(_demo_args(model_dir, str(data), resumed, str(env_file), *split, "trainer.load_ckpt_from=latest"))
+    rows_straight, rows_resumed = read_metrics(f"{straight}/metrics.jsonl"), read_metrics(f"{resumed}/metrics.jsonl")
+    assert [r["step"] for r in rows_straight] == [r["step"] for r in rows_resumed] == [1, 2, 3, 4]
+    for a, b in zip(rows_straight, rows_resumed):
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "response_length/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
