@@ -2,6 +2,7 @@
 did, and each recipe's tiny CPU variant runs end to end (data script, warm-up, real tool
 processes, training steps, evaluation)."""
 
+import contextlib
 import glob
 import json
 import os
@@ -10,10 +11,11 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, kill_tree
+from conftest import FORK_RANKS, REPO, kill_tree
 from rl2.config import load_config
 from rl2.config_checks import check_config
 from rl2.metrics import read_metrics
+from torchrun_service import TorchrunService
 
 RECIPE_YAMLS = sorted(glob.glob(os.path.join(REPO, "recipes", "**", "*.yaml"), recursive=True))
 
@@ -54,7 +56,9 @@ def run_tiny(recipe: str, out: str, **env: str) -> str:
                    "PYTHONPATH": REPO, **env}
     log = os.path.join(out, "train.log")
     os.makedirs(out, exist_ok=True)
-    with open(log, "w") as f:
+    with TorchrunService() if FORK_RANKS else contextlib.nullcontext() as shim, open(log, "w") as f:
+        if shim:  # its torchrun forks the ranks from preloaded modules
+            environment["PATH"] = shim + os.pathsep + environment["PATH"]
         process = subprocess.Popen(["bash", f"recipes/{recipe}/train.sh"], stdout=f, stderr=subprocess.STDOUT,
                                    env=environment, cwd=REPO, start_new_session=True)
         try:
