@@ -442,20 +442,51 @@ def _unread_message(reader: Command, unread: list[str]) -> str:
             f"python -m {reader.module} --help lists them){note}")
 
 
-def _help_lines(cls: type, prefix: str = "", reader: Optional[Command] = None) -> list[str]:
-    lines = []
+@dataclass(frozen=True)
+class ConfigEntry:
+    """One section or key of the config as `--help` and the docs' config reference show it."""
+
+    name: str  # dotted: `actor`, `actor.lora`, `actor.lora.rank`
+    help: str
+    is_section: bool = False
+    type_name: str = ""
+    default: Any = None
+    choices: tuple[str, ...] = ()
+
+    @property
+    def default_text(self) -> str:
+        """The default as `--help` prints it (Python's repr: None is YAML's null)."""
+        return repr(self.default)
+
+
+def config_entries(cls: type = Config, prefix: str = "") -> list[ConfigEntry]:
+    """Every section and key of `cls`, dotted, in declaration order (a section before its keys), with
+    its type, default, meaning and choices: the one source of `--help` and of the docs' config reference."""
+    entries = []
     for f, tp in zip(fields(cls), _hints(cls).values()):
         name = f"{prefix}{f.name}"
         if is_dataclass(tp):
-            if reader is None or reader.reads_section(name):
-                lines += ["", f"{name}: {f.metadata['help']}"] + _help_lines(tp, name + ".", reader)
-            continue
-        if reader is not None and not reader.reads_key(name):
+            entries.append(ConfigEntry(name, f.metadata["help"], is_section=True))
+            entries += config_entries(tp, name + ".")
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        line = f"  {name}: {_type_name(tp)} = {default!r}  — {f.metadata['help']}"
-        if "choices" in f.metadata:
-            line += f" (choices: {', '.join(f.metadata['choices'])})"
+        entries.append(ConfigEntry(name, f.metadata["help"], type_name=_type_name(tp), default=default,
+                                   choices=tuple(f.metadata.get("choices", ()))))
+    return entries
+
+
+def _help_lines(cls: type, reader: Optional[Command] = None) -> list[str]:
+    lines = []
+    for entry in config_entries(cls):
+        if entry.is_section:
+            if reader is None or reader.reads_section(entry.name):
+                lines += ["", f"{entry.name}: {entry.help}"]
+            continue
+        if reader is not None and not reader.reads_key(entry.name):
+            continue
+        line = f"  {entry.name}: {entry.type_name} = {entry.default_text}  — {entry.help}"
+        if entry.choices:
+            line += f" (choices: {', '.join(entry.choices)})"
         lines.append(line)
     return lines
 
@@ -466,7 +497,7 @@ def config_help(config_cls: type = Config, command: Optional[str] = None) -> str
     reader = command_named(command) if command is not None else None
     launch = f"{reader.launch} " if reader else ""
     usage = f"usage: {launch}[config=file.yaml] [section.key=value ...]   (values use YAML syntax; null = None)"
-    lines = [usage] + _help_lines(config_cls, reader=reader)
+    lines = [usage] + _help_lines(config_cls, reader)
     return "\n".join(lines + rl2_keys_help(reader) if config_cls is Config else lines)
 
 
