@@ -3,7 +3,7 @@
 PYTHON ?= python3
 NPROC ?= 2
 
-.PHONY: install sandbox-tools demo demo-tool demo-sft demo-rm demo-dpo test test-gpu-pins test-vllm bench docs docs-serve
+.PHONY: install sandbox-tools demo demo-tool demo-sft demo-rm demo-dpo test test-gpu-pins test-vllm bench docs docs-serve docs-screenshots
 
 install:
 	$(PYTHON) -m pip install --quiet torch==2.13.0
@@ -82,3 +82,8 @@ docs:
 docs-serve:
 	@$(PYTHON) -c "import mkdocs, material, mkdocstrings" 2>/dev/null || $(PYTHON) -m pip install --quiet -e ".[docs]"
 	$(DOCS_ENV) $(PYTHON) -m mkdocs serve --strict
+
+# docs/images/: the report of the tool demo's run (make demo-tool), shot in headless Chromium.
+docs-screenshots: install
+	OUT=outputs/ppo_tiny_tools TASK=tools NPROC=$(NPROC) bash recipes/ppo_tiny.sh
+	$(PYTHON) docs/screenshots.py outputs/ppo_tiny_tools/ppo --out docs/images

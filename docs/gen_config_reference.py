@@ -47,7 +47,7 @@ def key_row(entry: ConfigEntry) -> str:
         meaning += "; one of " + ", ".join(code(choice) for choice in entry.choices)
     read_by = ", ".join(readers(entry.name)) or "none"
     anchor = entry.name.replace(".", "-")
-    return (f'| <a id="{anchor}"></a>{code(entry.name)} | {code(entry.type_name)} | {code(entry.default_text)} | '
+    return (f'| <a id="{anchor}"></a>{code(entry.name)}<br>{code(entry.type_name)} = {code(entry.default_text)} | '
             f"{meaning} | {read_by} |")
 
 
@@ -77,7 +77,7 @@ def config_reference() -> str:
         if entry.is_section:
             level = "##" if "." not in entry.name else "###"
             lines += ["", f"{level} {entry.name}", "", markdown_text(entry.help[0].upper() + entry.help[1:]) + ".", "",
-                      "| key | type | default | meaning | read by |", "|---|---|---|---|---|"]
+                      "| key, type = default | meaning | read by |", "|---|---|---|"]
             continue
         lines.append(key_row(entry))
     return "\n".join(lines) + "\n"

@@ -221,32 +221,57 @@ def test_every_bash_line_is_checked(line, monkeypatch):
 # ---- the blocks run here ----------------------------------------------------------------------------
 
 
-def test_the_quickstart_runs_as_written(tmp_path):
-    """The README's quickstart in an empty folder: its Python blocks saved as the files they name, its commands
-    run (torchrun with the suite's forked ranks, 2 steps); every metric the run logs is on the metrics page. The
-    getting-started page shows the same blocks."""
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory) -> str:
+    """The README's quickstart run in an empty folder: its Python blocks saved as the files they name, its
+    commands run (torchrun with the suite's forked ranks, 2 steps); the run's folder."""
+    folder = tmp_path_factory.mktemp("quickstart")
     readme = [b for b in blocks_marked("test", "quickstart") if b.path == "README.md"]
-    others = [b for b in blocks_marked("test", "quickstart") if b.path != "README.md"]
-    assert [b.text for b in others] == [b.text for b in readme] and len(readme) == 3
     env = {**os.environ, "PYTHONPATH": REPO, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
     for block in readme:
         if block.lang == "python":
-            (tmp_path / re.match(r"# ([\w.]+\.py)", block.text).group(1)).write_text(block.text)
+            (folder / re.match(r"# ([\w.]+\.py)", block.text).group(1)).write_text(block.text)
     for line in command_lines([b for b in readme if b.lang == "bash"]):
         words = line.command
         if words[0] == "torchrun":
             args = words[words.index("-m"):] + ["trainer.total_steps=2", "trainer.test_freq=null"]
-            run_torchrun(args, nproc=2, timeout=600, cwd=str(tmp_path))
+            run_torchrun(args, nproc=2, timeout=600, cwd=str(folder))
         else:  # `python ...`: one process, forked from the suite's preloaded modules as the ranks are
             result = forked_or_real(
-                lambda: rank_launcher.launch(words[1:], 1, env, str(tmp_path), 300, distributed=False),
-                lambda: subprocess.run([sys.executable, *words[1:]], cwd=tmp_path, env=env, capture_output=True,
+                lambda: rank_launcher.launch(words[1:], 1, env, str(folder), 300, distributed=False),
+                lambda: subprocess.run([sys.executable, *words[1:]], cwd=folder, env=env, capture_output=True,
                                        text=True, timeout=300))
             assert result.returncode == 0, result.stderr[-3000:]
-    rows = read_metrics(str(tmp_path / "ckpts" / "quickstart" / "metrics.jsonl"))
+    return str(folder / "ckpts" / "quickstart")
+
+
+@pytest.mark.xdist_group("docs_quickstart")
+def test_the_quickstart_runs_as_written(quickstart_run):
+    """It trains, writes its report, and every metric it logs is on the metrics page; the getting-started page
+    shows the same blocks as the README."""
+    readme = [b.text for b in blocks_marked("test", "quickstart") if b.path == "README.md"]
+    others = [b.text for b in blocks_marked("test", "quickstart") if b.path != "README.md"]
+    assert others == readme and len(readme) == 3
+    rows = read_metrics(os.path.join(quickstart_run, "metrics.jsonl"))
     assert [row["step"] for row in rows] == [1, 2]
-    assert os.path.isfile(tmp_path / "ckpts" / "quickstart" / "report.html")
+    assert os.path.isfile(os.path.join(quickstart_run, "report.html"))
     assert_metrics_documented(rows)
+
+
+@pytest.mark.xdist_group("docs_quickstart")
+def test_the_docs_screenshots_script_shoots_a_report(quickstart_run, tmp_path):
+    """docs/screenshots.py (make docs-screenshots) on a real run: both pictures taken; the docs show its pictures."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if chromium is None:
+        pytest.skip("no Chromium (apt-get install chromium): the screenshots cannot be taken")
+    spec = importlib.util.spec_from_file_location("screenshots", os.path.join(REPO, "docs", "screenshots.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for shot in module.take_screenshots(quickstart_run, str(tmp_path), chromium):
+        with open(shot, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(shot) > 10_000, shot
+    for name in ("report.png", "trajectory.png"):
+        assert os.path.isfile(os.path.join(REPO, "docs", "images", name)), name
 
 
 def test_the_sandbox_example_prints_what_it_shows():
@@ -297,14 +322,14 @@ def test_the_config_reference_has_every_key_its_default_and_readers():
         if entry.is_section:
             assert re.search(rf"^#+ {re.escape(entry.name)}$", page, re.MULTILINE), entry.name
             continue
-        [row] = [line for line in page.splitlines() if f"`{entry.name}` |" in line]
+        [row] = [line for line in page.splitlines() if f"`{entry.name}`<br>" in line]
         assert f"`{entry.default_text.replace('|', chr(92) + '|')}`" in row and f"`{entry.type_name}`" in row, row
         readers = [name for name, command in COMMANDS.items() if command.reads_key(entry.name)]
         assert row.rstrip(" |").endswith(", ".join(readers) or "none"), (row, readers)
     # --help prints the same entries: every key a command's --help lists is on the page.
     for name in COMMANDS:
         for key in re.findall(r"^  ([\w.]+): ", config_help(command=name), re.MULTILINE):
-            assert f"`{key}` |" in page, (name, key)
+            assert f"`{key}`<br>" in page, (name, key)
 
 
 def test_the_rl2_keys_page_has_every_rl2_key():
