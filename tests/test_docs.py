@@ -31,8 +31,8 @@ import pytest
 import rank_launcher
 from conftest import REPO, forked_or_real, run_torchrun
 from docs_blocks import (
-    all_blocks, assert_metrics_documented, blocks_marked, command_lines, documented_metrics, metric_pattern,
-    python_module, undocumented_metrics,
+    all_blocks, assert_metrics_documented, blocks_marked, command_lines, doc_files, documented_metrics,
+    metric_pattern, python_module, undocumented_metrics,
 )
 from rl2.config import Config, config_entries, config_help, load_config
 from rl2.config.commands import COMMANDS
@@ -68,6 +68,7 @@ def site(tmp_path_factory) -> str:
     """The site built strict into a temporary folder."""
     pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]' (make install does)")
     pytest.importorskip("material", reason="mkdocs-material is not installed: pip install -e '.[docs]'")
+    pytest.importorskip("mkdocstrings", reason="mkdocstrings is not installed: pip install -e '.[docs]'")
     out = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": REPO}
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
@@ -106,6 +107,35 @@ def test_the_readme_is_short_and_its_links_resolve():
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
         if not target.startswith(("http://", "https://")):
             assert os.path.exists(os.path.join(REPO, target)), target
+
+
+HTML_TAGS = {"a", "br", "details", "summary", "div", "span", "img", "p", "sup", "sub", "code", "em", "strong"}
+
+
+def prose(path: str) -> list[tuple[int, str]]:
+    """(line number, line) of a markdown file outside its fenced blocks."""
+    lines, inside = [], False
+    for number, line in enumerate(open(os.path.join(REPO, path)).read().split("\n"), 1):
+        if line.lstrip().startswith("```"):
+            inside = not inside
+        elif not inside:
+            lines.append((number, line))
+    return lines
+
+
+@pytest.mark.parametrize("path", [*doc_files(), "bench/RESULTS.md"])
+def test_the_markdown_reads_the_same_on_the_site(path):
+    """What GitHub forgives and Python-Markdown (the site) does not: a list right under a paragraph (it runs into
+    the paragraph), a `<placeholder>` outside a code span (it vanishes as an unknown HTML tag)."""
+    lines = prose(path)
+    for (_, before), (number, line) in zip(lines, lines[1:]):
+        list_item = re.compile(r"^\s*([-*]|\d+\.) ")
+        if list_item.match(line) and before.strip() and not list_item.match(before) and not before.startswith((" ", "<!--")):
+            raise AssertionError(f"{path}:{number}: a list needs a blank line above it")
+    # code spans, of any number of backticks, may span lines
+    text = re.sub(r"(?<!`)(`+)(?!`)[\s\S]*?(?<!`)\1(?!`)", "", "\n".join(line for _, line in lines))
+    for match in re.finditer(r"<(/?)([A-Za-z_][\w.-]*)[^>\n]*>", text):
+        assert match.group(2).lower() in HTML_TAGS, f"{path}: {match.group(0)} outside a code span"
 
 
 # ---- every block is tested --------------------------------------------------------------------------
