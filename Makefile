@@ -3,11 +3,11 @@
 PYTHON ?= python3
 NPROC ?= 2
 
-.PHONY: install sandbox-tools demo demo-tool demo-sft demo-rm demo-dpo test test-gpu-pins test-vllm bench
+.PHONY: install sandbox-tools demo demo-tool demo-sft demo-rm demo-dpo test test-gpu-pins test-vllm bench docs docs-serve docs-screenshots
 
 install:
 	$(PYTHON) -m pip install --quiet torch==2.13.0
-	$(PYTHON) -m pip install --quiet -e ".[test,tools,envs]"
+	$(PYTHON) -m pip install --quiet -e ".[test,tools,envs,docs]"
 
 demo: install
 	NPROC=$(NPROC) bash recipes/ppo_tiny.sh
@@ -70,3 +70,20 @@ bench: install
 	$(PYTHON) bench/sandbox.py
 	$(PYTHON) bench/retrieval.py
 	$(PYTHON) bench/search_walk.py
+
+# The documentation site: docs/ and mkdocs.yml, built into site/ (git-ignored) with every link, anchor and page
+# checked (--strict); the config reference is generated from rl2/config/ at each build. Nothing is fetched.
+DOCS_ENV = NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR)
+docs:
+	@$(PYTHON) -c "import mkdocs, material, mkdocstrings" 2>/dev/null || $(PYTHON) -m pip install --quiet -e ".[docs]"
+	$(DOCS_ENV) $(PYTHON) -m mkdocs build --strict
+	@echo "the site: site/index.html"
+
+docs-serve:
+	@$(PYTHON) -c "import mkdocs, material, mkdocstrings" 2>/dev/null || $(PYTHON) -m pip install --quiet -e ".[docs]"
+	$(DOCS_ENV) $(PYTHON) -m mkdocs serve --strict
+
+# docs/images/: the report of the tool demo's run (make demo-tool), shot in headless Chromium.
+docs-screenshots: install
+	OUT=outputs/ppo_tiny_tools TASK=tools NPROC=$(NPROC) bash recipes/ppo_tiny.sh
+	$(PYTHON) docs/screenshots.py outputs/ppo_tiny_tools/ppo --out docs/images

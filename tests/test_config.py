@@ -19,7 +19,7 @@ def test_defaults():
     assert isinstance(c, Config) and type(c.actor) is ActorConfig and type(c.critic) is CriticConfig
     assert c.actor.beta == 0.1 and c.actor.label_smoothing == 0.0 and c.ref_actor.offload_model is False
     assert not hasattr(c.critic, "beta")  # DPO keys live on the actor only
-    # RL2's defaults (README, "Defaults that differ from RL2's", for the ones rl2 does not share)
+    # RL2's defaults (docs/migration/from-rl2.md, "Defaults", for the ones rl2 does not share)
     assert c.data.batch_size == 128 and c.data.test_ratio == 0.03 and c.data.path is None and c.data.shuffle is True
     assert c.actor.lr == 1e-6 and c.actor.clip == 0.2 and c.actor.dtype == "bfloat16"
     assert c.actor.warmup_ratio == c.critic.warmup_ratio == 0.03

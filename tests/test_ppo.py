@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import GRAD_RTOL, REPO, assert_same_gradients, run_python, run_torchrun
+from docs_blocks import assert_metrics_documented
 from rl2.metrics import read_metrics
 from rl2.testing.tiny import save_tiny
 
@@ -250,6 +251,7 @@ def test_partial_rollout_resumes_exactly(tiny_model_dir, rl_data, tmp_path):
 
     a, b = read_metrics(f"{straight}/metrics.jsonl"), read_metrics(f"{resumed}/metrics.jsonl")
     assert [row["step"] for row in a] == [row["step"] for row in b] == [1, 2, 3, 4]
+    assert_metrics_documented(a)  # partial/*, offpolicy/*
     for row_a, row_b in zip(a, b):
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "partial/resumed_ratio", "partial/carried_groups"):
             assert row_b[key] == pytest.approx(row_a[key], abs=1e-6), (row_a["step"], key)
@@ -358,6 +360,7 @@ def test_grpo_roc_steps(tiny_model_dir, rl_data, tmp_path):
                            "adv.roc_mode=topk", "adv.roc_min_each=1", "trainer.total_steps=2", "trainer.test_freq=null"))
     rows = read_metrics(str(save_dir / "metrics.jsonl"))
     assert [row["step"] for row in rows] == [1, 2]
+    assert_metrics_documented(rows)  # roc/*
     for row in rows:
         assert row["trajectories"] == 16.0  # 4 prompts x 4 generated
         assert row["roc/kept_trajectories"] == 2 * (4 - row["roc/dropped_groups"])
@@ -408,6 +411,7 @@ def test_function_calling_demo_calls_natively(function_calling_demo):
     by bench/demo_seeds.py --tasks tools, recorded in bench/RESULTS.md)."""
     rows = read_metrics(os.path.join(function_calling_demo, "ppo", "metrics.jsonl"))
     assert sum(row.get("tools/lookup/calls", 0) for row in rows) > 0 and all(row["env_errors"] == 0 for row in rows)
+    assert_metrics_documented(rows)  # tools/*
     dump = [json.loads(line) for line in open(os.path.join(function_calling_demo, "ppo", "trajectories", "step_2.jsonl"))]
     called = [t for t in dump if (t["messages"][1].get("tool_calls") or [{}])[0].get("function") == {
         "name": "lookup", "arguments": {}}]

@@ -1,5 +1,6 @@
-"""The README's notebook lines ("Run": in a notebook, in one process) run as written, in a folder
-holding what they name: a tiny model `my_model`, `train.jsonl`, `rl.jsonl` and `env.py`."""
+"""The notebook lines of the docs (Getting started, "In a notebook": in one process) run as written, in a folder
+holding what they name: a tiny model `my_model`, `train.jsonl`, `rl.jsonl` and `env.py`; every metric the two runs
+log is on the metrics page."""
 
 import json
 import os
@@ -7,14 +8,15 @@ import subprocess
 import sys
 
 from conftest import REPO
+from docs_blocks import assert_metrics_documented, blocks_marked
 from rl2.metrics import read_metrics
 from rl2.testing.tiny import save_tiny
 
 
 def readme_notebook_lines() -> str:
-    text = open(os.path.join(REPO, "README.md")).read()
-    start = text.index("```python\n", text.index("In a notebook, in one process")) + len("```python\n")
-    return "\n".join(line.removeprefix("  ") for line in text[start:text.index("```", start)].splitlines())
+    """The block marked `<!-- test: notebook -->` (there is one)."""
+    [block] = blocks_marked("test", "notebook")
+    return block.text
 
 
 def test_the_readme_notebook_lines_run_as_written(tmp_path):
@@ -39,3 +41,4 @@ def test_the_readme_notebook_lines_run_as_written(tmp_path):
     ppo = read_metrics(str(tmp_path / "ckpts" / "my_ppo" / "metrics.jsonl"))
     assert [row["step"] for row in sft if "loss" in row] == [1, 2, 3, 4]  # 39 training rows, batches of 8
     assert [row["step"] for row in ppo if "reward/mean" in row] == [1, 2, 3, 4]  # 39 prompts, 8 a step
+    assert_metrics_documented(sft + ppo)

@@ -7,12 +7,12 @@ argument must land is written out by hand in LANDS_IN, not read from rl2's alias
 """
 
 import json
-import os
 
 import pytest
 import yaml
 
-from conftest import REPO, run_python
+from conftest import run_python
+from docs_blocks import blocks_marked
 from rl2.config import ConfigError, config_help, load_config
 from rl2.config.rl2_keys import RL2_KEYS
 from rl2.metrics import read_metrics
@@ -432,10 +432,9 @@ def test_help_lists_rl2_keys():
 
 
 def readme_countdown_port() -> str:
-    """The README's port of RL2's Countdown env file (the python block after its marker)."""
-    text = open(os.path.join(REPO, "README.md")).read()
-    start = text.index("```python\n", text.index("<!-- countdown port -->")) + len("```python\n")
-    return text[start:text.index("\n```", start)]
+    """The docs' port of RL2's Countdown env file (Coming from RL2: the block marked `<!-- test: countdown-port -->`)."""
+    [block] = blocks_marked("test", "countdown-port")
+    return block.text
 
 
 def test_the_readme_port_of_rl2s_countdown_env_scores_as_rl2s():

@@ -16,6 +16,7 @@ from transformers import (
 )
 
 from conftest import assert_same_gradients, run_python, run_torchrun
+from docs_blocks import assert_metrics_documented
 from rl2.workers.policy import token_logps
 from rl2.config import ConfigError, load_config
 from rl2.data.conversations import PairDataset
@@ -135,6 +136,7 @@ def conversation(row: dict, field: str) -> list[dict]:
 def test_reward_model_learns_reloads_and_scores_text(rm_run, pair_data):
     metrics = read_metrics(f"{rm_run}/metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(13))  # step 0: the test set before training
+    assert_metrics_documented(metrics)
     tests = [m for m in metrics if "test/accuracy" in m]
     assert [m["step"] for m in tests] == [0, 6, 12]
     assert tests[0]["test/accuracy"] < 0.7 and tests[-1]["test/accuracy"] >= 0.9, tests
@@ -221,6 +223,7 @@ def response_logps(model, sequence: dict) -> float:
 def test_dpo_learns_and_reloads(dpo_run, tiny_model_dir, pair_data):
     metrics = read_metrics(f"{dpo_run}/metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(13))
+    assert_metrics_documented(metrics)
     tests = [m for m in metrics if "test/accuracy" in m]
     # Before training the policy is the reference: every implicit reward is 0, every pair a tie.
     assert tests[0]["test/accuracy"] == 0.5 and tests[0]["test/loss"] == pytest.approx(math.log(2), abs=1e-6)

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from conftest import run_python, run_torchrun
+from docs_blocks import assert_metrics_documented
 from rl2.metrics import read_metrics
 from test_ppo import PARITY_ENV, _dumped_steps, _ppo_args, rl_data  # noqa: F401  (the fixture)
 
@@ -195,6 +196,7 @@ def test_staleness_never_exceeds_its_bound(tiny_model_dir, rl_data, tmp_path):
                       "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 24}"), nproc=2)
     rows = read_metrics(f"{tmp_path}/run/metrics.jsonl")
     assert [row["async/staleness"] for row in rows] == [min(k, step - 1) for step in range(1, steps + 1)]
+    assert_metrics_documented(rows)  # async/*
     ages = [row["async/staleness"] + row["partial/age_max"] for row in rows]
     assert max(ages) <= k + max_age and max(row["partial/age_max"] for row in rows) > 0, ages
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Single-turn math GRPO (README: "Recipe: math GRPO").
+# Single-turn math GRPO (docs/guides/grpo-math.md).
 #
 #   TRAIN_FILES=gsm8k_train.parquet TEST_FILES=math500.jsonl bash recipes/math_grpo/train.sh   # 4 GPUs
 #   TINY=1 bash recipes/math_grpo/train.sh     # CPU: tiny model, shipped samples, tiny.yaml

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GRPO on a mix of reasoning-gym tasks (README: "Recipe: reasoning-gym"): procedurally generated,
+# GRPO on a mix of reasoning-gym tasks (docs/guides/grpo-math.md): procedurally generated,
 # verifiable problems, each scored by its task's own scorer (envs/reasoning_gym.py).
 #
 #   bash recipes/reasoning_gym/run.sh                       # 4 GPUs: Qwen2.5-1.5B-Instruct, config.yaml

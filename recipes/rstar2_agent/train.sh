@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# rStar2-Agent: GRPO-RoC with a Python tool, in stages (README: "Recipe: rStar2-Agent").
+# rStar2-Agent: GRPO-RoC with a Python tool, in stages (docs/guides/code-execution.md).
 #
 #   bash recipes/rstar2_agent/train.sh           # 8 GPUs: Qwen2.5-7B-Instruct, config.yaml
 #   TINY=1 bash recipes/rstar2_agent/train.sh    # CPU: tiny model, shipped sample, tiny.yaml

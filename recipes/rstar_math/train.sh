@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# rStar-Math: self-evolved deep thinking with MCTS and a process preference model (README: "Recipe: rStar-Math").
+# rStar-Math: self-evolved deep thinking with MCTS and a process preference model (docs/guides/rstar-math.md).
 #
 #   bash recipes/rstar_math/train.sh           # GPUs: Qwen2.5-Math-7B-Instruct, config.yaml
 #   TINY=1 bash recipes/rstar_math/train.sh    # CPU: tiny model, addition problems, tiny.yaml

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Search-R1: GRPO with a search engine (README: "Recipe: Search-R1").
+# Search-R1: GRPO with a search engine (docs/guides/search.md).
 #
 #   CORPUS=wiki-18.jsonl TRAIN_FILES="nq_train.jsonl hotpotqa_train.jsonl" TEST_FILES="nq_test.jsonl" \
 #     bash recipes/search_r1/train.sh          # 8 GPUs: Qwen2.5-3B-Instruct, config.yaml

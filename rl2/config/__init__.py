@@ -141,7 +141,7 @@ class RolloutConfig:
     trajectory_format: str = _f("whole", "multi-turn RL: whole = a trajectory is one sequence, each turn's tokens appended as the model saw them; per_turn = each turn its own sequence (its prompt the chat template's rendering of the conversation so far, as at inference: Qwen3 drops earlier turns' reasoning), trained with the trajectory's advantage", ["whole", "per_turn"])
     max_tool_calls: int = _f(8, "tool calls run per assistant turn; the model is told that the ones past it were not run")
     env_path: Optional[str] = _f(None, "python file defining the environment (reward / tool steps)")
-    agent_path: Optional[str] = _f(None, "an agent file written against the OpenAI API: async def run(row, client) -> reward; each rank serves an OpenAI-compatible endpoint over its engine and runs the agent once per trajectory (README, Agents over the OpenAI API)")
+    agent_path: Optional[str] = _f(None, "an agent file written against the OpenAI API: async def run(row, client) -> reward; each rank serves an OpenAI-compatible endpoint over its engine and runs the agent once per trajectory (docs/guides/agents.md)")
     agent_sequences: str = _f("merge", "agents: merge = a request that continues an earlier one's conversation extends its sequence (one sequence for an agent that only goes on); each = every request its own sequence (prompts still built from the sampled tokens)", ["merge", "each"])
     agent_timeout: float = _f(600.0, "agents: seconds one run(row, client) may take; past it the trajectory gets no reward (counted, as a failed reward_fn)")
     env_timeout: float = _f(60.0, "seconds one reward_fn / interact call may take; a call past it fails like one that raised: the trajectory gets no reward (null), is left out of the update and counted in env_errors")
@@ -150,10 +150,10 @@ class RolloutConfig:
     env_worker_memory_mb: int = _f(8192, "memory limit of one env worker process (a call that exceeds it fails alone); 0 = no limit")
     max_unscored_steps: int = _f(3, "the run stops with an error after this many steps in a row in which no reward_fn call succeeded")
     env_args: dict[str, Any] = _f({}, "settings of the env file, read there as env_args.get(name, default), e.g. {python_tool_workers: 8}; a name not set here falls back to the environment variable NAME")
-    placement: str = _f("colocated", "RL: colocated (every rank trains and generates) or split (the last rollout.ranks ranks of the torchrun world only generate, the others only train: batches go to the trainers, weights back); see README", ["colocated", "split"])
+    placement: str = _f("colocated", "RL: colocated (every rank trains and generates) or split (the last rollout.ranks ranks of the torchrun world only generate, the others only train: batches go to the trainers, weights back); see docs/guides/async-partial.md", ["colocated", "split"])
     ranks: int = _f(1, "split placement: the ranks that only generate")
     max_staleness: int = _f(0, "split placement: a step trains on the batch the policy this many versions older generated: 0 = synchronous, 1 = one-step-off (the next batch is generated while this step trains), K: up to K+1 batches in flight; reproducible whatever the timing")
-    partial_rollout: bool = _f(False, "RL: a step stops generating once data.prompts_per_rollout groups are done; the trajectories still generating or waiting for their tool continue in the next step under the new weights, their tokens kept (RL2's rollout.train.partial_rollout); needs rollout.tp_size=1; see README")
+    partial_rollout: bool = _f(False, "RL: a step stops generating once data.prompts_per_rollout groups are done; the trajectories still generating or waiting for their tool continue in the next step under the new weights, their tokens kept (RL2's rollout.train.partial_rollout); needs rollout.tp_size=1; see docs/guides/async-partial.md")
     partial_extra_prompts: Optional[int] = _f(None, "partial rollout: groups in flight beyond those a step trains on; null = a quarter of data.prompts_per_rollout (at least 1)")
     partial_max_age: int = _f(2, "partial rollout: a group carried over this many steps is finished in the next step, however long it takes")
     overlong_buffer: int = _f(0, "DAPO's soft overlong punishment: a response's reward falls linearly over its last overlong_buffer tokens before max_new_tokens (of train_sampling_params; generated tokens of all turns), by up to overlong_penalty; 0 = off")
@@ -442,20 +442,51 @@ def _unread_message(reader: Command, unread: list[str]) -> str:
             f"python -m {reader.module} --help lists them){note}")
 
 
-def _help_lines(cls: type, prefix: str = "", reader: Optional[Command] = None) -> list[str]:
-    lines = []
+@dataclass(frozen=True)
+class ConfigEntry:
+    """One section or key of the config as `--help` and the docs' config reference show it."""
+
+    name: str  # dotted: `actor`, `actor.lora`, `actor.lora.rank`
+    help: str
+    is_section: bool = False
+    type_name: str = ""
+    default: Any = None
+    choices: tuple[str, ...] = ()
+
+    @property
+    def default_text(self) -> str:
+        """The default as `--help` prints it (Python's repr: None is YAML's null)."""
+        return repr(self.default)
+
+
+def config_entries(cls: type = Config, prefix: str = "") -> list[ConfigEntry]:
+    """Every section and key of `cls`, dotted, in declaration order (a section before its keys), with
+    its type, default, meaning and choices: the one source of `--help` and of the docs' config reference."""
+    entries = []
     for f, tp in zip(fields(cls), _hints(cls).values()):
         name = f"{prefix}{f.name}"
         if is_dataclass(tp):
-            if reader is None or reader.reads_section(name):
-                lines += ["", f"{name}: {f.metadata['help']}"] + _help_lines(tp, name + ".", reader)
-            continue
-        if reader is not None and not reader.reads_key(name):
+            entries.append(ConfigEntry(name, f.metadata["help"], is_section=True))
+            entries += config_entries(tp, name + ".")
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        line = f"  {name}: {_type_name(tp)} = {default!r}  — {f.metadata['help']}"
-        if "choices" in f.metadata:
-            line += f" (choices: {', '.join(f.metadata['choices'])})"
+        entries.append(ConfigEntry(name, f.metadata["help"], type_name=_type_name(tp), default=default,
+                                   choices=tuple(f.metadata.get("choices", ()))))
+    return entries
+
+
+def _help_lines(cls: type, reader: Optional[Command] = None) -> list[str]:
+    lines = []
+    for entry in config_entries(cls):
+        if entry.is_section:
+            if reader is None or reader.reads_section(entry.name):
+                lines += ["", f"{entry.name}: {entry.help}"]
+            continue
+        if reader is not None and not reader.reads_key(entry.name):
+            continue
+        line = f"  {entry.name}: {entry.type_name} = {entry.default_text}  — {entry.help}"
+        if entry.choices:
+            line += f" (choices: {', '.join(entry.choices)})"
         lines.append(line)
     return lines
 
@@ -466,7 +497,7 @@ def config_help(config_cls: type = Config, command: Optional[str] = None) -> str
     reader = command_named(command) if command is not None else None
     launch = f"{reader.launch} " if reader else ""
     usage = f"usage: {launch}[config=file.yaml] [section.key=value ...]   (values use YAML syntax; null = None)"
-    lines = [usage] + _help_lines(config_cls, reader=reader)
+    lines = [usage] + _help_lines(config_cls, reader)
     return "\n".join(lines + rl2_keys_help(reader) if config_cls is Config else lines)
 
 

@@ -28,7 +28,7 @@ TOOLS_EXTRA_MODULES = ("aiohttp", "bm25s", "math_verify", "sympy", "pylatexenc")
 RL2_SAMPLE_FUNCTIONS = ("env_step", "generate")
 PORTING_HINT = (
     "rl2 keeps RL2's earlier interface: reward_fn(messages, answer) -> float and, for tools, "
-    "interact(messages) -> list of new messages (README, 'Coming from RL2', shows a port)"
+    "interact(messages) -> list of new messages (docs/migration/from-rl2.md shows a port)"
 )
 
 

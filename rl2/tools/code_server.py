@@ -24,7 +24,7 @@ client written for one works against the other (code-judge's own test suite pass
 
 A malformed request gets HTTP 422 with FastAPI's error shape, `{"detail": [{"type", "loc", "msg"}]}`,
 naming the field; unknown paths 404, wrong methods 405, bodies over `--max-request-mb` 413, all as
-JSON `{"detail": ...}`. README ("The code service") lists where rl2 differs from code-judge, and why.
+JSON `{"detail": ...}`. docs/reference/services.md ("The code service") lists where rl2 differs from code-judge, and why.
 """
 
 import argparse
