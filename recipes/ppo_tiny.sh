@@ -20,7 +20,8 @@
 # (default 42) seeds both stages (bench/demo_seeds.py runs the demo over many); SFT_CKPT=<folder> starts
 # GRPO from an earlier warm-up's checkpoint instead of running one; PPO_STEPS=0 runs the warm-up alone.
 set -euo pipefail
-# `python -m torch.distributed.run` is torchrun run by the PATH's python (a venv's too: make test-vllm)
+# The launcher: torchrun run by the PATH's python (a venv's too: make test-vllm), or TORCHRUN
+TORCHRUN=${TORCHRUN:-python -m torch.distributed.run}
 TASK=${TASK:-successor}
 OUT=${OUT:-outputs/ppo_tiny_$TASK}
 NPROC=${NPROC:-2}
@@ -45,7 +46,7 @@ else
   START="$OUT/sft/step$SFT_STEPS"
   echo "== SFT warm-up ($SFT_STEPS steps)"
   rm -rf "$OUT/sft"
-  python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m rl2.trainer.sft \
+  $TORCHRUN --standalone --nproc_per_node="$NPROC" -m rl2.trainer.sft \
       data.path="$OUT/data/sft.jsonl" data.batch_size=64 \
       actor.model_name="$OUT/model" actor.dtype=float32 actor.gradient_checkpointing=false \
       actor.lr=3e-3 actor.warmup_ratio=0.2 actor.save_dir="$OUT/sft" \
@@ -58,7 +59,7 @@ if [ "$PPO_STEPS" = 0 ]; then  # the warm-up alone (tests share one per seed)
 fi
 echo "== GRPO ($PPO_STEPS steps, env envs/demo_$TASK.py)"
 rm -rf "$OUT/ppo"
-python -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m rl2.trainer.ppo \
+$TORCHRUN --standalone --nproc_per_node="$NPROC" -m rl2.trainer.ppo \
     data.path="$OUT/data/train.jsonl" data.test_path="$OUT/data/test.jsonl" \
     data.prompts_per_rollout=16 data.responses_per_prompt=8 \
     actor.model_name="$START" actor.dtype=float32 actor.gradient_checkpointing=false \

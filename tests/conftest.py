@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny offline model folder and a helper to launch torchrun workers."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -102,13 +103,24 @@ def demo_warmup(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"demo_warmup_{seed}")
             env = {**os.environ, "OUT": str(out), "SFT_STEPS": "200", "PPO_STEPS": "0", "NPROC": "1",
                    "SEED": str(seed), "PYTHONPATH": REPO}
-            result = subprocess.run(["bash", "recipes/ppo_tiny.sh"], capture_output=True, text=True, timeout=400,
-                                    env=env, cwd=REPO)
+            result = run_demo([], env)
             assert result.returncode == 0, result.stderr[-5000:]
             done[seed] = str(out / "sft" / "step200")
         return done[seed]
 
     return warmup
+
+
+def run_demo(args: list[str], env: dict[str, str], timeout: int = 400) -> subprocess.CompletedProcess:
+    """`bash recipes/ppo_tiny.sh ARGS` in `env`, its torchrun ranks forked from preloaded modules
+    (`TorchrunService`, as TORCHRUN) unless RL2_FORK_RANKS=0."""
+    from torchrun_service import TorchrunService
+
+    with TorchrunService() if FORK_RANKS else contextlib.nullcontext() as shim:
+        if shim:
+            env = {**env, "TORCHRUN": os.path.join(shim, "torchrun")}
+        return subprocess.run(["bash", "recipes/ppo_tiny.sh", *args], capture_output=True, text=True, timeout=timeout,
+                              env=env, cwd=REPO)
 
 
 def run_python(args: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -196,7 +196,7 @@ def test_rl2_newer_env_interface_gets_a_porting_message(tmp_path):
         Env(path)
     message = str(info.value)
     assert "countdown.py" in message and "since Oct 2025" in message and "env_step and generate" in message
-    assert "reward_fn(messages, answer)" in message and "Coming from RL2" in message
+    assert "reward_fn(messages, answer)" in message and "docs/migration/from-rl2.md" in message
     # Only the import of RL2 gives it away: the same advice.
     only_import = write(tmp_path, "imports_rl2.py", "from RL2.utils.communication import async_request\n\n"
                                                      "def reward_fn(messages, answer):\n    return 1.0\n")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import run_python, run_torchrun
+from conftest import run_demo, run_python, run_torchrun
 from rl2.algorithms.losses import with_loss_weights
 from rl2.lora import add_lora
 from rl2.metrics import read_metrics
@@ -201,23 +201,18 @@ def test_ppo_with_lora_actor_critic_kl_and_tools(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.xdist_group("demo_warmup")
-@pytest.mark.parametrize("seed", [10, 42])
+@pytest.mark.parametrize("seed", [42])  # seed 10 passed as well in every suite run to 2026-11-26: one keeps it short
 def test_demo_learns_with_lora(tmp_path, seed, demo_warmup):
     """The README's GRPO demo with a rank-16 LoRA actor (lr 10x the full-tuning demo's, as LoRA wants) learns
-    on one rank on the seeds the full-tuning demo test uses: reward from ~0.1 to >= 0.7 in 20 steps."""
-    import subprocess
-
+    on one rank from the full-tuning demo test's warm-up: reward from ~0.1 to >= 0.7 in 20 steps."""
     from conftest import REPO
     from rl2.testing.tiny import save_tiny
 
     save_tiny(str(tmp_path / "model"), hidden_size=128, num_layers=2)
     env = {**os.environ, "OUT": str(tmp_path), "SFT_CKPT": demo_warmup(seed), "PPO_STEPS": "20", "NPROC": "1",
            "SEED": str(seed), "PYTHONPATH": REPO}
-    result = subprocess.run(
-        ["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null", "trainer.dump_trajectories=false",
-         "actor.lora.rank=16", "actor.lora.alpha=32", "actor.lr=5e-3"],
-        capture_output=True, text=True, timeout=400, env=env, cwd=REPO,
-    )
+    result = run_demo(["trainer.test_freq=null", "trainer.dump_trajectories=false", "actor.lora.rank=16",
+                       "actor.lora.alpha=32", "actor.lr=5e-3"], env)
     assert result.returncode == 0, result.stderr[-5000:]
     rows = read_metrics(str(tmp_path / "ppo" / "metrics.jsonl"))
     rewards = [row["reward/mean"] for row in rows]

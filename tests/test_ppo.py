@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import GRAD_RTOL, REPO, assert_same_gradients, run_python, run_torchrun
+from conftest import GRAD_RTOL, REPO, assert_same_gradients, run_demo, run_python, run_torchrun
 from docs_blocks import assert_metrics_documented
 from rl2.metrics import read_metrics
 from rl2.testing.tiny import save_tiny
@@ -93,10 +93,7 @@ def test_demo_learns_on_every_seed(tmp_path, seed, demo_model, demo_warmup):
     env = {**os.environ, "OUT": str(tmp_path), "SFT_CKPT": demo_warmup(seed), "PPO_STEPS": "20", "NPROC": "1",
            "SEED": str(seed), "PYTHONPATH": REPO}
     shutil.copytree(demo_model, tmp_path / "model")
-    result = subprocess.run(
-        ["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null", "trainer.dump_trajectories=false"],
-        capture_output=True, text=True, timeout=400, env=env, cwd=REPO,
-    )
+    result = run_demo(["trainer.test_freq=null", "trainer.dump_trajectories=false"], env)
     assert result.returncode == 0, result.stderr[-5000:]
     rows = read_metrics(str(tmp_path / "ppo" / "metrics.jsonl"))
     rewards = [row["reward/mean"] for row in rows]
@@ -301,10 +298,7 @@ def test_tool_demo_reward_rises(tmp_path, demo_model):
     env = {**os.environ, "OUT": str(tmp_path), "TASK": "lookup", "SFT_STEPS": "200", "PPO_STEPS": "12",
            "PYTHONPATH": REPO}
     shutil.copytree(demo_model, tmp_path / "model")
-    result = subprocess.run(
-        ["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null", "rollout.env_path=envs/demo_lookup_gym.py"],
-        capture_output=True, text=True, timeout=400, env=env, cwd=REPO,
-    )
+    result = run_demo(["trainer.test_freq=null", "rollout.env_path=envs/demo_lookup_gym.py"], env)
     assert result.returncode == 0, result.stderr[-5000:]
     rows = read_metrics(str(tmp_path / "ppo" / "metrics.jsonl"))
     first, last = rows[0], rows[-3:]
@@ -398,8 +392,7 @@ def function_calling_demo(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("tools_demo")
     env = {**os.environ, "OUT": str(out), "TASK": "tools", "NPROC": "1", "SFT_STEPS": "80", "PPO_STEPS": "2",
            "PYTHONPATH": REPO}
-    result = subprocess.run(["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null"],
-                            capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
+    result = run_demo(["trainer.test_freq=null"], env)
     assert result.returncode == 0, result.stderr[-5000:]
     return str(out)
 
@@ -493,9 +486,8 @@ def test_an_openai_sdk_agent_trains_on_two_ranks(function_calling_demo, tmp_path
     rollout, the agents still at work when a step has its groups go on in the next one, on their rank."""
     env = {**os.environ, "OUT": str(tmp_path), "TASK": "tools", "NPROC": "2", "PPO_STEPS": "2", "PYTHONPATH": REPO,
            "SFT_CKPT": os.path.join(function_calling_demo, "sft", "step80")}
-    result = subprocess.run(["bash", "recipes/ppo_tiny.sh", "trainer.test_freq=null",
-                             "rollout.agent_path=envs/demo_tools_agent.py", "rollout.partial_rollout=true"],
-                            capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
+    result = run_demo(["trainer.test_freq=null", "rollout.agent_path=envs/demo_tools_agent.py",
+                       "rollout.partial_rollout=true"], env)
     assert result.returncode == 0, result.stderr[-5000:]
     rows = read_metrics(str(tmp_path / "ppo" / "metrics.jsonl"))
     assert [row["step"] for row in rows] == [1, 2]

@@ -24,14 +24,14 @@ RECIPE_COMMANDS = {"rstar2_agent": "ppo", "search_r1": "ppo", "math_grpo": "ppo"
 
 
 def test_recipes_launch_torchrun_on_a_free_port():
-    """Every recipe's torchrun (or `python -m torch.distributed.run`, the PATH's python's) is --standalone: its
+    """Every recipe's torchrun (or `python -m torch.distributed.run`, the PATH's python's, or `$TORCHRUN`) is --standalone: its
     default static rendezvous port (29500) made two recipes on one machine (or two of the suite's recipe tests
     at once) fail with EADDRINUSE."""
     launches = []
     for path in sorted(glob.glob(os.path.join(REPO, "recipes", "**", "*.sh"), recursive=True)):
         with open(path) as file:
             launches += [(path, line.strip()) for line in file
-                         if line.strip().startswith(("torchrun ", "python -m torch.distributed.run "))]
+                         if line.strip().startswith(("torchrun ", "python -m torch.distributed.run ", "$TORCHRUN "))]
     assert len(launches) >= 10
     assert [launch for launch in launches if "--standalone" not in launch[1]] == []
 
