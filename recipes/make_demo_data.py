@@ -14,6 +14,7 @@
 """
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -26,12 +27,12 @@ from demo_lookup import secret_code, tool_reply  # noqa: E402  (the env file own
 from demo_tools import Boxes  # noqa: E402
 
 
-def successor_rows(rng: random.Random, n: int) -> tuple[list[dict], list[dict]]:
+def successor_rows(rng: random.Random, n: int, boxed_ratio: float = 0.15) -> tuple[list[dict], list[dict]]:
     sft, rl = [], []
     for _ in range(n):
         number = rng.randint(0, 8)
         prompt = [{"role": "user", "content": f"What number comes after {number}?"}]
-        reply = f"\\boxed{{{number + 1}}}" if rng.random() < 0.15 else f"The answer is {number + 1}."
+        reply = f"\\boxed{{{number + 1}}}" if rng.random() < boxed_ratio else f"The answer is {number + 1}."
         sft.append({"messages": prompt + [{"role": "assistant", "content": reply}]})
         rl.append({"messages": prompt, "answer": str(number + 1)})
     return sft, rl
@@ -95,9 +96,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2000)
     parser.add_argument("--test-rows", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--boxed-ratio", type=float, default=0.15,
+                        help="successor: the share of SFT replies in the rewarded \\boxed{n} format (the teacher of "
+                             "recipes/distill_tiny.sh learns it from 1.0)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    make = {"successor": successor_rows, "lookup": lookup_rows, "tools": tools_rows}[args.task]
+    successor = functools.partial(successor_rows, boxed_ratio=args.boxed_ratio)
+    make = {"successor": successor, "lookup": lookup_rows, "tools": tools_rows}[args.task]
     sft, train = make(rng, args.rows)
     _, test = make(rng, args.test_rows)
     os.makedirs(args.out, exist_ok=True)

@@ -13,9 +13,11 @@ def check_config(config: Config, command: str) -> None:
     """Raise ConfigError for the first value `command` cannot run with: a required key unset, a value
     out of range, settings that contradict each other, a model folder that does not exist."""
     if command == "ppo":
+        distilling = config.distill.coef > 0 and not config.trainer.eval_only
         require(config, "data.test_path" if config.trainer.eval_only else "data.path", "actor.model_name",
-                *([] if config.rollout.agent_path else ["rollout.env_path"]))
+                *([] if config.rollout.agent_path or distilling else ["rollout.env_path"]))
         check_rl_config(config)
+        check_distill_config(config)
     elif command == "sft":
         require(config, "data.path", "actor.model_name")
     elif command == "rm":
@@ -40,7 +42,7 @@ def check_config(config: Config, command: str) -> None:
             f"trainer.overwrite=true starts afresh, trainer.load_ckpt_from={config.trainer.load_ckpt_from} resumes: "
             "pass one of them (trainer.load_ckpt_from=null to start over)"
         )
-    for section in ("actor", "critic"):
+    for section in ("actor", "critic", "teacher"):
         check_local_model_path(getattr(config, section).model_name, f"{section}.model_name")
 
 
@@ -179,6 +181,28 @@ def check_rl_config(config: Config) -> None:
     if config.rollout.test_responses_per_prompt < 1:
         raise ConfigError(f"rollout.test_responses_per_prompt must be >= 1, got {config.rollout.test_responses_per_prompt}")
     check_off_policy_config(config)
+
+
+def check_distill_config(config: Config) -> None:
+    """On-policy distillation: a teacher exactly when distill.coef > 0, and a run it can score."""
+    distill, teacher, rollout = config.distill, config.teacher, config.rollout
+    if not distill.coef >= 0:
+        raise ConfigError(f"distill.coef must be >= 0 (0 = no distillation), got {distill.coef}")
+    if distill.coef == 0:
+        if teacher.model_name is not None:
+            raise ConfigError(f"teacher.model_name={teacher.model_name} is set but distill.coef=0: the teacher would "
+                              "not be used; set distill.coef > 0 (e.g. 1.0) or leave teacher.model_name unset")
+        return
+    if config.trainer.eval_only:
+        raise ConfigError("trainer.eval_only evaluates actor.model_name: no teacher scores it; leave distill.coef=0")
+    if teacher.model_name is None:
+        raise ConfigError(f"distill.coef={distill.coef} distils from a teacher: pass teacher.model_name=...")
+    if rollout.env_path is None and rollout.agent_path is None:
+        if rollout.max_turns > 1:
+            raise ConfigError("rollout.max_turns > 1 needs an env file (rollout.env_path) to answer the turns")
+        if config.trainer.test_freq is not None:
+            raise ConfigError("trainer.test_freq evaluates the env file's reward: set rollout.env_path, or "
+                              "trainer.test_freq=null to distil without one")
 
 
 def check_off_policy_config(config: Config) -> None:

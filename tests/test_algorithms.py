@@ -598,7 +598,7 @@ def test_turn_discount_scales_each_sequence_by_its_distance_from_the_last():
 
     def advantages(discount: float) -> list[torch.Tensor]:
         config = load_config(["adv.estimator=reinforce", "data.responses_per_prompt=2", f"adv.turn_discount={discount}"])
-        trainer = SimpleNamespace(config=config, reference=None, critic=None)
+        trainer = SimpleNamespace(config=config, reference=None, critic=None, teacher=None)
         masks = [torch.tensor([0, 1, 1, 0, 1, 1, 0, 1, 1, 1.0]), torch.tensor([0, 1, 1, 1.0])]
         sequences = [{"loss_mask": masks[0], "turn_starts": starts}, {"loss_mask": masks[1]}]
         trajectories = [Trajectory(messages=[], answer=None, group=0, token_ids=[], action_mask=[], logprobs=[], reward=r)

@@ -240,7 +240,7 @@ def test_the_defaults_give_todays_loss_bit_for_bit():
     batch = {"old_logps": to32(old), "advantages": to32(advantages), "loss_mask": to32(mask),
              "loss_weight": to32(mask / mask.sum()), "cu_seqlens": cu_seqlens.int(), "engine_logps": to32(old)}
     outputs = {"logps": to32(current).requires_grad_(True), "entropy": torch.rand(1, 12)}
-    trainer = SimpleNamespace(config=config, reference=None)
+    trainer = SimpleNamespace(config=config, reference=None, teacher=None)
     loss, _ = PPOTrainer.actor_loss(trainer, outputs, batch)
     per_token, _ = policy_loss(outputs["logps"], batch["old_logps"], batch["advantages"], 0.2, None)
     assert torch.equal(loss, (per_token * batch["loss_weight"]).sum())

@@ -116,7 +116,7 @@ def _prepared_advantages(overrides: list[str], rewards: list[float | None]) -> l
 
     config = load_config(["actor.recompute_logprobs=false", *overrides])
     trainer = object.__new__(PPOTrainer)  # the trainer's own methods, without its models and engine
-    trainer.config, trainer.actor, trainer.reference, trainer.critic = config, None, None, None
+    trainer.config, trainer.actor, trainer.reference, trainer.critic, trainer.teacher = config, None, None, None, None
     group_size = config.data.responses_per_prompt
     trajectories = [
         Trajectory(messages=[], answer=None, group=i // group_size, token_ids=[5, 6, 7], action_mask=[0, 1, 1],

@@ -70,6 +70,10 @@ class Case:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     overlong_filtering: bool = False
+    distill_coef: float = 0.0  # > 0: the teacher is the peaked tiny model (`peaked_model_dir`)
+    distill_mode: str = "reward"
+    distill_loss_estimator: str = "k2"
+    distill_env_reward: bool = True
     perturb: float = 0.0
     logprob_noise: float = 0.0
     extra: list[str] = field(default_factory=list)
@@ -101,7 +105,10 @@ class Case:
             f"rollout.overlong_filtering={str(self.overlong_filtering).lower()}",
             *([f"adv.resample_on_correct=true", f"rollout.oversample={2 * GROUP_SIZE}", "adv.roc_mode=topk",
                "adv.roc_min_each=1"] if self.roc else []),
-            f"rollout.dynamic_filtering={str(self.dynamic_filtering).lower()}", *self.extra,
+            f"rollout.dynamic_filtering={str(self.dynamic_filtering).lower()}",
+            f"distill.coef={self.distill_coef}", f"distill.mode={self.distill_mode}",
+            f"distill.loss_estimator={self.distill_loss_estimator}",
+            f"distill.env_reward={str(self.distill_env_reward).lower()}", *self.extra,
         ]
 
 
@@ -171,6 +178,18 @@ CASES = {
                      "the loss computed on trajectories it dropped", roc=True, norm_var=True),
     "two-minibatches": Case("actor.update_per_rollout ignored (one step on the whole batch instead of one per "
                             "minibatch of whole groups)", update_per_rollout=2),
+    "distill-reward": Case("distill.coef ignored, or the teacher's per-token reward's sign flipped, or summed "
+                           "other than as the KL penalty is in the REINFORCE score; the teacher's log-probs not "
+                           "teacher.model_name's or not at the sampling temperature", distill_coef=0.02,
+                           norm_var=True, temperature=0.7),
+    "distill-reward-only": Case("distill.env_reward=false ignored (the env reward trains), or dynamic filtering "
+                                "dropping the groups of equal env rewards while distilling", distill_coef=0.02,
+                                distill_env_reward=False, uniform_group=True),
+    "distill-reward-gae": Case("the teacher's per-token rewards not on GAE's per-token path (summed on the last "
+                               "token, or missing)", estimator="gae", gamma=0.9, lamda=0.8, distill_coef=0.02),
+    "distill-loss": Case("distill.mode=loss ignored (the teacher's signal in the reward instead), the loss's sign, "
+                         "distill.loss_estimator ignored, or the gradient through the teacher", distill_coef=0.05,
+                         distill_mode="loss", distill_loss_estimator="k3"),
 }
 
 
@@ -270,10 +289,10 @@ def weights(masks: list[torch.Tensor], level: str) -> list[torch.Tensor]:
 
 
 def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str, groups: list[int],
-                   critic_groups: list[int] | None = None) -> dict:
+                   critic_groups: list[int] | None = None, teacher_dir: str | None = None) -> dict:
     """The gradients (after clipping) of one step of the actor, on the groups `groups` of the batch (a
     minibatch), and of the critic with GAE, on `critic_groups` (default: the same); the other groups only
-    count in the batch-wide statistics."""
+    count in the batch-wide statistics. With distillation the teacher is `teacher_dir`'s model."""
     critic_groups = groups if critic_groups is None else critic_groups
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     policy.load_state_dict(captured["before"]["actor"])
@@ -281,12 +300,16 @@ def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str
     ids = [torch.tensor(row["token_ids"]) for row in batch]
     # The whole batch's statistics: rewards, filtering, the old policy, the reference, the critic.
     rewards = torch.tensor([row["reward"] for row in batch], dtype=torch.float32)
+    distilling = case.distill_coef > 0
+    if distilling and not case.distill_env_reward:  # the env reward is only measured
+        rewards = torch.zeros_like(rewards)
     if case.overlong_buffer:
         rewards += case.overlong_penalty * torch.tensor([dapo_penalty(sum(row["action_mask"]), case.overlong_buffer)
                                                          for row in batch])
     uniform = [g for g in range(len(batch) // GROUP_SIZE)
                if rewards[g * GROUP_SIZE:(g + 1) * GROUP_SIZE].unique().numel() == 1]
-    valid = torch.tensor([not (case.dynamic_filtering and row["group"] in uniform) for row in batch])
+    # While distilling no group is dropped: the teacher's signal differs within a group of equal rewards.
+    valid = torch.tensor([not (case.dynamic_filtering and not distilling and row["group"] in uniform) for row in batch])
     masks = [torch.tensor(row["action_mask"], dtype=torch.float32) * v
              * (not (case.overlong_filtering and row.get("truncated", False))) for row, v in zip(batch, valid)]
     with torch.no_grad():
@@ -295,6 +318,9 @@ def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str
         else:
             old = [torch.tensor(lp) for lp in captured["logprobs"]]
         ref = [token_logps(reference, x, case.temperature) for x in ids]
+        if distilling:
+            teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32)
+            teach = [token_logps(teacher, x, case.temperature) for x in ids]
     behaviour = [torch.tensor(lp) for lp in captured["logprobs"]]
     is_weights = []
     for i, mask in enumerate(masks):
@@ -306,9 +332,13 @@ def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str
         is_weights.append(weight)
     kl = [kl_estimate(o, r, case.reward_estimator) * m for o, r, m in zip(old, ref, masks)]
     reward_kl = case.kl_type == "reward" and case.kl_coef > 0
+    # The teacher as a reward: -coef x (log p_student - log p_teacher) on each generated token (Thinking Machines').
+    dense = ([-case.distill_coef * (o - t) * m for o, t, m in zip(old, teach, masks)]
+             if distilling and case.distill_mode == "reward" else [torch.zeros_like(m) for m in masks])
     critic, returns = None, None
     if case.estimator in ("reinforce", "rloo"):
         scores = rewards - (case.kl_coef * torch.stack([k.sum() for k in kl]) if reward_kl else 0)
+        scores = scores + torch.stack([d.sum() for d in dense])
         group = len(batch) if case.global_norm else GROUP_SIZE
         if case.estimator == "rloo":  # each score minus the mean of the other valid scores of its group
             per_sequence = torch.zeros_like(scores)
@@ -327,7 +357,7 @@ def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str
             old_values = [token_values(critic, x) for x in ids]
         advantages, returns = [], []
         for i, mask in enumerate(masks):
-            token_rewards = -case.kl_coef * kl[i] if reward_kl else torch.zeros_like(mask)
+            token_rewards = (-case.kl_coef * kl[i] if reward_kl else torch.zeros_like(mask)) + dense[i]
             if mask.any():
                 token_rewards[int(mask.nonzero().max())] += rewards[i]
             a, r = gae_reference(token_rewards, old_values[i], mask, case.gamma, case.lamda)
@@ -361,6 +391,8 @@ def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str
                 if case.k3_ratio_correction:  # TRL's bias correction: times pi / pi_old
                     kl_loss = kl_loss * (logp - old[i]).exp()
                 loss = loss + case.kl_coef * kl_loss
+            if distilling and case.distill_mode == "loss":  # the teacher is frozen: no gradient through it
+                loss = loss + case.distill_coef * kl_estimate(logp, teach[i], case.distill_loss_estimator)
             if case.entropy_coef:
                 loss = loss - case.entropy_coef * token_entropy(policy, ids[i], case.temperature)
             (loss * w).sum().backward()
@@ -420,7 +452,8 @@ def roc_batch(tokenizer) -> list[dict]:
     return batch
 
 
-def run_case(case: Case, model_dir: str, data: str, tmp_path) -> tuple[list[dict], dict]:
+def run_case(case: Case, model_dir: str, data: str, tmp_path,
+             teacher_dir: str | None = None) -> tuple[list[dict], dict]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = roc_batch(tokenizer) if case.roc else make_batch(tokenizer)
     if case.uniform_group:
@@ -430,15 +463,17 @@ def run_case(case: Case, model_dir: str, data: str, tmp_path) -> tuple[list[dict
         row["truncated"] = row["token_ids"][-1] != tokenizer.eos_token_id
     spec = {"trajectories": batch, "perturb": case.perturb, "logprob_noise": case.logprob_noise}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
+    teacher = [f"teacher.model_name={teacher_dir}"] if case.distill_coef > 0 else []
     run_python([WORKER, model_dir, f"{data}/train.jsonl", "envs/demo_successor.py", str(tmp_path / "spec.json"),
-                str(tmp_path / "out.pt"), *case.overrides()])
+                str(tmp_path / "out.pt"), *case.overrides(), *teacher])
     return batch, torch.load(tmp_path / "out.pt")
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_one_ppo_step_matches_the_reference(name, tiny_model_dir, rl_data, tmp_path):
+def test_one_ppo_step_matches_the_reference(name, tiny_model_dir, rl_data, tmp_path, request):
     case = CASES[name]
-    batch, captured = run_case(case, tiny_model_dir, rl_data, tmp_path)
+    teacher_dir = request.getfixturevalue("peaked_model_dir") if case.distill_coef > 0 else None
+    batch, captured = run_case(case, tiny_model_dir, rl_data, tmp_path, teacher_dir)
     steps = captured["steps"]
     if case.freeze_steps:
         assert steps["actor"] == []
@@ -460,8 +495,8 @@ def test_one_ppo_step_matches_the_reference(name, tiny_model_dir, rl_data, tmp_p
     # reference is computed for both and the closer one is compared.
     actor_choices = [[0, 1]] if case.update_per_rollout == 1 else [[0], [1]]
     critic_choices = [[0, 1]] if case.critic_update_per_rollout == 1 else [[0], [1]]
-    candidates = [reference_step(case, batch, captured, tiny_model_dir, groups=a, critic_groups=c)
-                  for a in actor_choices for c in critic_choices]
+    candidates = [reference_step(case, batch, captured, tiny_model_dir, groups=a, critic_groups=c,
+                                 teacher_dir=teacher_dir) for a in actor_choices for c in critic_choices]
 
     def distance(candidate: dict) -> float:
         total = 0.0

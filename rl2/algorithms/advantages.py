@@ -136,11 +136,14 @@ def trajectory_advantages(
     kl_coef: float = 0.0,
     values: list[Tensor] | None = None,
     std_eps: float = 1e-6,
+    dense_rewards: list[Tensor] | None = None,
 ) -> tuple[list[Tensor], list[Tensor] | None]:
     """Per-token advantages of a batch of trajectories (and GAE's returns, else None).
 
     `rewards` [n] are the trajectories' scores (0 where not `valid`), `masks` their loss masks, `kl`
-    (when given) the per-token KL to the reference that is subtracted from the reward, times `kl_coef`.
+    (when given) the per-token KL to the reference that is subtracted from the reward, times `kl_coef`;
+    `dense_rewards` (when given) per-token rewards (e.g. on-policy distillation's) that are added to it the
+    same way: summed into the score by the baseline estimators, per token with reinforce_plus_plus and gae.
     estimator="reinforce": one advantage per trajectory, its score (reward minus the KL summed over
     its tokens) minus a baseline, on every action token:
     - by default the baseline is the mean of its group of `group_size` responses to one prompt and,
@@ -171,6 +174,8 @@ def trajectory_advantages(
         scores = rewards.clone()
         if kl is not None:
             scores -= kl_coef * torch.stack([(k * m).sum() for k, m in zip(kl, masks)])
+        if dense_rewards is not None:
+            scores += torch.stack([(r * m).sum() for r, m in zip(dense_rewards, masks)])
         batch_baseline = global_norm or group_size == 1
         size = max(len(scores), 1) if batch_baseline else group_size
         if estimator == "rloo":
@@ -183,6 +188,8 @@ def trajectory_advantages(
         per_token = []
         for i, mask in enumerate(masks):
             token_rewards = -kl_coef * kl[i] * mask if kl is not None else torch.zeros_like(mask)
+            if dense_rewards is not None:
+                token_rewards = token_rewards + dense_rewards[i] * mask
             if mask.any() and valid[i]:
                 token_rewards[int(mask.nonzero().max())] += rewards[i]
             per_token.append(discounted_returns(token_rewards, mask, gamma) * valid[i])
@@ -192,6 +199,8 @@ def trajectory_advantages(
     per_token, returns = [], []
     for i, mask in enumerate(masks):
         token_rewards = -kl_coef * kl[i] * mask if kl is not None else torch.zeros_like(mask)
+        if dense_rewards is not None:
+            token_rewards = token_rewards + dense_rewards[i] * mask
         last_action = int(mask.nonzero().max()) if mask.any() else len(mask) - 1
         token_rewards[last_action] += rewards[i]
         advantage, ret = gae(token_rewards, values[i], mask, gamma, lamda)

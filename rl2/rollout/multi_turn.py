@@ -430,11 +430,14 @@ def observation_tokens(
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def assign_rewards(env: Env, trajectories: list[Trajectory]) -> None:
+def assign_rewards(env: Env | None, trajectories: list[Trajectory]) -> None:
     """Score the trajectories with the env's `reward_fn` (concurrently), or their stateful environments'
     `reward()` where the env file has no `reward_fn`; a failed call leaves the reward None and its error is
     kept on the trajectory. A trajectory that already failed (an env error, an aborted generation) is not
-    scored: its outcome is not the policy's. Their stateful environments are closed and dropped then."""
+    scored: its outcome is not the policy's. Their stateful environments are closed and dropped then.
+    Without an env file (on-policy distillation alone) nothing is scored."""
+    if env is None:
+        return
     to_score = [t for t in trajectories if not t.errors]
     by_instance = [t for t in to_score if t.environment is not None and env.scores_with_environment]
     by_function = [t for t in to_score if not (t.environment is not None and env.scores_with_environment)]

@@ -1,8 +1,8 @@
 """PPO / GRPO / Dr. GRPO: `torchrun --nproc_per_node=N -m rl2.trainer.ppo key=value ...`.
 
 One step: rollout and rewards (`RolloutService`, each rank its share of prompts) → which groups train
-(dynamic filtering, GRPO-RoC) → scoring: old / reference log-probs and values on packed micro-batches
-→ advantages → `actor.update_per_rollout` minibatch updates → weight sync to the engine.
+(dynamic filtering, GRPO-RoC) → scoring: old / reference / teacher log-probs and values on packed
+micro-batches → advantages → `actor.update_per_rollout` minibatch updates → weight sync to the engine.
 """
 
 import dataclasses
@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from rl2.algorithms.advantages import trajectory_advantages, turn_discounts
+from rl2.algorithms.distillation import distill_loss, distill_rewards, reverse_kl
 from rl2.algorithms.group_filters import groups_with_signal, resample_groups
 from rl2.algorithms.losses import (
     cispo_loss,
@@ -28,7 +29,7 @@ from rl2.algorithms.losses import (
 from rl2.algorithms.off_policy import Correction, correction_weights, mismatch_metrics, rollout_correction
 from rl2.algorithms.overlong import overlong_penalty
 from rl2.algorithms.sequences import RLSequence, computed_per_turn, per_turn_sequences, turn_start_mask
-from rl2.config import Config, ConfigError
+from rl2.config import Config, ConfigError, LoraConfig
 from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
 from rl2.data.rows import Columns, write_json
@@ -62,6 +63,8 @@ class PPOTrainer(Trainer):
         check_config(config, "ppo")
         self.eval_only = config.trainer.eval_only
         super().__init__(config)
+        if config.distill.coef > 0:
+            check_teacher_tokenizer(self.tokenizer, config)  # before any model loads
         # The env file and the engine before any trained model: a broken env file fails first, and a
         # GPU engine sizes its KV cache from the memory still free.
         # With split placement (`placement`: this rank trains) the rollout ranks serve the batches.
@@ -81,7 +84,7 @@ class PPOTrainer(Trainer):
             )
             self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
         self.partial = self.partial_rollout(prompts_per_rollout)
-        self.actor = self.reference = self.critic = None
+        self.actor = self.reference = self.critic = self.teacher = None
         if self.eval_only:
             logger.info(
                 f"evaluating {config.actor.model_name} on {len(self.test_data)} prompts of {config.data.test_path}, "
@@ -96,6 +99,13 @@ class PPOTrainer(Trainer):
         elif config.kl.coef > 0:
             reference_config = dataclasses.replace(config.actor, offload_model=config.ref_actor.offload_model)
             self.reference = Policy(reference_config, 0, temperature, trainable=False)
+        if config.distill.coef > 0:  # the reference model's machinery: frozen, sharded, offloadable
+            teacher = config.teacher
+            teacher_config = dataclasses.replace(
+                config.actor, model_name=teacher.model_name, tokenizer_name=teacher.model_name,
+                offload_model=teacher.offload_model, dtype=teacher.dtype or config.actor.dtype, lora=LoraConfig(),
+            )
+            self.teacher = Policy(teacher_config, 0, temperature, trainable=False)
         if config.adv.estimator == "gae":
             critic_config = dataclasses.replace(
                 config.critic, model_name=config.critic.model_name or config.actor.model_name
@@ -108,6 +118,8 @@ class PPOTrainer(Trainer):
             f"PPO: {len(self.train_data)} prompts, {self.total_steps} steps of {prompts_per_rollout} prompts x "
             f"{config.data.responses_per_prompt} responses, up to {config.rollout.max_turns} turns, "
             f"estimator={config.adv.estimator}, env={config.rollout.env_path}{self.sampler.left_over_note()}"
+            + (f"; distilling from {config.teacher.model_name} (distill.mode={config.distill.mode}, "
+               f"coef {config.distill.coef})" if self.teacher is not None else "")
         )
 
     # ---- checkpointing ----------------------------------------------------------------------
@@ -187,8 +199,8 @@ class PPOTrainer(Trainer):
 
 
     def score(self, trajectories: list[Trajectory]) -> tuple[list[RLSequence], dict[str, float]]:
-        """The trajectories as sequences with the old policy's, the reference's and the critic's
-        per-token outputs, computed on packed micro-batches; and the log-prob mismatch metrics."""
+        """The trajectories as sequences with the old policy's, the reference's, the teacher's and the
+        critic's per-token outputs, computed on packed micro-batches; and the log-prob mismatch metrics."""
         # An excluded trajectory (an env error, an aborted generation) stays in the batch, so groups
         # keep their shape, but carries no loss and does not count in its group's baseline. With
         # overlong filtering a truncated one carries no loss either, but counts in the baseline.
@@ -220,6 +232,9 @@ class PPOTrainer(Trainer):
         if self.reference is not None:
             for seq, logps in zip(sequences, computed_per_turn(self.reference.compute, sequences, "logps")):
                 seq["ref_logps"] = logps
+        if self.teacher is not None:
+            for seq, logps in zip(sequences, computed_per_turn(self.teacher.compute, sequences, "logps")):
+                seq["teacher_logps"] = logps
         if self.critic is not None:
             for seq, values in zip(sequences, computed_per_turn(self.critic.compute, sequences, "values")):
                 seq["old_values"] = values
@@ -248,15 +263,24 @@ class PPOTrainer(Trainer):
         }
 
     def add_advantages(self, sequences: list[RLSequence], trajectories: list[Trajectory]) -> dict[str, float]:
-        """Each sequence's `advantages` (and `returns` with GAE) from the rewards and the scores; and
-        the mean advantage and KL to the reference."""
+        """Each sequence's `advantages` (and `returns` with GAE) from the rewards and the scores (with
+        distill.mode=reward the teacher's per-token rewards too); and the mean advantage, KL to the
+        reference and reverse KL to the teacher."""
         config = self.config
         masks = [seq["loss_mask"] for seq in sequences]
-        metrics, kl = {}, None
+        metrics, kl, dense = {}, None, None
         if self.reference is not None:
             kl = [kl_penalty(s["old_logps"], s["ref_logps"], config.kl.reward_estimator, config.kl.clamp)
                   for s in sequences]
             metrics["kl"] = masked_mean(torch.cat(kl), torch.cat(masks)).item()
+        if self.teacher is not None:
+            student = torch.cat([s["old_logps"] for s in sequences])
+            teacher = torch.cat([s["teacher_logps"] for s in sequences])
+            metrics["distill/reverse_kl"] = masked_mean(reverse_kl(student, teacher), torch.cat(masks)).item()
+            metrics["distill/teacher_logp"] = masked_mean(teacher, torch.cat(masks)).item()
+            if config.distill.mode == "reward":
+                dense = [distill_rewards(s["old_logps"], s["teacher_logps"], s["loss_mask"], config.distill.coef)
+                         for s in sequences]
         advantages, returns = trajectory_advantages(
             rewards=torch.tensor([0.0 if t.excluded else t.reward for t in trajectories], dtype=torch.float32),
             valid=torch.tensor([not t.excluded for t in trajectories]),
@@ -271,6 +295,7 @@ class PPOTrainer(Trainer):
             kl_coef=config.kl.coef,
             values=[seq["old_values"] for seq in sequences] if self.critic is not None else None,
             std_eps=config.adv.std_eps,
+            dense_rewards=dense,
         )
         for i, seq in enumerate(sequences):
             seq["advantages"] = advantages[i]
@@ -316,7 +341,8 @@ class PPOTrainer(Trainer):
 
     def actor_loss(self, outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]):
         """The policy loss (`actor.policy_loss`) times the rollout correction's importance weights, plus
-        the KL loss with kl.type=loss, minus the entropy bonus, weighted per token."""
+        the KL loss with kl.type=loss and the distillation loss with distill.mode=loss, minus the entropy
+        bonus, weighted per token."""
         config, weight, actor = self.config, batch["loss_weight"], self.config.actor
         if actor.policy_loss == "gspo":
             loss, clipped = gspo_loss(outputs["logps"], batch["old_logps"], batch["advantages"], batch["loss_mask"],
@@ -340,6 +366,10 @@ class PPOTrainer(Trainer):
                 kl = kl * torch.exp(outputs["logps"] - batch["old_logps"])
             loss = loss + config.kl.coef * kl
             metrics["kl_loss"] = (kl * weight).sum()
+        if self.teacher is not None and config.distill.mode == "loss":
+            distill = distill_loss(outputs["logps"], batch["teacher_logps"], config.distill.loss_estimator)
+            loss = loss + config.distill.coef * distill
+            metrics["distill_loss"] = (distill * weight).sum()
         if actor.entropy_coef:
             loss = loss - actor.entropy_coef * outputs["entropy"]
         return (loss * weight).sum(), metrics
@@ -358,13 +388,17 @@ class PPOTrainer(Trainer):
         trajectories, partial_metrics = self.roll_out(timer)
         metrics = {**rollout_metrics(trajectories), **self.rollout.fault_metrics(), **partial_metrics}
         self.rollout.dump(trajectories, f"step_{self.step}")
-        self.rollout.require_scores(trajectories)
+        scored_by_env = config.rollout.env_path is not None or config.rollout.agent_path is not None
+        if scored_by_env:
+            self.rollout.require_scores(trajectories)
+        if self.teacher is not None and not (config.distill.env_reward and scored_by_env):
+            teacher_only_rewards(trajectories)
         if config.rollout.overlong_buffer > 0 or config.rollout.overlong_filtering:
             metrics.update(self.shape_overlong(trajectories))
         if config.adv.resample_on_correct:
             trajectories, roc_metrics = self.resample_on_correct(trajectories, self.generated_per_prompt)
             metrics.update(roc_metrics)
-        if config.rollout.dynamic_filtering:
+        if config.rollout.dynamic_filtering and self.teacher is None:  # the teacher's signal differs within a group
             trajectories, metrics["dynamic_filter/dropped_ratio"] = groups_with_signal(
                 trajectories, config.data.responses_per_prompt
             )
@@ -487,6 +521,34 @@ class PPOTrainer(Trainer):
         if is_rank0():
             rows = read_metrics(os.path.join(self.config.actor.save_dir, "metrics.jsonl"))
             logger.info("\n" + run_summary(rows))
+
+
+def teacher_only_rewards(trajectories: list[Trajectory]) -> None:
+    """Distillation alone (distill.env_reward=false, or no env file): each trajectory that did not fail
+    trains on reward 0; its env reward, where there is one, was only measured (`reward/mean`)."""
+    for trajectory in trajectories:
+        if not trajectory.errors:
+            trajectory.reward = 0.0
+
+
+def check_teacher_tokenizer(tokenizer, config: Config) -> None:
+    """The teacher scores the student's token ids: refuse a teacher whose tokenizer (its vocabulary) is
+    not the student's."""
+    from transformers import AutoTokenizer
+
+    student, teacher_name = config.actor.tokenizer_name or config.actor.model_name, config.teacher.model_name
+    teacher = AutoTokenizer.from_pretrained(teacher_name)
+    if len(teacher) != len(tokenizer):
+        raise ConfigError(f"teacher.model_name={teacher_name} has a vocabulary of {len(teacher)} tokens, "
+                          f"actor.model_name={config.actor.model_name} (tokenizer {student}) one of {len(tokenizer)}: "
+                          "on-policy distillation compares log-probs of the same token ids, so the teacher must "
+                          "share the student's tokenizer")
+    student_vocab, teacher_vocab = tokenizer.get_vocab(), teacher.get_vocab()
+    if student_vocab != teacher_vocab:
+        token = min(set(student_vocab.items()) ^ set(teacher_vocab.items()), key=lambda item: item[1])
+        raise ConfigError(f"teacher.model_name={teacher_name} and actor.model_name={config.actor.model_name} "
+                          f"(tokenizer {student}) have vocabularies of {len(tokenizer)} tokens that differ (first "
+                          f"at id {token[1]}): the teacher must share the student's tokenizer")
 
 
 def run_summary(rows: list[dict]) -> str:

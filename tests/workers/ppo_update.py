@@ -4,7 +4,8 @@ Usage: ppo_update.py MODEL_DIR DATA ENV OUT_FILE ESTIMATOR [key=value ...]
 
 ESTIMATOR is `grpo` (group-normalised, KL as a k3 loss, DAPO clip), `gae` (critic, KL in the
 reward), `gspo-icepop` or `cispo-geo-mis` (those policy losses and corrections, an entropy bonus, the
-engine's log-probs the actor's with noise). After the update the engine generates from a few prompts and the largest difference
+engine's log-probs the actor's with noise), `dr-grpo`, or `distill-loss` (on-policy distillation as a
+loss; give teacher.model_name=...). After the update the engine generates from a few prompts and the largest difference
 between its log-probs and the actor's on those tokens is saved as `sync_max_diff`.
 
 The models step with plain SGD instead of AdamW (`use_sgd`): SGD moves a parameter by lr times
@@ -42,6 +43,8 @@ ESTIMATORS = {
                       "actor.rollout_correction=geo_mis", "actor.correction_threshold=1.05"],
     # Dr. GRPO: no std division, each sequence's token sum over a constant
     "dr-grpo": ["actor.loss_agg=seq_mean_token_sum_norm", "actor.loss_agg_norm=16"],
+    # On-policy distillation as a loss (the teacher: a teacher.model_name=... override)
+    "distill-loss": ["adv.norm_var=true", "distill.coef=0.5", "distill.mode=loss"],
 }
 NOISY_ENGINE = ("gspo-icepop", "cispo-geo-mis")
 
