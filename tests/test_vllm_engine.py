@@ -143,6 +143,7 @@ def test_top_p_is_refused_with_the_reason(engine):
         engine.generate([[1, 2]], SamplingParams(top_p=0.9, max_new_tokens=2))
 
 
+@pytest.mark.xdist_group("vllm_runs")  # whole runs in processes of their own, beside the engine tests
 def test_the_grpo_demo_runs_on_vllm(tmp_path):
     """The GRPO demo shrunk (20 warm-up steps, 3 GRPO steps) on 2 ranks, each with a vLLM engine of its own in its
     process, rollout.engine=vllm: it trains, and after every weight push the engines' log-probs of what they
@@ -212,6 +213,7 @@ def _demo_args(model_dir: str, data: str, save_dir: str, env_file: str, *extra: 
             "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 8}", *extra]
 
 
+@pytest.mark.xdist_group("vllm_runs")  # whole runs in processes of their own, beside the engine tests
 def test_one_step_off_on_vllm_resumes_exactly(model_dir, tmp_path):
     """1 trainer + 1 rollout rank whose engine is vLLM, one step off: the rollout rank dies in step 3; resumed
     from step 2's checkpoint (which holds the batch in flight) the run equals one never killed (vLLM's seeds are
