@@ -200,7 +200,7 @@ def test_rl2_newer_env_interface_gets_a_porting_message(tmp_path):
     # Only the import of RL2 gives it away: the same advice.
     only_import = write(tmp_path, "imports_rl2.py", "from RL2.utils.communication import async_request\n\n"
                                                      "def reward_fn(messages, answer):\n    return 1.0\n")
-    with pytest.raises(EnvError, match="rl2 does not import RL2.*Coming from RL2"):
+    with pytest.raises(EnvError, match="rl2 does not import RL2.*docs/migration/from-rl2.md"):
         Env(only_import)
 
 
