@@ -149,19 +149,16 @@ def test_the_grpo_demo_runs_on_vllm(tmp_path):
     process, rollout.engine=vllm: it trains, and after every weight push the engines' log-probs of what they
     sampled are the actor's (logp_mismatch, fp32)."""
     import os
-    import subprocess
-
-    from conftest import REPO
-    from rl2.metrics import read_metrics
-
     import sys
+
+    from conftest import REPO, run_demo
+    from rl2.metrics import read_metrics
 
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])  # this venv's python
     env = {**os.environ, "OUT": str(tmp_path), "NPROC": "2", "SFT_STEPS": "20", "PPO_STEPS": "3", "PYTHONPATH": REPO,
            "PATH": path}
-    result = subprocess.run(["bash", "recipes/ppo_tiny.sh", "rollout.engine=vllm", "rollout.gpu_memory_utilization=0.05",
-                             "rollout.dynamic_filtering=false",
-                             "trainer.test_freq=null"], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    result = run_demo(["rollout.engine=vllm", "rollout.gpu_memory_utilization=0.05", "rollout.dynamic_filtering=false",
+                       "trainer.test_freq=null"], env, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
     rows = read_metrics(str(tmp_path / "ppo" / "metrics.jsonl"))
     assert [row["step"] for row in rows] == [1, 2, 3]
