@@ -180,6 +180,22 @@ def test_a_batch_larger_than_one_prefill_step(engine, model_dir):
                                    actor_logprobs(model, prompt, generation.token_ids, 1.0), rtol=0, atol=2e-4)
 
 
+def test_a_tied_checkpoint_that_keeps_its_head_follows_the_pushes(engine, model_dir):
+    """rl2's checkpoints of a tied model keep an lm_head.weight beside the embeddings, and vLLM then does not
+    treat the model as tied (`engine.tied` False); a push carries the embeddings only (a tied tensor goes once):
+    the engine's head must follow them (before, log-probs drifted from the actor's by ~0.1 a GRPO step)."""
+    was_tied = engine.tied
+    engine.tied, engine.weights["lm_head.weight"] = False, engine.weights["model.embed_tokens.weight"]
+    try:
+        model = perturbed(model_dir, 8)
+        engine.update_weights((name, tensor) for name, tensor in model.state_dict().items() if name != "lm_head.weight")
+        check_matches(engine, model)
+    finally:
+        engine.tied = was_tied
+        if was_tied:
+            engine.weights.pop("lm_head.weight", None)
+
+
 def test_a_cut_generation_goes_on_from_its_tokens(engine, model_dir):
     """A turn cut by a pause (partial rollout) goes on from the tokens it drew: vLLM cannot resume a random
     stream at an offset, so the rest is drawn from a seed of (stream, offset), the same every time for the same

@@ -188,7 +188,11 @@ class VLLMEngine(Engine):
                             other = name.replace(f".{member}.", f".{partner}.")
                             if other not in pushed and other in self.weights:
                                 pushed[other] = self.weights[other]
-        if self.tied and "model.embed_tokens.weight" in pushed:
+        # A tied model's pushes carry no lm_head (`iter_full_weights` sends a tied tensor once); the engine's
+        # head is its own tensor on CPU and also where vLLM's config does not say tied (rl2's checkpoints
+        # keep an lm_head.weight beside the embeddings): the embeddings are its new value.
+        if "model.embed_tokens.weight" in pushed and "lm_head.weight" not in pushed and (
+                self.tied or "lm_head.weight" in self.weights):
             pushed["lm_head.weight"] = pushed["model.embed_tokens.weight"]
         self.weights.update(pushed)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(pushed.items())),
