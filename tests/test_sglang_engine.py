@@ -300,6 +300,76 @@ def test_small_buckets_and_failed_pushes(stand_in, tiny_model_dir, tokenizer):
         engine.update_weights(state.items())
 
 
+def _perturbed(model_dir: str, scale: float = 0.05, seed: int = 0) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def _assert_generates_as(engine: SGLangEngine, model: torch.nn.Module, tokenizer, folder: str, prompts) -> None:
+    """Greedy tokens and log-probs of `engine` equal a fresh embedded engine's on `model` (saved to `folder`)."""
+    model.save_pretrained(folder)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    want = HFEngine(folder, tokenizer, "cpu").generate(prompts, params)
+    for got, expected in zip(engine.generate(prompts, params), want):
+        assert got.token_ids == expected.token_ids and got.logprobs == pytest.approx(expected.logprobs, abs=1e-5)
+
+
+def test_a_push_to_an_awake_engine_flushes_the_prefix_cache(stand_in, tiny_model_dir, tokenizer, tmp_path):
+    """Pushed to an engine that kept its KV cache (no sleep), bucket by bucket without flushing (SGLang's
+    `flush_cache=False`), with every tensor alone so q, k and v (and gate and up) arrive in separate buckets: the
+    prompts generated before are not served from the prefix cache the old weights computed; one flush at the end."""
+    engine = SGLangEngine(tiny_model_dir, tokenizer, dtype="float32", bucket_mb=0, api=stand_in)
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("hello world", "a b c d")]
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))  # their caches are kept
+    changed = _perturbed(tiny_model_dir)
+    engine.update_weights(changed.state_dict().items())
+    _assert_generates_as(engine, changed, tokenizer, str(tmp_path / "changed"), prompts)
+    pushes = [details for name, details in engine.engine.calls if name == "update_weights_from_tensor"]
+    assert not any(push["flush_cache"] for push in pushes) and _calls(engine).count("flush_cache") == 1
+    for part in ("q", "k", "v", "gate", "up"):
+        assert any(push["names"] == [f"model.layers.0.{'mlp' if part in ('gate', 'up') else 'self_attn'}.{part}_proj"
+                                     ".weight"] for push in pushes)
+
+
+class _WeightGroup:
+    """The trainer's side of the weight group, in this process: each broadcast gives the next tensor."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = iter(tensors)
+
+    def broadcast(self, tensors, options):
+        tensors[0].copy_(next(self.tensors))
+        return type("Work", (), {"wait": lambda self: None})()
+
+
+def test_received_weights_load_in_a_session_and_flush_the_cache(stand_in, tiny_model_dir, tokenizer, tmp_path):
+    """Split placement: `update_weights_from_distributed` runs between begin/end_weight_update (SGLang 0.5.21
+    refuses it outside a session) and flushes the prefix cache, awake; asleep, the weights are resumed for it and
+    the flush waits for the KV cache (wake)."""
+    engine = SGLangEngine(tiny_model_dir, tokenizer, dtype="float32", api=stand_in)
+    prompts = [tokenizer("hello world", add_special_tokens=False)["input_ids"]]
+    engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))  # cached
+    for asleep in (False, True):
+        changed = _perturbed(tiny_model_dir, seed=int(asleep))
+        state = [(name, tensor) for name, tensor in changed.state_dict().items() if name != "lm_head.weight"]
+        engine.engine.weight_groups["weights"] = _WeightGroup([tensor for _, tensor in state])
+        if asleep:
+            engine.sleep()
+        start = len(engine.engine.calls)
+        engine.receive_weights([name for name, _ in state], [str(t.dtype).removeprefix("torch.") for _, t in state],
+                               [list(t.shape) for _, t in state], "weights")
+        engine.wake()
+        calls = [(name, details) for name, details in engine.engine.calls[start:] if name != "resume"]
+        assert [name for name, _ in calls] == ["begin_weight_update", "update_weights_from_distributed",
+                                               "end_weight_update"] + (["flush_cache"] if asleep else [])
+        assert calls[1][1]["flush_cache"] is not asleep
+        _assert_generates_as(engine, changed, tokenizer, str(tmp_path / f"changed{int(asleep)}"), prompts)
+
+
 def test_first_sync_reads_back_one_vector_and_where_sglang_cannot_it_warns(stand_in, tiny_model_dir, tokenizer,
                                                                           caplog, monkeypatch):
     """SGLang 0.5.20/0.5.21 read parameters back for Llama-family models only (None for Qwen2): the first sync

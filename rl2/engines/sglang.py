@@ -9,7 +9,9 @@ scheduler processes on the group's GPUs. Each call is collective over the group:
 - `update_weights`: every rank flattens each bucket of its full weights (on its own GPU) and
   serialises it as CUDA IPC handles; the leader gathers one payload per TP rank, in TP-rank
   order, and posts them with `update_weights_from_tensor(load_format="flattened_bucket")`, so
-  each SGLang TP rank reads the copy on its own GPU. The first sync is checked by reading one
+  each SGLang TP rank reads the copy on its own GPU. SGLang 0.5.21 loads only inside a
+  `begin_weight_update` / `end_weight_update` session (0.5.20 has none); the prefix (radix) cache is
+  flushed once at the end. The first sync is checked by reading one
   1-D parameter back (SGLang only logs names it does not know); SGLang 0.5.20/0.5.21 read back
   for Llama-family models only and return None for the others (Qwen2 included): the check is
   then skipped with a warning.
@@ -441,6 +443,8 @@ class SGLangEngine(Engine):
             if tags:
                 check_result(self.engine.resume_memory_occupation(tags=tags), "resume_memory_occupation")
                 self.released.clear()
+                # Releasing the KV cache flushed it (release_memory_occupation), and pushes since did not. SGLang
+                # flushes only when idle and else answers success=False (Scheduler.flush_cache), which fails here.
                 check_result(self.engine.flush_cache(), "flush_cache")
 
         self._on_leader(resume, "resume memory")
@@ -453,16 +457,13 @@ class SGLangEngine(Engine):
         if "weights" in self._broadcast(set(self.released) if self.layout.is_leader else None):
             self._before_resume()
 
-        def begin() -> None:
-            if "weights" in self.released:
-                check_result(self.engine.resume_memory_occupation(tags=["weights"]), "resume_memory_occupation")
-                self.released.discard("weights")
-            if hasattr(self.engine, "begin_weight_update"):  # SGLang >= 0.5.21
-                check_result(self.engine.begin_weight_update(), "begin_weight_update")
-
-        self._on_leader(begin, "weight update")
+        self._on_leader(self._begin_update, "weight update")
         self.api.monkey_patch_torch_reductions()
         samples: dict[str, torch.Tensor] = {}  # what was sent of the 1-D parameters, for the read-back
+        # A fused group (q/k/v, gate/up) may be split between buckets: SGLang loads each bucket on its own
+        # (model_runner_components/weight_updater.py, _update_weights_from_flattened_bucket -> model.load_weights)
+        # and writes each shard into its slice of the fused parameter alone (layers/linear.py,
+        # QKVParallelLinear.weight_loader / MergedColumnParallelLinear.weight_loader: narrow, then copy_).
         for bucket in bucketed(engine_named_tensors(named_tensors, self.tied_embeddings), self.bucket_bytes):
             # The flattened copy is shared with the engine through CUDA IPC: it stays referenced here
             # until the post below has returned, i.e. until the engine has read it.
@@ -477,6 +478,8 @@ class SGLangEngine(Engine):
                         samples[name] = tensor.detach()[:_SAMPLE_SIZE].float().cpu()
 
             def post() -> None:
+                # flush_cache=False: SGLang then leaves the radix cache as it is (scheduler_components/
+                # weight_updater.py, flush_cache_after_weight_update); `end` flushes once.
                 result = self.engine.update_weights_from_tensor(
                     named_tensors=payloads, load_format="flattened_bucket", flush_cache=False
                 )
@@ -486,8 +489,7 @@ class SGLangEngine(Engine):
             del flattened  # read by the engine: the next bucket's copy may take its memory
 
         def end() -> None:
-            if hasattr(self.engine, "end_weight_update"):
-                check_result(self.engine.end_weight_update(), "end_weight_update")
+            self._end_update()
             if "kv_cache" not in self.released:
                 check_result(self.engine.flush_cache(), "flush_cache")
             if not self.verified:
@@ -511,17 +513,31 @@ class SGLangEngine(Engine):
         self._on_leader(join, "weight group")
 
     def receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str) -> None:
-        """Split placement: load the weights the first trainer broadcasts over the weight group, in this order."""
+        """Split placement: load the weights the first trainer broadcasts over the weight group, in this order
+        (in a weight-update session, as for `update_weights`), then flush the prefix cache."""
 
         def receive() -> None:
-            if "weights" in self.released:
-                check_result(self.engine.resume_memory_occupation(tags=["weights"]), "resume_memory_occupation")
-                self.released.discard("weights")
+            self._begin_update()
             check_result(self.engine.update_weights_from_distributed(
-                names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=True),
-                "update_weights_from_distributed")
+                names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                flush_cache="kv_cache" not in self.released), "update_weights_from_distributed")
+            self._end_update()
 
         self._on_leader(receive, "weight update")
+
+    def _begin_update(self) -> None:
+        """Leader: resume released weight memory, and open SGLang's weight-update session where it has one
+        (0.5.21 refuses `update_weights_from_tensor` / `_from_distributed` outside it:
+        managers/scheduler_components/weight_updater.py)."""
+        if "weights" in self.released:
+            check_result(self.engine.resume_memory_occupation(tags=["weights"]), "resume_memory_occupation")
+            self.released.discard("weights")
+        if hasattr(self.engine, "begin_weight_update"):  # SGLang >= 0.5.21
+            check_result(self.engine.begin_weight_update(), "begin_weight_update")
+
+    def _end_update(self) -> None:
+        if hasattr(self.engine, "end_weight_update"):
+            check_result(self.engine.end_weight_update(), "end_weight_update")
 
     def _serialize(self, bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Any]:
         """The bucket flattened into one tensor, and that tensor serialised as CUDA IPC handles."""

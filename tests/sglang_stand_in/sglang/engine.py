@@ -25,6 +25,9 @@ ALL_TAGS = ("kv_cache", "weights", "cuda_graph")
 # (Qwen2 among them) the weight exporter catches the AttributeError and returns None.
 READBACK_ARCHITECTURES = {"LlamaForCausalLM", "GraniteForCausalLM", "OPTForCausalLM", "Exaone4ForCausalLM"}
 REQUIRED_ARGS = ("model_path", "tp_size", "mem_fraction_static", "base_gpu_id", "random_seed")
+# SGLang 0.5.21 (which has begin/end_weight_update, as this stand-in does) refuses a load outside a session:
+# managers/scheduler_components/weight_updater.py, update_weights_from_tensor / _from_distributed.
+SESSION_NEEDED = "{call} must run between begin_weight_update() and end_weight_update()"
 
 
 class Engine:
@@ -162,6 +165,8 @@ class Engine:
             return False, f"stand-in supports load_format='flattened_bucket' only, got {load_format!r}"
         if "weights" in self.released:
             return False, "weights are released: resume_memory_occupation(['weights']) first"
+        if not self.in_update:
+            return False, SESSION_NEEDED.format(call="update_weights_from_tensor")
         if len(named_tensors) != self.tp_size:
             return False, f"{len(named_tensors)} payloads for {self.tp_size} TP ranks"
         buckets = []
@@ -173,7 +178,7 @@ class Engine:
                                                  metadata=flattened["metadata"]).reconstruct_tensors())
         names = [name for name, _ in buckets[0]]
         self._record("update_weights_from_tensor", names=names, dtypes=sorted({str(t.dtype) for _, t in buckets[0]}),
-                     in_session=self.in_update)
+                     in_session=self.in_update, flush_cache=flush_cache)
         for other in buckets[1:]:
             if [n for n, _ in other] != names or any(not torch.equal(a, b) for (_, a), (_, b) in zip(buckets[0], other)):
                 return False, "TP ranks sent different weights"
@@ -181,8 +186,10 @@ class Engine:
         return True, "Succeeded to update parameter online."
 
     def _load(self, named_tensors, flush_cache: bool) -> None:
-        """Copy pushed weights into the model, as SGLang's loader does: the tied head skipped, unknown names
-        logged and ignored."""
+        """Copy pushed weights into the model, as SGLang's loader does: each tensor on its own (SGLang writes
+        a q/k/v or gate/up shard into its slice of the fused parameter alone), the tied head skipped (the
+        head is the embeddings), unknown names logged and ignored. Without `flush_cache` the prefix cache
+        (the embedded engine's kept slots) stays, computed by the old weights, as SGLang's radix cache does."""
         state = self.hf.model.state_dict()
         tied = getattr(self.hf.model.config, "tie_word_embeddings", False)
         with torch.no_grad():
@@ -219,6 +226,8 @@ class Engine:
             return False, f"no weight update group {group_name!r}: init_weights_update_group first"
         if "weights" in self.released:
             return False, "weights are released: resume_memory_occupation(['weights']) first"
+        if not self.in_update:
+            return False, SESSION_NEEDED.format(call="update_weights_from_distributed")
         received = []
         for name, dtype, shape in zip(names, dtypes, shapes):
             tensor = torch.empty(shape, dtype=dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype))
@@ -226,7 +235,8 @@ class Engine:
             options.rootRank = 0
             group.broadcast([tensor], options).wait()
             received.append((name, tensor))
-        self._record("update_weights_from_distributed", names=len(names), dtypes=sorted(set(map(str, dtypes))))
+        self._record("update_weights_from_distributed", names=len(names), dtypes=sorted(set(map(str, dtypes))),
+                     flush_cache=flush_cache)
         self._load(received, flush_cache)
         return True, "Succeeded to update parameter online from distributed."
 
