@@ -151,6 +151,12 @@ def test_server_args_pass_through_except_the_ones_rl2_sets():
         engine_args("/m", layout, "bfloat16", 0.6, 7, nccl_port=1, server_args={"tp_size": 4})
     with pytest.raises(ValueError, match="rollout.server_args.port: rl2 sets this SGLang argument itself"):
         engine_args("/m", layout, "bfloat16", 0.6, 7, nccl_port=1, server_args={"port": 1})
+    # SGLang ties the head by its config with this override applied; the actor's pushes follow the checkpoint's
+    with pytest.raises(ValueError, match="tie_word_embeddings must stay the checkpoint's"):
+        engine_args("/m", layout, "bfloat16", 0.6, 7, nccl_port=1,
+                    server_args={"json_model_override_args": '{"tie_word_embeddings": false}'})
+    assert engine_args("/m", layout, "bfloat16", 0.6, 7, nccl_port=1,
+                       server_args={"json_model_override_args": '{"rope_theta": 1e6}'})["json_model_override_args"]
 
 
 def test_server_args_from_the_config_reach_the_engine(stand_in, tiny_model_dir, tokenizer):
@@ -333,6 +339,36 @@ def test_a_push_to_an_awake_engine_flushes_the_prefix_cache(stand_in, tiny_model
     for part in ("q", "k", "v", "gate", "up"):
         assert any(push["names"] == [f"model.layers.0.{'mlp' if part in ('gate', 'up') else 'self_attn'}.{part}_proj"
                                      ".weight"] for push in pushes)
+
+
+@pytest.mark.parametrize("checkpoint", ["tied-with-a-head-kept", "untied"])
+def test_the_head_follows_the_push(stand_in, tiny_model_dir, tokenizer, tmp_path, checkpoint):
+    """SGLang's head for a tied config is the embedding module, also where the checkpoint keeps an lm_head.weight
+    beside it (as rl2's do; vLLM then unties): the push's lm_head.weight (the embeddings again) is not sent, and the
+    embeddings move the head. An untied head is its own parameter: it is sent."""
+    folder = str(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    if checkpoint == "untied":
+        model.config.tie_word_embeddings = False
+        untied = type(model)(model.config)
+        untied.load_state_dict({**model.state_dict(), "lm_head.weight": model.lm_head.weight.detach().clone() * 2})
+        untied.save_pretrained(folder)
+    else:
+        from safetensors.torch import save_file
+
+        model.save_pretrained(folder)
+        state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+        state["lm_head.weight"] = state["lm_head.weight"].clone()  # kept beside the embeddings, as rl2's are
+        save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    engine = SGLangEngine(folder, tokenizer, dtype="float32", api=stand_in)
+    changed = _perturbed(folder)
+    assert changed.config.tie_word_embeddings == (checkpoint != "untied")
+    engine.update_weights(changed.state_dict().items())  # tied: the embeddings twice, the second name not sent
+    names = [name for call, details in engine.engine.calls if call == "update_weights_from_tensor"
+             for name in details["names"]]
+    assert ("lm_head.weight" in names) == (checkpoint == "untied") and engine.engine.unknown_names == []
+    _assert_generates_as(engine, changed, tokenizer, str(tmp_path / "changed"),
+                         [tokenizer("hello world", add_special_tokens=False)["input_ids"]])
 
 
 class _WeightGroup:

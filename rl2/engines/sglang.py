@@ -33,6 +33,7 @@ CPU against a stand-in package that follows the API recorded from SGLang's sourc
 """
 
 import gc
+import json
 import logging
 import multiprocessing
 import os
@@ -116,7 +117,8 @@ OWN_SERVER_ARGS = {
 
 
 def check_server_args(server_args: dict) -> None:
-    """ValueError naming the rl2 key to use for a `rollout.server_args` entry that rl2 sets itself."""
+    """ValueError naming the rl2 key to use for a `rollout.server_args` entry that rl2 sets itself, and for
+    a model override of `tie_word_embeddings`."""
     for name in server_args:
         if name in OWN_SERVER_ARGS:
             instead = OWN_SERVER_ARGS[name]
@@ -124,6 +126,18 @@ def check_server_args(server_args: dict) -> None:
                 f"rollout.server_args.{name}: " + (f"set {instead} instead" if instead else
                                                    "rl2 sets this SGLang argument itself (placement, ports, weight sync)")
             )
+    # SGLang ties the head to the embeddings by its config (with this override applied: configs/model_config.py,
+    # get_config(model_override_args)); rl2's pushes follow the checkpoint's config, and would leave a head the
+    # override unties stale.
+    overrides = server_args.get("json_model_override_args") or {}
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except ValueError:
+            overrides = {}  # SGLang reports it
+    if isinstance(overrides, dict) and "tie_word_embeddings" in overrides:
+        raise ValueError("rollout.server_args.json_model_override_args: tie_word_embeddings must stay the checkpoint's "
+                         "(the actor's weights are pushed as its config ties them)")
 
 
 def engine_args(
@@ -313,6 +327,10 @@ class SGLangEngine(Engine):
         self.bucket_bytes = bucket_mb * 2**20
         self.layout = plan_this_rank(tp_size)
         self.group = new_tp_group(self.layout, world_size()) if tp_size > 1 else None
+        # SGLang's Qwen2 / Llama make a tied head the embedding module itself (models/qwen2.py and llama.py,
+        # `self.lm_head = self.model.embed_tokens`) and never load an lm_head.weight into it (Qwen2 logs it
+        # as not found, Llama skips it): pushing the embeddings updates the head. An untied head is its own
+        # parameter and is pushed.
         self.tied_embeddings = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
         self.released: set[str] = set()
         self.verified = False
