@@ -18,8 +18,8 @@ class FlattenedTensorMetadata:
 class FlattenedTensorBucket:
     """One 1-D tensor holding a bucket of tensors, and where each one lies in it.
 
-    Stricter than SGLang's: a bucket must hold one dtype (SGLang's concatenation would promote
-    and cast back, hiding a bucket-planning mistake).
+    Stricter than SGLang's: a bucket must hold one dtype (SGLang's, `supports_multi_dtypes`, views
+    every tensor as bytes; rl2 buckets by dtype, and a mixed bucket here is a bucket-planning mistake).
     """
 
     def __init__(self, named_tensors=None, flattened_tensor=None, metadata=None):
