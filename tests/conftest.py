@@ -23,6 +23,11 @@ FORK_RANKS = os.environ.get("RL2_FORK_RANKS", "1") != "0"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu_pins: also run under the versions the gpu extra pins (make test-gpu-pins)")
+    if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+        # Workers share few cores: a test's ranks with OpenMP threads spinning on each core starve the other
+        # workers' (a 20-step demo then took over 400 s instead of 40). `make test` sets it as well.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

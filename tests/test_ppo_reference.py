@@ -521,3 +521,36 @@ def test_each_case_moves_the_step():
     for name, case in CASES.items():
         changed = {k for k, v in asdict(case).items() if v != defaults[k] and k not in ("why", "perturb", "logprob_noise")}
         assert changed, name
+
+
+SKIPPED_PROXIMAL_CASES = {
+    "kl-loss-entropy": Case("", kl_type="loss", kl_coef=0.5, loss_estimator="k3", perturb=0.02, logprob_noise=0.3,
+                            temperature=0.7, entropy_coef=0.5, k3_ratio_correction=True),
+    "gspo-gae": Case("", policy_loss="gspo", gspo_clip=0.01, gspo_clip_high=0.08, loss_level="sequence",
+                     estimator="gae", logprob_noise=0.3),
+}
+
+
+@pytest.mark.parametrize("name", list(SKIPPED_PROXIMAL_CASES))
+def test_proximal_log_probs_from_the_update_are_bit_identical(name, tiny_model_dir, rl_data, tmp_path):
+    """actor.proximal_from_update: the old log-probs taken from the update's own forward pass instead of a
+    separate one give the same step bit for bit: gradients, weights after, every metric."""
+    case = SKIPPED_PROXIMAL_CASES[name]
+    runs = {}
+    for skip in (True, False):
+        folder = tmp_path / str(skip)
+        folder.mkdir()
+        separate = Case(**{**asdict(case), "extra": [f"actor.proximal_from_update={str(skip).lower()}"]})
+        runs[skip] = run_case(separate, tiny_model_dir, rl_data, folder)[1]
+    skipped, computed = runs[True], runs[False]
+    assert (skipped["actor_compute_calls"], computed["actor_compute_calls"]) == (0, 1)
+    for key, grad in computed["steps"]["actor"][0]["grads"].items():
+        assert torch.equal(skipped["steps"]["actor"][0]["grads"][key], grad), key
+    for key, weight in computed["after"]["actor"].items():
+        assert torch.equal(skipped["after"]["actor"][key], weight), key
+    timing = ("time/", "tokens_per_second")
+    metrics = {k: v for k, v in computed["metrics"].items() if not k.startswith(timing)}
+    assert {k for k in skipped["metrics"] if not k.startswith(timing)} == set(metrics)
+    assert "offpolicy/kl_k3" in metrics and metrics["logp_mismatch/max"] > 0
+    for key, value in metrics.items():
+        assert skipped["metrics"][key] == value, key

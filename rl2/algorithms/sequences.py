@@ -59,6 +59,10 @@ def per_turn_sequences(sequences: list[RLSequence]) -> list[RLSequence]:
 def computed_per_turn(compute, sequences: list[RLSequence], output: str) -> list[Tensor]:
     """`compute(sequences, output)` (a model's per-token outputs) with each turn of a per-turn trajectory
     seen on its own, joined back into one tensor per trajectory."""
-    turns = [split_turns(sequence) for sequence in sequences]
-    values = iter(compute([turn for pieces in turns for turn in pieces], output))
-    return [torch.cat([next(values) for _ in pieces]) for pieces in turns]
+    return joined_per_turn(sequences, compute(per_turn_sequences(sequences), output))
+
+
+def joined_per_turn(sequences: list[RLSequence], per_turn: list[Tensor]) -> list[Tensor]:
+    """Per-token values of `per_turn_sequences(sequences)` joined back into one tensor per sequence."""
+    values = iter(per_turn)
+    return [torch.cat([next(values) for _ in split_turns(sequence)]) for sequence in sequences]

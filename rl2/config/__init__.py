@@ -102,6 +102,7 @@ class ActorConfig(ModelConfig):
     beta: float = _f(0.1, "DPO: strength of the implicit KL to the reference model (rewards are beta x log-ratio)")
     label_smoothing: float = _f(0.0, "DPO: assumed probability that a pair's preference label is flipped (conservative DPO), in [0, 0.5)")
     recompute_logprobs: bool = _f(True, "RL: old log-probs from a forward pass of the actor (true) or the engine's sampling log-probs (false)")
+    proximal_from_update: bool = _f(True, "RL, recompute_logprobs=true: when the step's batch trains once (update_per_rollout=1) and nothing needs the old log-probs before the update (no rollout correction, no KL in the reward, no teacher), take them from the update's own forward pass (detached) instead of a separate pass: the same values, one forward pass less a step (TRL does the same on-policy)")
     policy_loss: str = _f("ppo", "RL: the policy loss: ppo (token ratios clipped to [1 - clip, 1 + clip_high]), gspo (Zheng et al. 2025: one ratio per sequence, the geometric mean of its tokens', clipped to [1 - gspo_clip, 1 + gspo_clip_high]; the paper averages per sequence: loss_level=sequence), cispo (MiniMax-M1: each token's ratio clipped at 1 + clip_high and detached, times the advantage and log pi: no token leaves the gradient)", POLICY_LOSSES)
     gspo_clip: float = _f(3e-4, "GSPO: the sequence ratio's lower clip (the paper's 3e-4)")
     gspo_clip_high: float = _f(4e-4, "GSPO: the sequence ratio's upper clip (the paper's 4e-4)")

@@ -28,7 +28,7 @@ from rl2.algorithms.losses import (
 )
 from rl2.algorithms.off_policy import Correction, correction_weights, mismatch_metrics, rollout_correction
 from rl2.algorithms.overlong import overlong_penalty
-from rl2.algorithms.sequences import RLSequence, computed_per_turn, per_turn_sequences, turn_start_mask
+from rl2.algorithms.sequences import RLSequence, computed_per_turn, joined_per_turn, per_turn_sequences, turn_start_mask
 from rl2.config import Config, ConfigError, LoraConfig
 from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
@@ -215,18 +215,16 @@ class PPOTrainer(Trainer):
             for t in trajectories
         ]
         metrics = {}
-        all_masks = torch.cat([seq["loss_mask"] for seq in sequences])
-        if self.config.actor.recompute_logprobs:
+        if self.proximal_from_update:
+            pass  # the update's forward pass gives them (`update`, `actor_loss`)
+        elif self.config.actor.recompute_logprobs:
             old_logps = computed_per_turn(self.actor.compute, sequences, "logps")
-            mismatch = (torch.cat(old_logps) - torch.cat([s["engine_logps"] for s in sequences])).abs()
-            metrics["logp_mismatch/mean"] = masked_mean(mismatch, all_masks).item()
-            metrics["logp_mismatch/max"] = (mismatch * all_masks).max().item()
-            metrics.update(mismatch_metrics(old_logps, [s["engine_logps"] for s in sequences],
-                                            [s["loss_mask"] for s in sequences], self.correction.threshold))
+            metrics.update(self.logp_mismatch(sequences, old_logps))
+            for seq, logps in zip(sequences, old_logps):
+                seq["old_logps"] = logps
         else:  # the mismatch is then measured in the first minibatch's forward pass (actor_loss)
-            old_logps = [seq["engine_logps"] for seq in sequences]
-        for seq, logps in zip(sequences, old_logps):
-            seq["old_logps"] = logps
+            for seq in sequences:
+                seq["old_logps"] = seq["engine_logps"]
         if self.correction.mode != "none":
             metrics.update(self.correct(sequences))
         if self.reference is not None:
@@ -239,6 +237,32 @@ class PPOTrainer(Trainer):
             for seq, values in zip(sequences, computed_per_turn(self.critic.compute, sequences, "values")):
                 seq["old_values"] = values
         return sequences, metrics
+
+    def logp_mismatch(self, sequences: list[RLSequence], proximal: list[torch.Tensor]) -> dict[str, float]:
+        """How far the engine's sampling log-probs are from the actor's (`proximal`), over the trained tokens."""
+        masks = [s["loss_mask"] for s in sequences]
+        mismatch = (torch.cat(proximal) - torch.cat([s["engine_logps"] for s in sequences])).abs()
+        all_masks = torch.cat(masks)
+        return {
+            "logp_mismatch/mean": masked_mean(mismatch, all_masks).item(),
+            "logp_mismatch/max": (mismatch * all_masks).max().item(),
+            **mismatch_metrics(proximal, [s["engine_logps"] for s in sequences], masks, self.correction.threshold),
+        }
+
+    def reference_kl(self, sequences: list[RLSequence], proximal: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each sequence's per-token KL from the policy (`proximal`) to the reference (kl.reward_estimator)."""
+        kl = self.config.kl
+        return [kl_penalty(logps, s["ref_logps"], kl.reward_estimator, kl.clamp) for s, logps in zip(sequences, proximal)]
+
+    @property
+    def proximal_from_update(self) -> bool:
+        """Whether this step's old (proximal) log-probs come from the update's own forward pass: the batch
+        trains in one minibatch, so that pass is the proximal policy's, and nothing reads them before."""
+        config = self.config
+        return (config.actor.recompute_logprobs and config.actor.proximal_from_update
+                and config.actor.update_per_rollout == 1 and self.step > config.actor.freeze_steps
+                and self.correction.mode == "none" and self.teacher is None
+                and (self.reference is None or config.kl.type != "reward"))
 
     def correct(self, sequences: list[RLSequence]) -> dict[str, float]:
         """The rollout correction (`rl2.algorithms.off_policy`): each sequence's importance weights, and
@@ -269,9 +293,8 @@ class PPOTrainer(Trainer):
         config = self.config
         masks = [seq["loss_mask"] for seq in sequences]
         metrics, kl, dense = {}, None, None
-        if self.reference is not None:
-            kl = [kl_penalty(s["old_logps"], s["ref_logps"], config.kl.reward_estimator, config.kl.clamp)
-                  for s in sequences]
+        if self.reference is not None and not self.proximal_from_update:
+            kl = self.reference_kl(sequences, [s["old_logps"] for s in sequences])
             metrics["kl"] = masked_mean(torch.cat(kl), torch.cat(masks)).item()
         if self.teacher is not None:
             student = torch.cat([s["old_logps"] for s in sequences])
@@ -317,15 +340,25 @@ class PPOTrainer(Trainer):
         first, the actor after its `freeze_steps`."""
         metrics: dict[str, list[float]] = {}
         models = [("critic", self.critic, self.critic_loss), ("actor", self.actor, self.actor_loss)]
+        mismatch = {}
         for name, model, loss_fn in models:
             if model is None or step <= model.config.freeze_steps:
                 continue
             for minibatch in self._minibatches(sequences, model.config.update_per_rollout, step):
                 norm = model.config.loss_agg_norm or self.rollout.train_params.max_new_tokens
                 minibatch = with_loss_weights(minibatch, loss_aggregation(model.config), norm)
-                for key, value in model.train_step(per_turn_sequences(minibatch), loss_fn).items():
+                if name == "actor" and self.proximal_from_update:
+                    stepped, proximal = model.train_step_keeping(per_turn_sequences(minibatch), loss_fn, "logps")
+                    proximal = joined_per_turn(minibatch, proximal)
+                    mismatch = self.logp_mismatch(minibatch, proximal)
+                    if self.reference is not None:
+                        kl = self.reference_kl(minibatch, proximal)
+                        mismatch["kl"] = masked_mean(torch.cat(kl), torch.cat([s["loss_mask"] for s in minibatch])).item()
+                else:
+                    stepped = model.train_step(per_turn_sequences(minibatch), loss_fn)
+                for key, value in stepped.items():
                     metrics.setdefault(f"{name}/{key}", []).append(value)
-        averaged = {key: sum(values) / len(values) for key, values in metrics.items()}
+        averaged = {**mismatch, **{key: sum(values) / len(values) for key, values in metrics.items()}}
         if "actor/logp_mismatch" in metrics:  # only the first minibatch ran the old policy
             averaged["logp_mismatch/mean"] = metrics["actor/logp_mismatch"][0]
             del averaged["actor/logp_mismatch"]
@@ -344,6 +377,8 @@ class PPOTrainer(Trainer):
         the KL loss with kl.type=loss and the distillation loss with distill.mode=loss, minus the entropy
         bonus, weighted per token."""
         config, weight, actor = self.config, batch["loss_weight"], self.config.actor
+        if "old_logps" not in batch:  # proximal_from_update: this forward pass is the proximal policy's
+            batch = {**batch, "old_logps": outputs["logps"].detach()}
         if actor.policy_loss == "gspo":
             loss, clipped = gspo_loss(outputs["logps"], batch["old_logps"], batch["advantages"], batch["loss_mask"],
                                       batch["cu_seqlens"], actor.gspo_clip, actor.gspo_clip_high)

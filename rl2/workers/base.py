@@ -204,14 +204,19 @@ class ModelWorker:
         """One per-token output of every sequence as 1-D tensors: each rank computes its share,
         all ranks get all."""
         self.model.eval()
-        lengths = [len(seq["input_ids"]) for seq in sequences]
-        result = [torch.zeros(n) for n in lengths]
         plan, rows = self.pack(sequences, self._inference_max_tokens())
         with self.on_device():
-            for indices, row in zip(plan, rows):
-                per_sequence = unpack_row(self.forward(row)[output].float().cpu(), row["cu_seqlens"].cpu())
-                for i, values in zip(indices, per_sequence):
-                    result[i] = values
+            values = [self.forward(row)[output] for row in rows]
+        return self._per_sequence(sequences, plan, rows, values)
+
+    def _per_sequence(self, sequences: list[dict[str, torch.Tensor]], plan: list[list[int]], rows: list[dict],
+                      values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-token `values` of this rank's packed `rows` (planned as `plan`) → every sequence's, on all ranks."""
+        lengths = [len(seq["input_ids"]) for seq in sequences]
+        result = [torch.zeros(n) for n in lengths]
+        for indices, row, row_values in zip(plan, rows, values):
+            for i, sequence_values in zip(indices, unpack_row(row_values.detach().float().cpu(), row["cu_seqlens"].cpu())):
+                result[i] = sequence_values
         # Each sequence was computed by exactly one data-parallel group (whose SP ranks all hold it;
         # the first one reports it), zeros elsewhere: a sum gathers them all.
         local = torch.cat(result) if self.sp_rank == 0 else torch.zeros(sum(lengths))
@@ -232,6 +237,20 @@ class ModelWorker:
     ) -> dict[str, float]:
         """One optimizer step over all `sequences` (see `accumulate_gradients`)."""
         metrics = self.accumulate_gradients(sequences, loss_fn, group_size)
+        return self._step(metrics)
+
+    def train_step_keeping(
+        self, sequences: list[dict[str, torch.Tensor]], loss_fn: LossFn, output: str
+    ) -> tuple[dict[str, float], list[torch.Tensor]]:
+        """`train_step`, also returning every sequence's `output` from the step's own forward pass (the
+        model before the update; detached, as `compute` gives it), on all ranks."""
+        self.model.train()
+        plan, rows = self.pack(sequences, self.config.max_length_per_device)
+        kept: list[torch.Tensor] = []
+        metrics = self._accumulate(rows, loss_fn, backward=True, kept=(output, kept))
+        return self._step(metrics), self._per_sequence(sequences, plan, rows, kept)
+
+    def _step(self, metrics: dict[str, float]) -> dict[str, float]:
         metrics["lr"] = self.scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler moves on after it)
         metrics["grad_norm"] = self.optimizer_step()
         return metrics
@@ -250,13 +269,17 @@ class ModelWorker:
         _, rows = self.pack(sequences, self.config.max_length_per_device, group_size)
         return self._accumulate(rows, loss_fn, backward=True)
 
-    def _accumulate(self, rows: list[dict], loss_fn: LossFn, backward: bool) -> dict[str, float]:
+    def _accumulate(self, rows: list[dict], loss_fn: LossFn, backward: bool,
+                    kept: tuple[str, list[torch.Tensor]] | None = None) -> dict[str, float]:
         # The ranks of a sequence-parallel group hold the same rows: only the first one reports.
         reporting = 1.0 if self.sp_rank == 0 else 0.0
         tokens = all_reduce_sum(reporting * float(sum(row["loss_mask"].sum().item() for row in rows)))
         totals: dict[str, float] = {}
         for row in rows:
-            loss, metrics = loss_fn(self.forward(row, with_entropy=backward), row)
+            outputs = self.forward(row, with_entropy=backward)
+            if kept is not None:
+                kept[1].append(outputs[kept[0]].detach())
+            loss, metrics = loss_fn(outputs, row)
             if backward:
                 # FSDP averages gradients over all ranks; undo that: we want the sum over the
                 # data-parallel groups (each SP rank's backward reaches only its own tokens).

@@ -12,8 +12,8 @@ log-probs of the batch (so the ratio to them is not 1)}.
 Trajectories may carry "messages" (GRPO-RoC's penalties read them).
 
 Saved: the actor's and critic's weights before and after the step, the gradients and learning rate of
-every optimizer step (after clipping), the engine log-probs used, the step's metrics, and with GRPO-RoC
-the indices of the trajectories it kept.
+every optimizer step (after clipping), the engine log-probs used, the step's metrics, the number of the
+actor's separate forward passes (`compute`), and with GRPO-RoC the indices of the trajectories it kept.
 """
 
 import copy
@@ -89,12 +89,16 @@ def main() -> None:
         return chosen, roc_metrics
 
     trainer.resample_on_correct = recording_resample
+    compute_calls = []  # the actor's separate forward passes (the proximal pass, unless taken from the update)
+    compute = trainer.actor.compute
+    trainer.actor.compute = lambda *args, **kwargs: compute_calls.append(1) or compute(*args, **kwargs)
     trainer.step = 1
     metrics = trainer.train_step()
     after = {name: gather_full_state_dict(model) for name, model in models.items()}
     if is_rank0():
         torch.save({"before": before, "after": after, "steps": steps, "metrics": metrics,
-                    "logprobs": [t.logprobs for t in trajectories], "kept": kept}, out_file)
+                    "logprobs": [t.logprobs for t in trajectories], "kept": kept,
+                    "actor_compute_calls": len(compute_calls)}, out_file)
     exit_process(0)
 
 
