@@ -126,6 +126,28 @@ def test_torch_varlen_wrapper_and_loop_equal_dense_attention(with_gqa, boundarie
     torch.testing.assert_close(loop, expected, rtol=0, atol=1e-5)
 
 
+def test_the_loop_batches_equal_lengths_exactly_as_one_call_per_sequence():
+    """Sequences of one length attend in one batched sdpa call: outputs and gradients equal, bit for bit, one
+    call per sequence (lengths repeated, a one-token sequence, grouped-query heads)."""
+    generator = torch.Generator().manual_seed(1)
+    lengths = [7, 3, 7, 1, 12, 3, 7, 12, 1]
+    bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    query = torch.randn(1, 4, bounds[-1], 16, generator=generator, requires_grad=True)
+    key, value = (torch.randn(1, 2, bounds[-1], 16, generator=generator, requires_grad=True) for _ in range(2))
+    ours, _ = varlen_attention(None, query, key, value, None, scaling=0.25,
+                               cu_seq_lens_q=torch.tensor(bounds, dtype=torch.int32))
+    one_by_one = torch.cat([
+        torch.nn.functional.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
+                                                         is_causal=True, scale=0.25, enable_gqa=True)
+        for a, b in zip(bounds, bounds[1:])], dim=2).transpose(1, 2)
+    assert torch.equal(ours, one_by_one)
+    weights = torch.randn(ours.shape, generator=generator)
+    ours_grads = torch.autograd.grad((ours * weights).sum(), (query, key, value))
+    loop_grads = torch.autograd.grad((one_by_one * weights).sum(), (query, key, value))
+    for got, expected in zip(ours_grads, loop_grads):
+        assert torch.equal(got, expected)
+
+
 def test_flex_attention_matches_the_loop_on_a_packed_row(tiny_model_dir):
     """transformers' flex attention (compiled; forward only on CPU) keeps packed sequences apart."""
     cpu = torch.device("cpu")

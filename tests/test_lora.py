@@ -75,7 +75,7 @@ def test_reference_is_the_base_model(one_rank, tiny_model_dir):
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
         for sequence, before, after in zip(result["batch"], result["ref_before"], result["ref_after"]):
-            expected = _logps(base, sequence)
+            expected = _logps(base, sequence) * sequence["loss_mask"]  # the policy's log-probs at its loss tokens
             assert (before - expected).abs().max() < 1e-5 and torch.equal(before, after)
 
 
@@ -100,8 +100,9 @@ def test_saved_adapter_loads_with_peft_and_merged_export_is_the_merged_model(one
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(saved, "merged"), dtype=torch.float32).eval()
     with torch.no_grad():
         for sequence, logps in zip(result["batch"], result["logps"]):
-            assert (_logps(peft_model, sequence) - logps).abs().max() < 1e-5
-            assert (_logps(merged, sequence) - logps).abs().max() < 1e-5
+            mask = sequence["loss_mask"]  # the policy's log-probs are its loss tokens'
+            assert (_logps(peft_model, sequence) * mask - logps).abs().max() < 1e-5
+            assert (_logps(merged, sequence) * mask - logps).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("sp_size, chunk", [(1, 0), (2, 5)], ids=["data-parallel", "sequence-parallel-chunked"])

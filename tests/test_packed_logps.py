@@ -100,6 +100,15 @@ with torch.no_grad():
         expected = token_logps(plain(input_ids=ids, use_cache=False).logits, ids, positions, temperature)[0]
         worst = max(worst, (got - expected).abs().max().item())
 print("max_difference", worst)
+# With loss masks the head runs only where a token in the loss is predicted; the other positions read 0.
+masks = [(torch.rand(len(seq["input_ids"]), generator=generator) < 0.5).float() for seq in sequences]
+head_rows = []
+actor.model.lm_head.register_forward_hook(lambda module, args, out: head_rows.append(args[0].shape[1]))
+masked = actor.compute([{**seq, "loss_mask": mask} for seq, mask in zip(sequences, masks)])
+loss_worst = max(((got - full) * mask).abs().max().item() for got, full, mask in zip(masked, ours, masks))
+outside = max((got * (1 - mask)).abs().max().item() for got, mask in zip(masked, masks))
+print("head_rows", sum(head_rows), int(sum(mask[1:].sum() for mask in masks)), "loss_tokens_difference", loss_worst,
+      "outside", outside)
 """
 
 
@@ -107,7 +116,11 @@ print("max_difference", worst)
 def test_policy_forward_agrees_with_token_logps(tiny_model_dir, chunk, temperature):
     """What training uses (`Policy.forward` through `Policy.compute`: packed rows, full logits or the
     chunked head, the sampling temperature) equals `token_logps`, the function the tests above
-    check, on the plain model one sequence at a time."""
+    check, on the plain model one sequence at a time; with loss masks, at the loss tokens (the head
+    runs on those positions only)."""
     result = run_python(["-c", POLICY_WORKER, tiny_model_dir, str(chunk), str(temperature)])
-    difference = float(result.stdout.split("max_difference")[-1])
+    difference = float(result.stdout.split("max_difference")[-1].split()[0])
     assert difference < 1e-5, difference  # float32 rounding of another kernel and row length
+    seen, scored, _, loss_difference, _, outside = result.stdout.split("head_rows")[-1].split()
+    assert int(seen) == int(scored)  # the head ran on the positions that predict a loss token, only
+    assert float(loss_difference) < 1e-5 and float(outside) == 0

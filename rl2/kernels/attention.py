@@ -8,7 +8,7 @@ transformers' sdpa path handles a packed row by building a block-diagonal T×T m
 - `torch_varlen`: torch's variable-length flash kernel (`torch.nn.attention.varlen`, CUDA, torch ≥ 2.10);
 - `flex_attention`: transformers' own flex attention, whose block mask keeps each packed sequence
   apart (from `position_ids`); compiled, on CUDA and CPU;
-- `sdpa_loop`: one sdpa call per sequence (`varlen_attention`), anywhere.
+- `sdpa_loop`: one sdpa call per sequence length (`varlen_attention`: the sequences of a length batched), anywhere.
 
 `auto` takes the first available in that order on CUDA and `sdpa_loop` on CPU, where it is the
 fastest (bench/RESULTS.md).
@@ -68,19 +68,27 @@ def varlen_attention(
             else torch.tensor([0, query.shape[2]], dtype=torch.int32)
         )
     bounds = cu_seq_lens_q.tolist()
-    outputs = [
-        F.scaled_dot_product_attention(
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
-            is_causal=True,
-            dropout_p=dropout,
-            scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )
-        for start, end in zip(bounds[:-1], bounds[1:])
-    ]
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+    starts_of: dict[int, list[int]] = {}  # sequences by length
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        starts_of.setdefault(end - start, []).append(start)
+    if len(bounds) == 2:  # one sequence
+        return _causal_sdpa(query, key, value, dropout, scaling).transpose(1, 2).contiguous(), None
+    # Sequences of one length attend in one batched call (one call per sequence costs more on CPU for many
+    # short ones); each batch element is computed as alone, so the result is the per-sequence loop's.
+    outputs, positions = [], []
+    for length, starts in starts_of.items():
+        index = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).reshape(-1).to(query.device)
+        batched = [t[0][:, index].unflatten(1, (len(starts), length)).transpose(0, 1) for t in (query, key, value)]
+        out = _causal_sdpa(*batched, dropout, scaling)  # [n, heads, length, dim]
+        outputs.append(out.transpose(0, 1).reshape(out.shape[1], -1, out.shape[3]))
+        positions.append(index)
+    order = torch.argsort(torch.cat(positions))
+    return torch.cat(outputs, dim=1)[:, order].unsqueeze(0).transpose(1, 2).contiguous(), None
+
+
+def _causal_sdpa(query, key, value, dropout: float, scaling: float | None) -> torch.Tensor:
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, dropout_p=dropout, scale=scaling,
+                                          enable_gqa=query.shape[1] != key.shape[1])
 
 
 def _sequence_bounds(query: torch.Tensor, cu_seq_lens_q: torch.Tensor | None, position_ids: torch.Tensor | None) -> torch.Tensor:

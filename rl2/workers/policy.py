@@ -36,7 +36,8 @@ class Policy(ModelWorker):
     the tokens.
 
     With `logps_chunk_size` > 0 the LM head computes them in token chunks and never holds the
-    `[T, vocab]` logits (`rl2.kernels.logps_head`)."""
+    `[T, vocab]` logits (`rl2.kernels.logps_head`). A micro-batch with a `loss_mask` gets them at the
+    tokens in it only (0 elsewhere: nothing reads them): the head runs on the positions predicting those."""
 
     def __init__(self, config: ModelConfig, total_steps: int, temperature: float = 1.0, trainable: bool = True):
         super().__init__(config, total_steps, trainable, logps_chunk_size=config.logps_chunk_size)
@@ -46,6 +47,9 @@ class Policy(ModelWorker):
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
         inputs, next_ids = self._model_inputs(micro_batch)
+        scored = self._scored_positions(micro_batch)
+        if scored is not None:  # the head (T x vocab) only where a token in the loss is predicted
+            inputs["logits_to_keep"], next_ids = scored, next_ids[:, scored]
         entropy_grad = with_entropy and torch.is_grad_enabled() and getattr(self.config, "entropy_coef", 0.0) != 0
         if self.logps_head is not None:
             with self.logps_head.predicting(next_ids[0], self.temperature, with_entropy, entropy_grad):
@@ -60,4 +64,19 @@ class Policy(ModelWorker):
                 with torch.set_grad_enabled(entropy_grad):
                     logps = torch.log_softmax(logits, dim=-1)
                     outputs["entropy"] = -(logps.exp() * logps).sum(-1).unsqueeze(0)
-        return {name: self._align(value, micro_batch) for name, value in outputs.items()}
+        if scored is not None:
+            length = micro_batch["input_ids"].shape[1]
+            outputs = {name: value.new_zeros(1, length).index_copy(1, scored, value) for name, value in outputs.items()}
+        aligned = {name: self._align(value, micro_batch) for name, value in outputs.items()}
+        if scored is None and "loss_mask" in micro_batch:  # sequence parallelism: all computed, the same kept
+            aligned = {name: value.where(micro_batch["loss_mask"].bool(), 0.0) for name, value in aligned.items()}
+        return aligned
+
+    def _scored_positions(self, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The positions of a packed row whose next token is in its loss mask (the others' log-probs and
+        entropies are never read: 0), or None (all) without a loss mask or with sequence parallelism."""
+        if self.sp_group is not None or "loss_mask" not in micro_batch:
+            return None
+        # position t predicts token t + 1, unless that token starts the next sequence
+        predicted = micro_batch["loss_mask"][0, 1:].bool() & (micro_batch["position_ids"][0, 1:] != 0)
+        return torch.nonzero(predicted).squeeze(1)
