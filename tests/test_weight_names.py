@@ -322,34 +322,42 @@ def test_bucketed_real_model_respects_limit_and_order():
 GATHER_CHECK = """
 import sys, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 from rl2.rollout.weight_sync import iter_full_weights
 
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+dist.init_process_group("gloo")
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 expected = {name: tensor.to(torch.bfloat16) for name, tensor in model.state_dict().items()}
 for layer in model.model.layers:
     fully_shard(layer)
 fully_shard(model)
 gathered = []
-full_tensor = DTensor.full_tensor
-DTensor.full_tensor = lambda self, **kwargs: gathered.append(self.dtype) or full_tensor(self, **kwargs)
-sent = dict(iter_full_weights(model, "bfloat16", bucket_mb=0))
-assert gathered and set(gathered) == {torch.bfloat16}, gathered  # cast, then gathered
-assert "lm_head.weight" not in sent and len(gathered) == len(sent) == len(expected) - 1, (len(gathered), len(sent))
+all_gather = dist.all_gather_into_tensor
+dist.all_gather_into_tensor = lambda out, local, **kwargs: gathered.append(local.dtype) or all_gather(out, local, **kwargs)
+bucket_mb = float(sys.argv[2])
+sent = dict(iter_full_weights(model, "bfloat16", bucket_mb=bucket_mb))
+assert "lm_head.weight" not in sent and len(sent) == len(expected) - 1, len(sent)
 assert all(torch.equal(sent[name], expected[name]) for name in sent)
+if dist.get_world_size() > 1:  # cast, then gathered: one collective per bucket
+    buckets = 1 if bucket_mb > 1 else len(sent)
+    assert gathered == [torch.bfloat16] * buckets, gathered
+    # rows that do not split evenly (5 = 3 + 2; 1 = 1 + none), in one gather with an even one
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from rl2.rollout.weight_sync import _full_row_sharded
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full = [torch.arange(n * 3, dtype=torch.float32).view(n, 3) for n in (5, 1, 4)]
+    shards = [distribute_tensor(t, mesh, [Shard(0)]) for t in full]
+    assert all(torch.equal(a, b.to(torch.bfloat16)) for a, b in zip(_full_row_sharded(shards, torch.bfloat16), full))
+else:
+    assert gathered == []  # one rank holds it all
 print("ok")
 """
 
 
-def test_full_weights_are_cast_before_the_gather_and_tied_ones_sent_once(tiny_model_dir):
-    """The sync gathers bf16 shards, not fp32 masters to cast afterwards, and sends the tied head once."""
-    import socket
+@pytest.mark.parametrize("ranks,bucket_mb", [(1, 0), (2, 0), (2, 64)], ids=["one-rank", "tensor-buckets", "one-bucket"])
+def test_full_weights_are_cast_before_the_gather_and_tied_ones_sent_once(tiny_model_dir, ranks, bucket_mb):
+    """The sync gathers bf16 shards, not fp32 masters to cast afterwards, a bucket's shards (uneven: the
+    tiny model's rows do not all split evenly over 2 ranks) in one all-gather, and sends the tied head once."""
+    from conftest import run_torchrun
 
-    from conftest import run_python
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    assert "ok" in run_python(["-c", GATHER_CHECK, tiny_model_dir, str(port)]).stdout
+    assert "ok" in run_torchrun(["-c", GATHER_CHECK, tiny_model_dir, str(bucket_mb)], nproc=ranks).stdout

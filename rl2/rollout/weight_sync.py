@@ -1,9 +1,12 @@
 """Stream an FSDP2 model's full weights, bucket by bucket, to an inference engine."""
 
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from rl2.distributed.fsdp import DTYPES
 from rl2.lora import adapter_keys, is_lora, lora_scalings, merge
@@ -19,7 +22,8 @@ def iter_full_weights(
     which an engine that kept its weights already holds).
 
     Sharded tensors are cast to `dtype` on each rank and then all-gathered (half the bytes of
-    gathering fp32 masters), a bucket (about `bucket_mb` of `dtype`) at a time; a bucket is released
+    gathering fp32 masters), a bucket (about `bucket_mb` of `dtype`) at a time, FSDP2's row shards
+    of a bucket in one collective; a bucket is released
     once the consumer moves past it, so a rank never holds more than one bucket of gathered weights
     besides the engine's own copy. Every rank must consume the whole stream in the same order: the
     gathers are collectives.
@@ -55,15 +59,50 @@ def _full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _gathered(bucket: list[tuple[str, torch.Tensor, tuple | None]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    together = [tensor for _, tensor, adapter in bucket if adapter is None and _row_sharded(tensor)]
+    gathered = dict(zip(map(id, together), _full_row_sharded(together, dtype)))
     full = []
     for name, tensor, adapter in bucket:
-        if adapter is None:
+        if id(tensor) in gathered:
+            full.append((name, gathered[id(tensor)]))
+        elif adapter is None:
             full.append((name, _full(tensor, dtype)))
         else:  # the adapters are small: gathered in fp32, merged in fp32 into the cast base weight
             lora_a, lora_b, scaling = adapter
             full.append((name, merge(_full(tensor, dtype), _full(lora_a, torch.float32), _full(lora_b, torch.float32),
                                      scaling)))
     yield from full
+
+
+def _row_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor sharded by rows over a 1-D mesh (FSDP2's parameters), which `_full_row_sharded` gathers."""
+    return isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),)
+
+
+def _full_row_sharded(tensors: list[DTensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The full tensors of row-sharded DTensors on one mesh, cast to `dtype` first, with one all-gather for
+    all of them (one per tensor costs a collective's latency each: most of a small model's sync)."""
+    if not tensors:
+        return []
+    mesh = tensors[0].device_mesh
+    world = mesh.size()
+    if world == 1 or any(t.device_mesh != mesh for t in tensors):
+        return [_full(t, dtype) for t in tensors]
+    # rank r holds rows [r c, (r + 1) c) of each, c = ceil(rows / world) (torch.chunk's split; maybe none)
+    def share(tensor: DTensor, rank: int) -> int:
+        rows = tensor.shape[0]
+        chunk = -(-rows // world)
+        return max(0, min(chunk, rows - rank * chunk)) * math.prod(tensor.shape[1:])
+
+    sizes = [[share(t, r) for t in tensors] for r in range(world)]
+    longest = max(sum(s) for s in sizes)
+    local = torch.cat([t.to_local().detach().to(dtype).reshape(-1) for t in tensors])
+    padded = torch.zeros(longest, dtype=dtype, device=local.device)
+    padded[: local.numel()] = local
+    out = torch.empty(world * longest, dtype=dtype, device=local.device)
+    dist.all_gather_into_tensor(out, padded, group=mesh.get_group())
+    pieces = [out[r * longest: r * longest + sum(sizes[r])].split(sizes[r]) for r in range(world)]
+    return [torch.cat([pieces[r][i] for r in range(world)]).view(t.shape) for i, t in enumerate(tensors)]
 
 
 # Module names that wrappers insert into parameter names: FSDP1 / checkpoint wrappers, torch.compile.
