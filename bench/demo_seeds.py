@@ -4,7 +4,8 @@ GRPO) run over seeds x rank counts x tasks; prints each run and the share that l
 A run learns when its mean reward over the last 6 steps is >= 0.8 and its final test reward (greedy)
 is >= 0.9. Each line also shows the warm-up's final SFT loss (mean of its last 20 steps; ~0.06 when
 the warm-up learned the task's facts): a run that fails after a poor warm-up is the warm-up's failure.
-SEED seeds both the warm-up and GRPO; the model's initial weights and the data are the demo's.
+SEED seeds both the warm-up and GRPO (with --sft-ckpt, GRPO only: every run starts from that warm-up); the model's
+initial weights and the data are the demo's.
 Extra arguments go to the PPO trainer (e.g. `actor.lr=1e-3` to try another setting).
 
     python bench/demo_seeds.py [--seeds 10] [--ranks 1 2] [--tasks successor lookup] [--out DIR] [key=value ...]
@@ -22,9 +23,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAST_STEPS, MIN_REWARD, MIN_TEST = 6, 0.8, 0.9
 
 
-def run_demo(task: str, ranks: int, seed: int, out: str, ppo_args: list[str], sft_steps: int, ppo_steps: int) -> dict:
-    """One run of the demo; its reward curve summary and whether it learned."""
+def run_demo(task: str, ranks: int, seed: int, out: str, ppo_args: list[str], sft_steps: int, ppo_steps: int,
+             sft_ckpt: str | None = None) -> dict:
+    """One run of the demo (from the warm-up `sft_ckpt` if given); its reward curve summary and whether it learned."""
     env = {**os.environ, "TASK": task, "NPROC": str(ranks), "SEED": str(seed), "OUT": out,
+           **({"SFT_CKPT": sft_ckpt} if sft_ckpt else {}),
            "SFT_STEPS": str(sft_steps), "PPO_STEPS": str(ppo_steps), "WANDB_MODE": "disabled",
            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     start = time.perf_counter()
@@ -33,7 +36,8 @@ def run_demo(task: str, ranks: int, seed: int, out: str, ppo_args: list[str], sf
                               stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     if done.returncode != 0:
         return {"ok": False, "error": f"exit {done.returncode}, see {out}/log.txt", "seconds": time.perf_counter() - start}
-    sft_losses = [json.loads(line)["loss"] for line in open(os.path.join(out, "sft", "metrics.jsonl"))]
+    warm_up = os.path.join(sft_ckpt or out, "..", "metrics.jsonl") if sft_ckpt else os.path.join(out, "sft", "metrics.jsonl")
+    sft_losses = [json.loads(line)["loss"] for line in open(warm_up)]
     rows = [json.loads(line) for line in open(os.path.join(out, "ppo", "metrics.jsonl"))]
     rewards = [row["reward/mean"] for row in rows if "reward/mean" in row]
     tests = [row["test/reward_mean"] for row in rows if "test/reward_mean" in row]
@@ -58,6 +62,8 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--ppo-steps", type=int, default=60)
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary directory)")
+    parser.add_argument("--sft-ckpt", default=None, help="one warm-up for every run (its checkpoint folder, e.g. "
+                        "outputs/ppo_tiny_successor/sft/step200): SEED then seeds GRPO only")
     args, ppo_args = parser.parse_known_args()
     root = args.out or tempfile.mkdtemp(prefix="rl2-demo-seeds-")
     seeds = range(args.first_seed, args.first_seed + args.seeds)
@@ -71,7 +77,7 @@ def main() -> None:
             for seed in seeds:
                 out = os.path.join(root, f"{task}-n{ranks}-s{seed}")
                 os.makedirs(out, exist_ok=True)
-                result = run_demo(task, ranks, seed, out, ppo_args, args.sft_steps, args.ppo_steps)
+                result = run_demo(task, ranks, seed, out, ppo_args, args.sft_steps, args.ppo_steps, args.sft_ckpt)
                 learned += result.get("learned", False)
                 if result["ok"]:
                     print(f"{task:9s} ranks {ranks} seed {seed:3d}: warm-up loss {result['sft_loss']:.3f}, reward {result['first']:.3f} -> last-{LAST_STEPS} "
