@@ -36,7 +36,7 @@ def run_demo(task: str, ranks: int, seed: int, out: str, ppo_args: list[str], sf
                               stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     if done.returncode != 0:
         return {"ok": False, "error": f"exit {done.returncode}, see {out}/log.txt", "seconds": time.perf_counter() - start}
-    warm_up = os.path.join(sft_ckpt or out, "..", "metrics.jsonl") if sft_ckpt else os.path.join(out, "sft", "metrics.jsonl")
+    warm_up = os.path.join(sft_ckpt, "..", "metrics.jsonl") if sft_ckpt else os.path.join(out, "sft", "metrics.jsonl")
     sft_losses = [json.loads(line)["loss"] for line in open(warm_up)]
     rows = [json.loads(line) for line in open(os.path.join(out, "ppo", "metrics.jsonl"))]
     rewards = [row["reward/mean"] for row in rows if "reward/mean" in row]

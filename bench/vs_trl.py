@@ -18,14 +18,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
-from demo_runs import python  # noqa: E402
+from demo_runs import python, warm_up  # noqa: E402
 
 PROMPTS, GROUP = 16, 8  # a step: 16 prompts x 8 answers = 128 trained samples at equal work
 # At lr 5e-4 the larger model's runs collapsed on both libraries without dynamic filtering (reward 0.15 -> 0, answers
@@ -50,7 +49,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     """One TRL GRPOTrainer run (1 process, or a rank of torchrun); rank 0 writes its summary to args.result."""
     import torch
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, os.path.join(REPO, "envs"))
@@ -103,9 +102,8 @@ def trl_worker(args: argparse.Namespace) -> None:
 
 
 def launcher(processes: int) -> list[str]:
-    if processes == 1:
-        return [sys.executable]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    """`python`'s arguments before a script: none for one process, torchrun's for more."""
+    return [] if processes == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
 
 
 def run_trl(model: str, data: str, out: str, size: dict, processes: int, seed: int, steps: int) -> dict:
@@ -113,7 +111,7 @@ def run_trl(model: str, data: str, out: str, size: dict, processes: int, seed: i
     command = [*launcher(processes), os.path.abspath(__file__), "--trl-worker", "--model", model, "--data", data,
                "--out", out, "--result", result, "--seed", str(seed), "--steps", str(steps),
                "--new-tokens", str(size["new_tokens"]), "--lr", str(size["lr"])]
-    run_logged(command, os.path.join(out, "log.txt"))
+    python(command, os.path.join(out, "log.txt"))
     return json.load(open(result))
 
 
@@ -122,7 +120,7 @@ def run_trl(model: str, data: str, out: str, size: dict, processes: int, seed: i
 def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: int, steps: int, filtering: bool) -> dict:
     new = size["new_tokens"]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", "-m", "rl2.trainer.ppo",
+        "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", "-m", "rl2.trainer.ppo",
         f"data.path={data}/train.jsonl", f"data.test_path={data}/test.jsonl",
         f"data.prompts_per_rollout={PROMPTS}", f"data.responses_per_prompt={GROUP}",
         f"actor.model_name={model}", "actor.dtype=float32", "actor.gradient_checkpointing=false",
@@ -134,7 +132,7 @@ def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: i
         f"trainer.total_steps={steps}", f"trainer.test_freq={steps}", f"trainer.seed={seed}",
         "trainer.disable_wandb=true", "trainer.dump_trajectories=false",
     ]
-    run_logged(command, os.path.join(out, "log.txt"))
+    python(command, os.path.join(out, "log.txt"))
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     steps_rows = [row for row in rows if "time/step" in row]
     return {
@@ -144,26 +142,6 @@ def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: i
         "trained": [PROMPTS * GROUP * (1 - row.get("dynamic_filter/dropped_ratio", 0.0)) for row in steps_rows],
         "test": [row["test/reward_mean"] for row in rows if "test/reward_mean" in row][-1],
     }
-
-
-def run_logged(command: list[str], log: str) -> None:
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with open(log, "w") as f:
-        done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    if done.returncode != 0:
-        raise SystemExit(f"run failed ({done.returncode}); see {log}")
-
-
-def warm_up(out: str, size: dict, sft_steps: int) -> str:
-    """The size's tiny model, the demo's data and an SFT warm-up (recipes/ppo_tiny.sh's first half)."""
-    python(["-m", "rl2.testing.tiny", f"{out}/model", "--hidden-size", str(size["hidden"]), "--layers", str(size["layers"])],
-           f"{out}/tiny.log")
-    python(["recipes/make_demo_data.py", "--task", "successor", "--out", f"{out}/data", "--rows", "4000"], f"{out}/data.log")
-    python(["-m", "rl2.trainer.sft", f"data.path={out}/data/sft.jsonl", "data.batch_size=64",
-            f"actor.model_name={out}/model", "actor.dtype=float32", "actor.gradient_checkpointing=false", "actor.lr=3e-3",
-            "actor.warmup_ratio=0.2", f"actor.save_dir={out}/sft", f"trainer.total_steps={sft_steps}",
-            "trainer.disable_wandb=true"], f"{out}/sft.log")
-    return f"{out}/sft/step{sft_steps}"
 
 
 # ---- the table ----------------------------------------------------------------------------------
@@ -214,7 +192,7 @@ def main() -> None:
         size = SIZES[size_name]
         base = os.path.join(root, size_name)
         os.makedirs(base, exist_ok=True)
-        model = warm_up(base, size, args.sft_steps)
+        model = warm_up(base, args.sft_steps, "successor", size["hidden"], size["layers"])
         data = os.path.join(base, "data")
         for processes in args.procs:
             runs: dict[str, list[dict]] = {name: [] for name in args.configs}

@@ -68,11 +68,11 @@ def varlen_attention(
             else torch.tensor([0, query.shape[2]], dtype=torch.int32)
         )
     bounds = cu_seq_lens_q.tolist()
+    if len(bounds) == 2:  # one sequence
+        return _causal_sdpa(query, key, value, dropout, scaling).transpose(1, 2).contiguous(), None
     starts_of: dict[int, list[int]] = {}  # sequences by length
     for start, end in zip(bounds[:-1], bounds[1:]):
         starts_of.setdefault(end - start, []).append(start)
-    if len(bounds) == 2:  # one sequence
-        return _causal_sdpa(query, key, value, dropout, scaling).transpose(1, 2).contiguous(), None
     # Sequences of one length attend in one batched call (one call per sequence costs more on CPU for many
     # short ones); each batch element is computed as alone, so the result is the per-sequence loop's.
     outputs, positions = [], []
