@@ -17,14 +17,15 @@ def python(args: list[str], log: str) -> None:
         raise SystemExit(f"{' '.join(args[:3])} failed ({done.returncode}); see {log}")
 
 
-def warm_up(out: str, sft_steps: int, task: str, hidden_size: int = 128, layers: int = 2) -> str:
-    """The demo's model (or one of another size), data (`task`: successor or lookup) and SFT warm-up on one
-    process; the warmed-up model."""
-    python(["-m", "rl2.testing.tiny", f"{out}/model", "--hidden-size", str(hidden_size), "--layers", str(layers)],
-           f"{out}/tiny.log")
+def warm_up(out: str, sft_steps: int, task: str, hidden_size: int = 128, layers: int = 2,
+            model_args: tuple[str, ...] = (), dtype: str = "float32", lr: float = 3e-3) -> str:
+    """The demo's model (or one of another size: `model_args` are more `rl2.testing.tiny` flags), data (`task`:
+    successor or lookup) and SFT warm-up (in `dtype` at `lr`) on one process; the warmed-up model."""
+    python(["-m", "rl2.testing.tiny", f"{out}/model", "--hidden-size", str(hidden_size), "--layers", str(layers),
+            *model_args], f"{out}/tiny.log")
     python(["recipes/make_demo_data.py", "--task", task, "--out", f"{out}/data", "--rows", "4000"], f"{out}/data.log")
     python(["-m", "rl2.trainer.sft", f"data.path={out}/data/sft.jsonl", "data.batch_size=64",
-            f"actor.model_name={out}/model", "actor.dtype=float32", "actor.gradient_checkpointing=false", "actor.lr=3e-3",
+            f"actor.model_name={out}/model", f"actor.dtype={dtype}", "actor.gradient_checkpointing=false", f"actor.lr={lr}",
             "actor.warmup_ratio=0.2", f"actor.save_dir={out}/sft", f"trainer.total_steps={sft_steps}",
             "trainer.disable_wandb=true"], f"{out}/sft.log")
     return f"{out}/sft/step{sft_steps}"

@@ -9,20 +9,22 @@
 #           bash bench/gpu_session.sh train         # bench/gpu_train.py (issue 15's targets)
 #           bash bench/gpu_session.sh demo          # the GRPO demo on one GPU, then the tool demo (DEMO_TASKS)
 #           bash bench/gpu_session.sh split         # the GRPO demo one-step-off: 1 trainer + 1 rollout rank, one GPU
+#           bash bench/gpu_session.sh vs_trl        # bench/vs_trl.py on the GPU: TRL's GRPOTrainer and rl2 at 0.5b, bf16
 #
 # Arguments after the stage go to its script (`train --shapes 0.5b --steps 2`); STAGE_TIMEOUT (seconds)
 # bounds a stage (each demo half) so that several stages fit one call.
 #
 # Record what they print in bench/RESULTS.md with the date and device.
 set -euo pipefail
-STAGE=${1:?usage: bash bench/gpu_session.sh wheels|checks|rollout|train|demo|split [script arguments]}
+STAGE=${1:?usage: bash bench/gpu_session.sh wheels|checks|rollout|train|demo|split|vs_trl [script arguments]}
 shift
 cd "$(dirname "$0")/.."
 
 # Versions as on the CPU machines where the suite passes; pure-Python sdists are built into wheels here.
 WHEELS="transformers==5.23.0 tokenizers==0.23.3 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 omegaconf==2.4.0
 antlr4-python3-runtime==4.13.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 pylatexenc==2.11 bm25s==0.3.16
-plotly==7.1.0 jsonschema==4.26.0 referencing==0.37.0 rpds-py==0.30.0 jsonschema-specifications==2025.9.1"
+plotly==7.1.0 jsonschema==4.26.0 referencing==0.37.0 rpds-py==0.30.0 jsonschema-specifications==2025.9.1
+trl==1.16.0"  # TRL for the vs_trl stage only (its other needs are in the GPU image)
 
 if [ "$STAGE" = wheels ]; then
   mkdir -p .whl
@@ -54,5 +56,7 @@ case "$STAGE" in
     (NPROC=1 PPO_STEPS=0 OUT=/tmp/split timeout "${STAGE_TIMEOUT:-270}" bash recipes/ppo_tiny.sh 2>&1 | tail -5
      NPROC=2 SFT_CKPT=/tmp/split/sft/step200 OUT=/tmp/split timeout "${STAGE_TIMEOUT:-270}" bash recipes/ppo_tiny.sh \
         rollout.placement=split rollout.ranks=1 rollout.max_staleness=1 "$@" 2>&1 | tail -40) | tee -a "$OUT/split.txt" ;;
+  vs_trl) timeout "${STAGE_TIMEOUT:-560}" python3 bench/vs_trl.py --device cuda --sizes 0.5b --procs 1 --seeds 42 \
+      --steps 20 --out /tmp/vs_trl "$@" 2>&1 | tee -a "$OUT/vs_trl.txt" ;;
   *) echo "unknown stage $STAGE" >&2; exit 2 ;;
 esac

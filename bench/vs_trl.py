@@ -1,7 +1,8 @@
 """rl2 against TRL's GRPOTrainer at equal work: the same tiny model, SFT warm-up, data, reward and settings.
 
 Per size (`demo`: the CPU demo's model, hidden 128, 2 layers, 12 new tokens; `large`: hidden 256, 4 layers,
-64 new tokens) and process count, three configurations run alternately (same seed and repetition
+64 new tokens; `0.5b`: Qwen2.5-0.5B's layers — hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4,864 — with the
+demo's 1,024-token vocabulary, 64 new tokens, for `--device cuda`) and process count, three configurations run alternately (same seed and repetition
 minutes apart): TRL 1.16's `GRPOTrainer`, rl2 with `rollout.dynamic_filtering=false` (the same 128
 trained samples a step as TRL) and rl2's default (groups with equal rewards dropped: fewer trained
 samples, same generation). Printed per configuration, medians over the runs: s/step, trained samples/s,
@@ -10,6 +11,9 @@ ratios to TRL on the same processes.
 
     pip install -e ".[bench]"
     python bench/vs_trl.py [--sizes demo large] [--procs 1 2] [--seeds 42 7] [--reps 1] [--steps 60]
+    python bench/vs_trl.py --device cuda --sizes 0.5b --procs 1 --seeds 42 --steps 20     # one GPU, bf16
+
+On CUDA both libraries compute in bf16 over fp32 weights (TRL `bf16=True`, rl2 `actor.dtype=bfloat16`); on CPU in fp32.
 
 TRL is a benchmark dependency only (the `bench` extra), never rl2's.
 """
@@ -30,16 +34,19 @@ PROMPTS, GROUP = 16, 8  # a step: 16 prompts x 8 answers = 128 trained samples a
 # At lr 5e-4 the larger model's runs collapsed on both libraries without dynamic filtering (reward 0.15 -> 0, answers
 # running to the token limit; TRL and rl2 alike): it trains at 2e-4.
 SIZES = {"demo": {"hidden": 128, "layers": 2, "new_tokens": 12, "lr": 5e-4},
-         "large": {"hidden": 256, "layers": 4, "new_tokens": 64, "lr": 2e-4}}
+         "large": {"hidden": 256, "layers": 4, "new_tokens": 64, "lr": 2e-4},
+         "0.5b": {"hidden": 896, "layers": 24, "new_tokens": 64, "lr": 1e-5, "sft_lr": 3e-4,
+                  "model_args": ("--heads", "14", "--kv-heads", "2", "--intermediate-size", "4864")}}
 SKIP = 3  # warm-up steps left out of the s/step medians
 FAIRNESS = """What is equal: the starting model (one SFT warm-up per size), the train and test prompts, the reward
 function (envs/demo_successor.py's), 16 prompts x 8 answers a step, temperature 1, the new-token limit, AdamW
-(lr 5e-4, 2e-4 for the larger model; weight decay 0.01, betas 0.9/0.999, clip 1.0) with 10% linear warm-up then cosine, fp32, no KL, PPO
+(lr 5e-4, 2e-4 for the larger model, 1e-5 for 0.5b; weight decay 0.01, betas 0.9/0.999, clip 1.0) with 10% linear warm-up then cosine, fp32, no KL, PPO
 clip 0.2, one update per batch (on-policy), token-mean loss (TRL's "dapo"), group-normalised advantages with
-std epsilon 1e-4 (TRL's), the same torch threads (torchrun's 1 per process with 2 processes).
+std epsilon 1e-4 (TRL's), the same torch threads (torchrun's 1 per process with 2 processes); fp32 on CPU, bf16
+compute over fp32 weights on CUDA.
 What is not: the order prompts are drawn in (each library's own seeded sampler), the random streams, TRL's
 padded batches vs rl2's packed rows, TRL's `model.generate` vs rl2's engine (a paged KV cache with continuous
-batching), rl2's test pass at step 0 (not in the s/step medians), TRL's greedy test done here after training
+batching; on CUDA with graphs), each library's attention (TRL: the model's sdpa; rl2: packed rows), rl2's test pass at step 0 (not in the s/step medians), TRL's greedy test done here after training
 with `model.generate` (rl2's by its own evaluation, the same prompts and reward)."""
 
 
@@ -73,11 +80,11 @@ def trl_worker(args: argparse.Namespace) -> None:
     data = load_dataset("json", data_files=os.path.join(args.data, "train.jsonl"), split="train")
     data = data.rename_column("messages", "prompt")
     config = GRPOConfig(
-        output_dir=args.out, use_cpu=True, seed=args.seed, max_steps=args.steps, report_to="none", save_strategy="no",
+        output_dir=args.out, use_cpu=args.device == "cpu", seed=args.seed, max_steps=args.steps, report_to="none", save_strategy="no",
         logging_steps=1, per_device_train_batch_size=PROMPTS * GROUP // processes, num_generations=GROUP,
         generation_batch_size=PROMPTS * GROUP, max_completion_length=args.new_tokens, temperature=1.0,
         learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=int(0.1 * args.steps), weight_decay=0.01,
-        max_grad_norm=1.0, beta=0.0, loss_type="dapo", scale_rewards="group", bf16=False,
+        max_grad_norm=1.0, beta=0.0, loss_type="dapo", scale_rewards="group", bf16=args.device == "cuda",
         gradient_checkpointing=False, dataloader_num_workers=0, disable_dropout=True,
     )
     clock = StepClock()
@@ -88,7 +95,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     model, tokenizer = trainer.model, AutoTokenizer.from_pretrained(args.model, padding_side="left")
     tests = [json.loads(line) for line in open(os.path.join(args.data, "test.jsonl"))]
     texts = [tokenizer.apply_chat_template(t["messages"], tokenize=False, add_generation_prompt=True) for t in tests]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
     model.eval()
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -106,24 +113,30 @@ def launcher(processes: int) -> list[str]:
     return [] if processes == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
 
 
-def run_trl(model: str, data: str, out: str, size: dict, processes: int, seed: int, steps: int) -> dict:
+def run_trl(model: str, data: str, out: str, size: dict, processes: int, seed: int, steps: int, device: str) -> dict:
     result = os.path.join(out, "result.json")
     command = [*launcher(processes), os.path.abspath(__file__), "--trl-worker", "--model", model, "--data", data,
                "--out", out, "--result", result, "--seed", str(seed), "--steps", str(steps),
-               "--new-tokens", str(size["new_tokens"]), "--lr", str(size["lr"])]
+               "--new-tokens", str(size["new_tokens"]), "--lr", str(size["lr"]), "--device", device]
     python(command, os.path.join(out, "log.txt"))
     return json.load(open(result))
 
 
 # ---- rl2 --------------------------------------------------------------------------------------------
 
-def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: int, steps: int, filtering: bool) -> dict:
+def dtype(device: str) -> str:
+    """rl2's compute dtype: what TRL's `bf16` flag gives on CUDA (bf16 compute over fp32 weights), fp32 on CPU."""
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: int, steps: int, filtering: bool,
+            device: str) -> dict:
     new = size["new_tokens"]
     command = [
         "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", "-m", "rl2.trainer.ppo",
         f"data.path={data}/train.jsonl", f"data.test_path={data}/test.jsonl",
         f"data.prompts_per_rollout={PROMPTS}", f"data.responses_per_prompt={GROUP}",
-        f"actor.model_name={model}", "actor.dtype=float32", "actor.gradient_checkpointing=false",
+        f"actor.model_name={model}", f"actor.dtype={dtype(device)}", "actor.gradient_checkpointing=false",
         f"actor.lr={size['lr']}", "actor.warmup_ratio=0.1", f"actor.save_dir={out}",
         "rollout.env_path=envs/demo_successor.py", "rollout.max_turns=1",
         f"rollout.train_sampling_params={{temperature: 1.0, max_new_tokens: {new}}}",
@@ -169,6 +182,7 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--configs", nargs="+", default=["trl", "rl2", "rl2-filtering"])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both libraries run")
     # the TRL worker's own arguments
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--model", "--data", "--result"):
@@ -185,14 +199,15 @@ def main() -> None:
     except ImportError:
         raise SystemExit('bench/vs_trl.py needs TRL: pip install -e ".[bench]"')
     root = args.out or tempfile.mkdtemp(prefix="rl2-vs-trl-")
-    print(f"rl2 vs TRL {trl.__version__}: sizes {args.sizes}, processes {args.procs}, seeds {args.seeds} x {args.reps}, "
+    print(f"rl2 vs TRL {trl.__version__} on {args.device}: sizes {args.sizes}, processes {args.procs}, seeds {args.seeds} x {args.reps}, "
           f"{args.steps} steps; runs in {root}", flush=True)
     table = []
     for size_name in args.sizes:
         size = SIZES[size_name]
         base = os.path.join(root, size_name)
         os.makedirs(base, exist_ok=True)
-        model = warm_up(base, args.sft_steps, "successor", size["hidden"], size["layers"])
+        model = warm_up(base, args.sft_steps, "successor", size["hidden"], size["layers"], size.get("model_args", ()),
+                        dtype(args.device), size.get("sft_lr", 3e-3))
         data = os.path.join(base, "data")
         for processes in args.procs:
             runs: dict[str, list[dict]] = {name: [] for name in args.configs}
@@ -203,9 +218,10 @@ def main() -> None:
                         os.makedirs(out, exist_ok=True)
                         start = time.perf_counter()
                         if name == "trl":
-                            run = run_trl(model, data, out, size, processes, seed, args.steps)
+                            run = run_trl(model, data, out, size, processes, seed, args.steps, args.device)
                         else:
-                            run = run_rl2(model, data, out, size, processes, seed, args.steps, name == "rl2-filtering")
+                            run = run_rl2(model, data, out, size, processes, seed, args.steps, name == "rl2-filtering",
+                                          args.device)
                         row = summary(run)
                         runs[name].append(row)
                         print(f"{size_name:5s} p{processes} seed {seed:3d} rep {rep} {name:14s} {row['s_step']:.3f} s/step, "

@@ -138,3 +138,26 @@ def test_offloaded_optimizer_comes_back_with_adams_step_on_the_cpu(fused):
     for state in optimizer.state.values():
         assert state["exp_avg"].device.type == state["exp_avg_sq"].device.type == "meta"
         assert state["step"].device.type == ("meta" if fused else "cpu")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_rank_keeps_layers_gathered_across_micro_batches(tiny_model_dir, tmp_path, dtype):
+    """On one rank the layers are gathered once a step and the gradients reduced once (not per micro-batch,
+    forward and backward): the same gradients, parameters after the step, metrics and log-probs after it, bit
+    for bit, in fp32 and with bf16 compute (whose gradients FSDP2 accumulates in fp32 either way)."""
+    out = str(tmp_path / "steps.pt")
+    run_python(["tests/workers/one_rank_accumulation.py", tiny_model_dir, out, dtype])
+    kept, per_micro_batch = torch.load(out)[True], torch.load(out)[False]
+    assert kept["rows"] == per_micro_batch["rows"] >= 4
+    for name, grad in per_micro_batch["grads"].items():
+        assert torch.equal(kept["grads"][name], grad), name
+    for name, param in per_micro_batch["params"].items():
+        assert torch.equal(kept["params"][name], param), name
+    assert kept["metrics"] == per_micro_batch["metrics"]
+    for a, b in zip(kept["logps"], per_micro_batch["logps"], strict=True):
+        assert torch.equal(a, b)
+    # Per micro-batch: each FSDP group (2 layers, the root) gathered in forward and each layer again in
+    # backward, every group's gradient reduced; kept: each group once a step.
+    rows, groups = kept["rows"], 3
+    assert per_micro_batch["counts"] == {"all_gather": rows * (groups + 2), "reduce_scatter": rows * groups}
+    assert kept["counts"] == {"all_gather": groups, "reduce_scatter": groups}

@@ -100,13 +100,15 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     max_position_embeddings: int = 4096,
     seed: int = 0,
+    intermediate_size: int | None = None,
 ) -> Qwen2ForCausalLM:
     """A random-init Qwen2 causal LM sized to `tokenizer`'s vocabulary, with its eos, bos and pad ids
-    (bos falls back to the pad token, as Qwen's configs name `<|endoftext|>`)."""
+    (bos falls back to the pad token, as Qwen's configs name `<|endoftext|>`); the MLP is twice the hidden size
+    unless `intermediate_size` is given."""
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
+        intermediate_size=intermediate_size or hidden_size * 2,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -153,6 +155,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate-size", type=int, default=None, help="the MLP's width (default: 2 x hidden size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--template", choices=list(FAMILIES), default="chatml",
                         help="chat template family: its template, special tokens and eos (rl2.testing.chat_templates)")
@@ -166,6 +169,7 @@ def main() -> None:
         num_layers=args.layers,
         num_heads=args.heads,
         num_kv_heads=args.kv_heads,
+        intermediate_size=args.intermediate_size,
     )
     print(f"tiny model written to {args.out_dir}")
 

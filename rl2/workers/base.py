@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from rl2.config import ModelConfig
-from rl2.distributed.fsdp import DTYPES, load_fsdp_model, move_optimizer
+from rl2.distributed.fsdp import DTYPES, gathered_while_accumulating, load_fsdp_model, move_optimizer
 from rl2.distributed.packing import pack_micro_batch, plan_grouped_micro_batches, unpack_row
 from rl2.distributed.process_group import all_reduce_sum, build_fsdp_mesh, build_sp_group, device, rank, world_size
 from rl2.distributed.ring_attention import (
@@ -275,17 +275,19 @@ class ModelWorker:
         reporting = 1.0 if self.sp_rank == 0 else 0.0
         tokens = all_reduce_sum(reporting * float(sum(row["loss_mask"].sum().item() for row in rows)))
         totals: dict[str, float] = {}
-        for row in rows:
-            outputs = self.forward(row, with_entropy=backward)
-            if kept is not None:
-                kept[1].append(outputs[kept[0]].detach())
-            loss, metrics = loss_fn(outputs, row)
-            if backward:
-                # FSDP averages gradients over all ranks; undo that: we want the sum over the
-                # data-parallel groups (each SP rank's backward reaches only its own tokens).
-                (loss * self.world_size).backward()
-            for name, value in {"loss": loss, **metrics}.items():
-                totals[name] = totals.get(name, 0.0) + float(value.detach())
+        with gathered_while_accumulating(self.model, backward and self.world_size == 1) as before_micro_batch:
+            for index, row in enumerate(rows):
+                before_micro_batch(index == len(rows) - 1)
+                outputs = self.forward(row, with_entropy=backward)
+                if kept is not None:
+                    kept[1].append(outputs[kept[0]].detach())
+                loss, metrics = loss_fn(outputs, row)
+                if backward:
+                    # FSDP averages gradients over all ranks; undo that: we want the sum over the
+                    # data-parallel groups (each SP rank's backward reaches only its own tokens).
+                    (loss * self.world_size).backward()
+                for name, value in {"loss": loss, **metrics}.items():
+                    totals[name] = totals.get(name, 0.0) + float(value.detach())
         metrics = {name: all_reduce_sum(reporting * value) for name, value in sorted(totals.items())}
         metrics["loss_tokens"] = tokens
         return metrics
