@@ -57,6 +57,7 @@ case "$STAGE" in
      NPROC=2 SFT_CKPT=/tmp/split/sft/step200 OUT=/tmp/split timeout "${STAGE_TIMEOUT:-270}" bash recipes/ppo_tiny.sh \
         rollout.placement=split rollout.ranks=1 rollout.max_staleness=1 "$@" 2>&1 | tail -40) | tee -a "$OUT/split.txt" ;;
   vs_trl) timeout "${STAGE_TIMEOUT:-560}" python3 bench/vs_trl.py --device cuda --sizes 0.5b --procs 1 --seeds 42 \
-      --steps 20 --out /tmp/vs_trl "$@" 2>&1 | tee -a "$OUT/vs_trl.txt" ;;
+      --steps 20 --out /tmp/vs_trl "$@" 2>&1 | tee -a "$OUT/vs_trl.txt"
+    for run in /tmp/vs_trl/*/rl2*; do cp "$run/metrics.jsonl" "$OUT/$(basename "$run").jsonl" 2>/dev/null || true; done ;;
   *) echo "unknown stage $STAGE" >&2; exit 2 ;;
 esac

@@ -13,7 +13,9 @@ ratios to TRL on the same processes.
     python bench/vs_trl.py [--sizes demo large] [--procs 1 2] [--seeds 42 7] [--reps 1] [--steps 60]
     python bench/vs_trl.py --device cuda --sizes 0.5b --procs 1 --seeds 42 --steps 20     # one GPU, bf16
 
-On CUDA both libraries compute in bf16 over fp32 weights (TRL `bf16=True`, rl2 `actor.dtype=bfloat16`); on CPU in fp32.
+On CUDA both libraries compute in bf16 over fp32 weights (TRL `bf16=True`, rl2 `actor.dtype=bfloat16`), and rl2's engine
+stays resident while the actor trains (`rollout.sleep=false`: TRL generates with the training model itself, nothing
+offloaded); on CPU in fp32.
 
 TRL is a benchmark dependency only (the `bench` extra), never rl2's.
 """
@@ -43,7 +45,8 @@ function (envs/demo_successor.py's), 16 prompts x 8 answers a step, temperature 
 (lr 5e-4, 2e-4 for the larger model, 1e-5 for 0.5b; weight decay 0.01, betas 0.9/0.999, clip 1.0) with 10% linear warm-up then cosine, fp32, no KL, PPO
 clip 0.2, one update per batch (on-policy), token-mean loss (TRL's "dapo"), group-normalised advantages with
 std epsilon 1e-4 (TRL's), the same torch threads (torchrun's 1 per process with 2 processes); fp32 on CPU, bf16
-compute over fp32 weights on CUDA.
+compute over fp32 weights on CUDA, where rl2's engine stays resident (`rollout.sleep=false`; TRL generates with its
+training model, nothing offloaded).
 What is not: the order prompts are drawn in (each library's own seeded sampler), the random streams, TRL's
 padded batches vs rl2's packed rows, TRL's `model.generate` vs rl2's engine (a paged KV cache with continuous
 batching; on CUDA with graphs), each library's attention (TRL: the model's sdpa; rl2: packed rows), rl2's test pass at step 0 (not in the s/step medians), TRL's greedy test done here after training
@@ -130,7 +133,7 @@ def dtype(device: str) -> str:
 
 
 def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: int, steps: int, filtering: bool,
-            device: str) -> dict:
+            device: str, sleep: bool = False) -> dict:
     new = size["new_tokens"]
     command = [
         "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", "-m", "rl2.trainer.ppo",
@@ -144,6 +147,7 @@ def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: i
         "adv.estimator=reinforce", "adv.norm_var=true", "adv.std_eps=1e-4", f"rollout.dynamic_filtering={str(filtering).lower()}",
         f"trainer.total_steps={steps}", f"trainer.test_freq={steps}", f"trainer.seed={seed}",
         "trainer.disable_wandb=true", "trainer.dump_trajectories=false",
+        *(["rollout.sleep=false"] if device == "cuda" and not sleep else []),
     ]
     python(command, os.path.join(out, "log.txt"))
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -180,7 +184,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=1, help="repetitions of each (seed, configuration)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--sft-steps", type=int, default=200)
-    parser.add_argument("--configs", nargs="+", default=["trl", "rl2", "rl2-filtering"])
+    parser.add_argument("--configs", nargs="+", default=["trl", "rl2", "rl2-filtering"],
+                        choices=["trl", "rl2", "rl2-filtering", "rl2-sleep"],
+                        help="rl2-sleep: equal work with the engine asleep while the actor trains (rl2's default)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both libraries run")
     # the TRL worker's own arguments
@@ -221,7 +227,7 @@ def main() -> None:
                             run = run_trl(model, data, out, size, processes, seed, args.steps, args.device)
                         else:
                             run = run_rl2(model, data, out, size, processes, seed, args.steps, name == "rl2-filtering",
-                                          args.device)
+                                          args.device, sleep=name == "rl2-sleep")
                         row = summary(run)
                         runs[name].append(row)
                         print(f"{size_name:5s} p{processes} seed {seed:3d} rep {rep} {name:14s} {row['s_step']:.3f} s/step, "

@@ -152,6 +152,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = _f(0.5, "fraction of GPU memory the rollout engine may use")
     max_batch_size: int = _f(64, "hf engine: sequences generated at once (its KV slots; memory grows with it)")
     cuda_graphs: bool = _f(True, "hf engine: replay decode steps from captured CUDA graphs (on CUDA)")
+    sleep: bool = _f(True, "colocated engine: sleep while the actor trains (between a step's rollout and its weight push): the KV cache and CUDA graphs freed and the weights moved to CPU (hf on a GPU) or released (sglang, vllm), the most memory for training; false keeps the engine resident (TRL's default): faster where the GPU has room, with no weight round trip over PCIe, no graph re-capture and no emptied allocator cache each step")
     attn_implementation: str = _f("auto", "hf engine: prefill attention; auto = flash-attn, else torch's varlen kernel on CUDA; sdpa_loop on CPU (flex_attention refused)", ATTENTION_CHOICES)
     train_sampling_params: dict[str, Any] = _f({"temperature": 1.0, "max_new_tokens": 512}, "sampling params for training: temperature, top_p, top_k (-1 = off), max_new_tokens, stop (strings), stop_token_ids, ignore_eos; another key is an error")
     test_sampling_params: dict[str, Any] = _f({"temperature": 0.0}, "sampling params for testing; a key not set here is train_sampling_params' (max_new_tokens, stop, ...)")

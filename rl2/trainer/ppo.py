@@ -190,11 +190,12 @@ class PPOTrainer(Trainer):
         if self.partial is None:
             prompts = [self.train_data[i] for i in self.sampler.next_batch()]
             trajectories = self.rollout.generate(prompts, self.rollout.train_params, self.generated_per_prompt, seed, timer,
-                                                 release_after=True)
+                                                 release_after=config.rollout.sleep)
             return trajectories, {}
         prompts = [self.train_data[i] for i in self.sampler.next_rows(self.partial.prompts_wanted())]
         version = self.step - 1  # the updates the policy has had
-        trajectories = self.partial.generate(prompts, self.rollout.train_params, seed, version, timer, release_after=True)
+        trajectories = self.partial.generate(prompts, self.rollout.train_params, seed, version, timer,
+                                             release_after=config.rollout.sleep)
         return trajectories, self.partial.metrics(trajectories, version)
 
 
