@@ -13,7 +13,10 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the trainable parameters and its per-step learning-rate schedule."""
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    # foreach: each of Adam's ops once over all parameters. CPU's default is a loop per parameter, which for FSDP2's
+    # DTensors pays DTensor's dispatch per parameter and op: 4.9 ms against 1.4 ms a step on the demo's model, the
+    # same values bit for bit (CUDA's default is foreach already).
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, num_warmup_steps=int(warmup_ratio * total_steps), num_training_steps=max(total_steps, 1)
     )
