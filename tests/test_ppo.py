@@ -264,12 +264,20 @@ def test_partial_rollout_resumes_exactly(tiny_model_dir, rl_data, tmp_path):
 
 def test_notebook_run_in_one_process(tiny_model_dir, rl_data, tmp_path):
     """PPOTrainer runs without torchrun, with a critic (GAE), a KL-regularised reference, dynamic
-    filtering and an actor frozen for its first step (the critic warms up)."""
+    filtering and an actor frozen for its first step (the critic warms up); its engine sleeps after each
+    rollout, and not with rollout.sleep=false."""
     code = (
         "import sys\n"
         "from rl2 import PPOTrainer, load_config\n"
         "trainer = PPOTrainer(load_config(sys.argv[1:]))\n"
+        "sleeps, engine_sleep = [], trainer.rollout.engine.sleep\n"
+        "trainer.rollout.engine.sleep = lambda: sleeps.append(trainer.step) or engine_sleep()\n"
+        "from rl2.metrics import PhaseTimer\n"
+        "trainer.config.rollout.sleep = False\n"
+        "assert len(trainer.roll_out(PhaseTimer())[0]) == 16 and sleeps == [], sleeps\n"
+        "trainer.config.rollout.sleep = True\n"
         "trainer.train()\n"
+        "assert sleeps == [1, 2, 3], sleeps\n"  # rollout.sleep (default): after each step's rollout
         "assert trainer.critic is not None and trainer.reference is not None\n"
         "assert trainer.rollout.engine.max_batch_size == 5\n"  # rollout.max_batch_size: 16 requests in waves of 5 slots
     )
