@@ -44,7 +44,8 @@ FAIRNESS = """What is equal: the starting model (one SFT warm-up per size), the 
 function (envs/demo_successor.py's), 16 prompts x 8 answers a step, temperature 1, the new-token limit, AdamW
 (lr 5e-4, 2e-4 for the larger model, 1e-5 for 0.5b; weight decay 0.01, betas 0.9/0.999, clip 1.0) with 10% linear warm-up then cosine, fp32, no KL, PPO
 clip 0.2, one update per batch (on-policy), token-mean loss (TRL's "dapo"), group-normalised advantages with
-std epsilon 1e-4 (TRL's), the same torch threads (torchrun's 1 per process with 2 processes); fp32 on CPU, bf16
+std epsilon 1e-4 (TRL's), the 128 answers of a step generated in one batch (TRL's generation_batch_size, rl2's
+rollout.max_batch_size), the same torch threads (torchrun's 1 per process with 2 processes); fp32 on CPU, bf16
 compute over fp32 weights on CUDA, where rl2's engine stays resident (`rollout.sleep=false`; TRL generates with its
 training model, nothing offloaded).
 What is not: the order prompts are drawn in (each library's own seeded sampler), the random streams, TRL's
@@ -133,7 +134,7 @@ def dtype(device: str) -> str:
 
 
 def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: int, steps: int, filtering: bool,
-            device: str, sleep: bool = False) -> dict:
+            device: str, sleep: bool = False, extra: tuple[str, ...] = ()) -> dict:
     new = size["new_tokens"]
     command = [
         "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", "-m", "rl2.trainer.ppo",
@@ -147,7 +148,8 @@ def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: i
         "adv.estimator=reinforce", "adv.norm_var=true", "adv.std_eps=1e-4", f"rollout.dynamic_filtering={str(filtering).lower()}",
         f"trainer.total_steps={steps}", f"trainer.test_freq={steps}", f"trainer.seed={seed}",
         "trainer.disable_wandb=true", "trainer.dump_trajectories=false",
-        *(["rollout.sleep=false"] if device == "cuda" and not sleep else []),
+        f"rollout.max_batch_size={PROMPTS * GROUP}",  # the step's 128 generated at once, as TRL's generation_batch_size
+        *(["rollout.sleep=false"] if device == "cuda" and not sleep else []), *extra,
     ]
     python(command, os.path.join(out, "log.txt"))
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
