@@ -126,11 +126,13 @@ def test_torch_varlen_wrapper_and_loop_equal_dense_attention(with_gqa, boundarie
     torch.testing.assert_close(loop, expected, rtol=0, atol=1e-5)
 
 
-def test_the_loop_batches_equal_lengths_exactly_as_one_call_per_sequence():
+@pytest.mark.parametrize("lengths", [[7, 3, 7, 1, 12, 3, 7, 12, 1], [1, 1, 3, 3, 7, 7, 7, 12, 12]],
+                         ids=["gathered", "sorted-slices"])
+def test_the_loop_batches_equal_lengths_exactly_as_one_call_per_sequence(lengths):
     """Sequences of one length attend in one batched sdpa call: outputs and gradients equal, bit for bit, one
-    call per sequence (lengths repeated, a one-token sequence, grouped-query heads)."""
+    call per sequence (lengths repeated, a one-token sequence, grouped-query heads); gathered from anywhere in
+    the row, or taken as slices where each length is one run (rows packed by length)."""
     generator = torch.Generator().manual_seed(1)
-    lengths = [7, 3, 7, 1, 12, 3, 7, 12, 1]
     bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
     query = torch.randn(1, 4, bounds[-1], 16, generator=generator, requires_grad=True)
     key, value = (torch.randn(1, 2, bounds[-1], 16, generator=generator, requires_grad=True) for _ in range(2))

@@ -71,10 +71,23 @@ def varlen_attention(
     if len(bounds) == 2:  # one sequence
         return _causal_sdpa(query, key, value, dropout, scaling).transpose(1, 2).contiguous(), None
     starts_of: dict[int, list[int]] = {}  # sequences by length
+    runs: list[list[int]] = []  # [length, start, count] of consecutive sequences of one length
     for start, end in zip(bounds[:-1], bounds[1:]):
         starts_of.setdefault(end - start, []).append(start)
+        if runs and runs[-1][0] == end - start:
+            runs[-1][2] += 1
+        else:
+            runs.append([end - start, start, 1])
     # Sequences of one length attend in one batched call (one call per sequence costs more on CPU for many
     # short ones); each batch element is computed as alone, so the result is the per-sequence loop's.
+    if len(runs) == len(starts_of):  # each length in one run (rows packed by length): batches are slices
+        outputs = []
+        for length, start, count in runs:
+            batched = [t[0][:, start:start + count * length].unflatten(1, (count, length)).transpose(0, 1)
+                       for t in (query, key, value)]
+            out = _causal_sdpa(*batched, dropout, scaling)  # [count, heads, length, dim]
+            outputs.append(out.transpose(0, 1).reshape(out.shape[1], -1, out.shape[3]))
+        return torch.cat(outputs, dim=1).unsqueeze(0).transpose(1, 2).contiguous(), None
     outputs, positions = [], []
     for length, starts in starts_of.items():
         index = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).reshape(-1).to(query.device)

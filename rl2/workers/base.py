@@ -143,6 +143,8 @@ class ModelWorker:
         """
         lengths = [len(seq["input_ids"]) for seq in sequences]
         plan = plan_grouped_micro_batches(lengths, group_size, self.dp_size, max_tokens * self.sp_size)[self.dp_rank]
+        if group_size == 1:  # a row's sequences by length: CPU attention batches each length as one slice of the row
+            plan = [sorted(indices, key=lambda i: lengths[i]) for indices in plan]
         placeholder = [_placeholder_like(sequences[0])] * group_size
         rows = [pack_micro_batch([sequences[i] for i in indices] or placeholder) for indices in plan]
         return plan, [{k: v.to(self.device) for k, v in row.items()} for row in rows]
