@@ -90,6 +90,7 @@ def assert_same_step(ours: dict, reference: dict) -> None:
     sizes: its first step is ~lr * sign(g), so rounding in a near-zero gradient can move an element by
     up to lr either way, differently on every processor.)"""
     assert ours["metrics"]["loss_tokens"] == reference["metrics"]["loss_tokens"]
+    assert {"model.embed_tokens.weight", "model.norm.weight"} <= ours["grads"].keys()  # the root module's too
     # A per-token mean of ~7 (1024-token vocabulary) over a few hundred tokens: float32 rounding, ~1e-6 relative.
     assert ours["metrics"]["loss"] == pytest.approx(reference["metrics"]["loss"], rel=1e-5)
     assert_same_gradients(ours["grads"], reference["grads"])

@@ -51,8 +51,10 @@ def main() -> None:
     # cloned: on one CPU rank the full state dict shares memory with the parameters
     before = {name: tensor.clone() for name, tensor in gather_full_state_dict(actor.model).items()}
     steps = capture_steps(actor.model, actor.optimizer)
-    metrics = actor.accumulate_gradients(with_loss_weights(batch), sft_loss)
+    # Before the backward: a no-grad forward leaves FSDP2's root module (embeddings, final norm) gathered, and
+    # `named_parameters` then shows its unsharded tensors, without the gradients the optimizer steps with.
     logps = actor.compute(batch)
+    metrics = actor.accumulate_gradients(with_loss_weights(batch), sft_loss)
     metrics["grad_norm"] = actor.optimizer_step()
     params = gather_full_state_dict(actor.model)
     if len(sys.argv) > 6 and sys.argv[6] != "-":
