@@ -134,7 +134,7 @@ def dtype(device: str) -> str:
 
 
 def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: int, steps: int, filtering: bool,
-            device: str, sleep: bool = False, extra: tuple[str, ...] = ()) -> dict:
+            device: str, sleep: bool = False) -> dict:
     new = size["new_tokens"]
     command = [
         "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", "-m", "rl2.trainer.ppo",
@@ -149,7 +149,7 @@ def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: i
         f"trainer.total_steps={steps}", f"trainer.test_freq={steps}", f"trainer.seed={seed}",
         "trainer.disable_wandb=true", "trainer.dump_trajectories=false",
         f"rollout.max_batch_size={PROMPTS * GROUP}",  # the step's 128 generated at once, as TRL's generation_batch_size
-        *(["rollout.sleep=false"] if device == "cuda" and not sleep else []), *extra,
+        *(["rollout.sleep=false"] if device == "cuda" and not sleep else []),
     ]
     python(command, os.path.join(out, "log.txt"))
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]

@@ -80,20 +80,20 @@ def varlen_attention(
             runs.append([end - start, start, 1])
     # Sequences of one length attend in one batched call (one call per sequence costs more on CPU for many
     # short ones); each batch element is computed as alone, so the result is the per-sequence loop's.
+    def attend(take, count: int, length: int) -> torch.Tensor:
+        """`count` sequences of `length` tokens (`take`: a row's [heads, T, dim] -> theirs) in one call ->
+        [heads, count * length, dim]."""
+        batched = [take(t[0]).unflatten(1, (count, length)).transpose(0, 1) for t in (query, key, value)]
+        out = _causal_sdpa(*batched, dropout, scaling)  # [count, heads, length, dim]
+        return out.transpose(0, 1).reshape(out.shape[1], -1, out.shape[3])
+
     if len(runs) == len(starts_of):  # each length in one run (rows packed by length): batches are slices
-        outputs = []
-        for length, start, count in runs:
-            batched = [t[0][:, start:start + count * length].unflatten(1, (count, length)).transpose(0, 1)
-                       for t in (query, key, value)]
-            out = _causal_sdpa(*batched, dropout, scaling)  # [count, heads, length, dim]
-            outputs.append(out.transpose(0, 1).reshape(out.shape[1], -1, out.shape[3]))
+        outputs = [attend(lambda t: t[:, start:start + count * length], count, length) for length, start, count in runs]
         return torch.cat(outputs, dim=1).unsqueeze(0).transpose(1, 2).contiguous(), None
     outputs, positions = [], []
     for length, starts in starts_of.items():
         index = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).reshape(-1).to(query.device)
-        batched = [t[0][:, index].unflatten(1, (len(starts), length)).transpose(0, 1) for t in (query, key, value)]
-        out = _causal_sdpa(*batched, dropout, scaling)  # [n, heads, length, dim]
-        outputs.append(out.transpose(0, 1).reshape(out.shape[1], -1, out.shape[3]))
+        outputs.append(attend(lambda t: t[:, index], len(starts), length))
         positions.append(index)
     order = torch.argsort(torch.cat(positions))
     return torch.cat(outputs, dim=1)[:, order].unsqueeze(0).transpose(1, 2).contiguous(), None

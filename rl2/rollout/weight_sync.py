@@ -54,6 +54,9 @@ def iter_full_weights(
 
 
 def _full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(tensor, DTensor) and tensor.device_mesh.size() == 1:
+        # one rank holds it all: its local tensor, without DTensor's dispatch (~0.1 ms a tensor on a GPU)
+        return tensor.to_local().detach().to(dtype)
     tensor = tensor.detach().to(dtype)  # a DTensor casts its local shard
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
@@ -86,9 +89,7 @@ def _full_row_sharded(tensors: list[DTensor], dtype: torch.dtype) -> list[torch.
         return []
     mesh = tensors[0].device_mesh
     world = mesh.size()
-    if world == 1:  # the local shard is the whole tensor (and skips DTensor's dispatch: ~0.1 ms a tensor on a GPU)
-        return [t.to_local().detach().to(dtype) for t in tensors]
-    if any(t.device_mesh != mesh for t in tensors):
+    if world == 1 or any(t.device_mesh != mesh for t in tensors):
         return [_full(t, dtype) for t in tensors]
     # rank r holds rows [r c, (r + 1) c) of each, c = ceil(rows / world) (torch.chunk's split; maybe none)
     def share(tensor: DTensor, rank: int) -> int:
