@@ -150,6 +150,7 @@ def test_one_rank_keeps_layers_gathered_across_micro_batches(tiny_model_dir, tmp
     run_python(["tests/workers/one_rank_accumulation.py", tiny_model_dir, out, dtype])
     kept, per_micro_batch = torch.load(out)[True], torch.load(out)[False]
     assert kept["rows"] == per_micro_batch["rows"] >= 4
+    assert all(lengths == sorted(lengths) for lengths in kept["row_lengths"])  # packed by length (CPU attention's slices)
     for name, grad in per_micro_batch["grads"].items():
         assert torch.equal(kept["grads"][name], grad), name
     for name, param in per_micro_batch["params"].items():

@@ -45,12 +45,15 @@ def one_step(model_dir: str, dtype: str, keep_gathered: bool) -> dict:
             mock.patch.object(fsdp_param_group.FSDPParamGroup, "unshard", counted_unshard), \
             mock.patch.object(fsdp_param_group, "foreach_reduce", counted("reduce_scatter", fsdp_param_group.foreach_reduce)):
         metrics = actor.accumulate_gradients(batch, sft_loss)
-    rows = len(actor.pack(batch, config.max_length_per_device)[1])
+    packed = actor.pack(batch, config.max_length_per_device)[1]
+    rows = len(packed)
+    row_lengths = [(row["cu_seqlens"][1:] - row["cu_seqlens"][:-1]).tolist() for row in packed]
     grads = {name: p.grad.full_tensor().clone() for name, p in actor.model.named_parameters()}
     metrics["grad_norm"] = actor.optimizer_step()
     params = {name: t.clone() for name, t in gather_full_state_dict(actor.model).items()}
     logps = actor.compute(batch)  # after the step: the engine-facing forward sees the updated weights
-    return {"grads": grads, "params": params, "metrics": metrics, "counts": counts, "rows": rows, "logps": logps}
+    return {"grads": grads, "params": params, "metrics": metrics, "counts": counts, "rows": rows, "logps": logps,
+            "row_lengths": row_lengths}
 
 
 def main() -> None:
