@@ -3,6 +3,7 @@ groups go on in the next step on the same server; a generation the pause cut kee
 from the same random stream, each token with the version that drew it; requests made between steps wait
 and are answered under the new weights; groups train whole; a checkpoint restarts the groups in flight."""
 
+import concurrent.futures
 import json
 import textwrap
 from types import SimpleNamespace
@@ -43,8 +44,11 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server(tokenizer):
+    """A server of each test's own: closing it ends the agents its partial rollouts left in flight, on its loop
+    (a server shared with the next test kept them, and their clients, once dropped, closed their sockets
+    from the collecting thread, under the loop's feet: a later request on a reused fd was never read)."""
     server = OpenAIServer(tokenizer)
     yield server
     server.close()
@@ -60,12 +64,19 @@ def agent(tmp_path, requests: int, short_first: int = 0) -> AgentFile:
 class HoldsAfterShortAnswers(HFEngine):
     """Once `hold_after` answers of at most `short` tokens are done (the first group's), decoding stops until the
     rollout aborts it: the other answers, all longer, are then surely cut by the pause, however slowly the
-    server's loop runs on a loaded machine (without this, every answer could end before the pause landed)."""
+    server's loop runs on a loaded machine (without this, every answer could end before the pause landed).
+    Decoding also starts only once every agent has made its request: on a loaded machine the first group's
+    answers could otherwise end before the other agents' requests arrived, and a request the pause finds not
+    yet begun is drawn in the next call, from that call's random stream."""
 
     hold_after = 0
     short = 0
 
     def generate_turns(self, turns, params, on_generation, max_turns):
+        if self.hold_after:
+            requests = [turn for turn in turns if isinstance(turn, concurrent.futures.Future)]
+            _, late = concurrent.futures.wait(requests, timeout=60)
+            assert not late, f"{len(late)} agents never made their request"
         done_short = 0
 
         def held(index, generation):
