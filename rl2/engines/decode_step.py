@@ -29,10 +29,11 @@ def bucket(size: int, limit: int, smallest: int = 1) -> int:
 
 
 class DecodeStep:
-    """`step(input_ids [R], write_positions [R], kv_length)` → last-position logits [R, V].
+    """`step(input_ids [R], write_positions [R], kv_length, slots=None)` → last-position logits [R, V].
 
-    Row r is slot r; a row whose write position is the cache's scratch column is idle (its
-    output is meaningless but finite). With `use_graphs` the returned logits live in a static
+    Row r is slot r, or slot `slots[r]` when given (eager steps only: the running slots alone, when
+    finished ones lie among them); a row whose write position is the cache's scratch column is idle
+    (its output is meaningless but finite). With `use_graphs` the returned logits live in a static
     buffer, overwritten by the next step.
     """
 
@@ -54,10 +55,13 @@ class DecodeStep:
             return rows, kv_length
         return bucket(rows, self.kv.num_slots), bucket(kv_length, self.kv.capacity, MIN_KV_BUCKET)
 
-    def __call__(self, input_ids: torch.Tensor, write_positions: torch.Tensor, kv_length: int) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, write_positions: torch.Tensor, kv_length: int,
+                 slots: torch.Tensor | None = None) -> torch.Tensor:
         rows = input_ids.shape[0]
         if not self.use_graphs:
-            return self.forward(input_ids, write_positions, kv_length)
+            return self.forward(input_ids, write_positions, kv_length, slots)
+        if slots is not None:
+            raise ValueError("a decode step over chosen slots runs eagerly: captured graphs read the first R slots")
         self.static_ids[:rows].copy_(input_ids)
         self.static_positions[:rows].copy_(write_positions)
         key = (rows, kv_length)
@@ -67,10 +71,11 @@ class DecodeStep:
         graph.replay()
         return logits
 
-    def forward(self, input_ids: torch.Tensor, write_positions: torch.Tensor, kv_length: int) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, write_positions: torch.Tensor, kv_length: int,
+                slots: torch.Tensor | None = None) -> torch.Tensor:
         positions = torch.arange(kv_length, device=input_ids.device)
         mask = (positions[None, :] <= write_positions[:, None])[:, None, None, :]
-        plan = DecodePlan(write_positions=write_positions, mask=mask, kv_length=kv_length)
+        plan = DecodePlan(write_positions=write_positions, mask=mask, kv_length=kv_length, slots=slots)
         return self.model(
             input_ids=input_ids[:, None],
             position_ids=write_positions[:, None],

@@ -135,7 +135,8 @@ class HFEngine(Engine):
         self.generator = torch.Generator().manual_seed(seed)  # draws one key per `generate` call
         self.asleep = False
         self.aborting = threading.Event()
-        # prefill_tokens (computed), reused_tokens (copied or kept from a slot), decode_steps, host_syncs
+        # prefill_tokens (computed), reused_tokens (copied or kept from a slot), decode_steps (compact_decode_steps:
+        # those over the running slots alone), host_syncs
         self.stats: Counter = Counter()
 
     # ---- generation ------------------------------------------------------------------------
@@ -319,12 +320,20 @@ class HFEngine(Engine):
         longest = max(r.fed_bound for r in running) + 1
         self._reserve(longest)
         rows, kv_length = self.decode.sizes(self.slots.highest_active() + 1, longest)
-        live = state.live[:rows]
-        write_positions = torch.where(live, state.length[:rows], self.kv.capacity)
-        logits = self.decode(state.next_input[:rows], write_positions, kv_length)
-        next_tokens, logprobs = sample(logits, params, state.uniforms(slice(0, rows)))
-        state.length[:rows] += live
-        state.record(torch.arange(rows, device=self.device), live, next_tokens, logprobs)
+        if not self.decode.use_graphs and 2 * len(running) <= rows:
+            # Most slots below the highest running one have finished (e.g. one long answer left in a high
+            # slot): an eager step computes the running slots alone, their caches gathered.
+            index = torch.tensor(sorted(r.slot for r in running), device=self.device)
+            slots = index
+            self.stats["compact_decode_steps"] += 1
+        else:
+            index, slots = torch.arange(rows, device=self.device), None
+        live = state.live[index]
+        write_positions = torch.where(live, state.length[index], self.kv.capacity)
+        logits = self.decode(state.next_input[index], write_positions, kv_length, slots)
+        next_tokens, logprobs = sample(logits, params, state.uniforms(index))
+        state.length[index] += live
+        state.record(index, live, next_tokens, logprobs)
         for request in running:
             request.fed_bound = min(request.fed_bound + 1, len(request.prompt) + request.max_new - 1)
 

@@ -31,11 +31,12 @@ NO_MASKS = {"full_attention": None, "sliding_attention": None}
 
 @dataclass
 class DecodePlan:
-    """One new token per row; row r is slot r."""
+    """One new token per row; row r is slot r, or slot `slots[r]` when given (the live slots only)."""
 
     write_positions: torch.Tensor  # [R] where each row's token goes (capacity: scratch, for idle rows)
     mask: torch.Tensor  # [R, 1, 1, kv_length] bool: the positions each row attends to
     kv_length: int  # positions read per row
+    slots: torch.Tensor | None = None  # [R] each row's slot; None: the first R slots, read in place
 
 
 @dataclass
@@ -161,11 +162,13 @@ def slot_attention(
 def _decode_attention(query, key, value, layer_keys, layer_values, plan: DecodePlan, scaling) -> torch.Tensor:
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
-    index = torch.arange(rows, device=query.device)
+    index = torch.arange(rows, device=query.device) if plan.slots is None else plan.slots
     layer_keys[index, :, plan.write_positions] = key[:, :, 0]
     layer_values[index, :, plan.write_positions] = value[:, :, 0]
-    keys = layer_keys[:rows, :, : plan.kv_length]
-    values = layer_values[:rows, :, : plan.kv_length]
+    if plan.slots is None:  # views of the first R slots
+        keys, values = layer_keys[:rows, :, : plan.kv_length], layer_values[:rows, :, : plan.kv_length]
+    else:  # the given slots' prefixes, gathered
+        keys, values = layer_keys[plan.slots, :, : plan.kv_length], layer_values[plan.slots, :, : plan.kv_length]
     # One query per row: the query heads that share a KV head become that head's queries, so
     # grouped-query attention needs no repeated keys (transformers' repeat_kv order: head h serves
     # query heads h*g .. h*g+g-1).
