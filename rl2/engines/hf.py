@@ -7,7 +7,7 @@ shares a prefix with a slot's contents (the other responses of the same prompt, 
 turns of the same conversation, kept after they finished) copies that prefix's keys and values
 instead of recomputing them. In multi-turn rollouts (`generate_turns`) a conversation's next turn
 joins as soon as its tool answers, while the others go on decoding. Decode runs over the first R slots at once, from a captured CUDA
-graph on CUDA (`decode_step`). Stop conditions (eos, stop ids, length) are checked on the device;
+graph on CUDA (`decode_step`); eagerly (CPU), once most of those slots have finished, over the running ones alone. Stop conditions (eos, stop ids, length) are checked on the device;
 the host looks every `sync_interval` tokens, and stop strings are found then and cut exactly.
 It needs nothing beyond transformers, runs on CPU, and its log-probs follow the trainer's
 convention exactly.
