@@ -7,7 +7,7 @@ minutes apart): TRL 1.16's `GRPOTrainer`, rl2 with `rollout.dynamic_filtering=fa
 trained samples a step as TRL) and rl2's default (groups with equal rewards dropped: fewer trained
 samples, same generation). Printed per configuration, medians over the runs: s/step, trained samples/s,
 generated tokens/s, the reward over the first and last 6 steps, the final greedy test reward; then the
-ratios to TRL on the same processes.
+ratios to TRL on the same processes, and each configuration's reward curve (the mean of every 10 steps).
 
     pip install -e ".[bench]"
     python bench/vs_trl.py [--sizes demo large] [--procs 1 2] [--seeds 42 7] [--reps 1] [--steps 60]
@@ -40,6 +40,7 @@ SIZES = {"demo": {"hidden": 128, "layers": 2, "new_tokens": 12, "lr": 5e-4},
          "0.5b": {"hidden": 896, "layers": 24, "new_tokens": 64, "lr": 1e-5, "sft_lr": 3e-4,
                   "model_args": ("--heads", "14", "--kv-heads", "2", "--intermediate-size", "4864")}}
 SKIP = 3  # warm-up steps left out of the s/step medians
+CURVE = 10  # steps per point of the printed reward curves
 FAIRNESS = """What is equal: the starting model (one SFT warm-up per size), the train and test prompts, the reward
 function (envs/demo_successor.py's), 16 prompts x 8 answers a step, temperature 1, the new-token limit, AdamW
 (lr 5e-4, 2e-4 for the larger model, 1e-5 for 0.5b; weight decay 0.01, betas 0.9/0.999, clip 1.0) with 10% linear warm-up then cosine, fp32, no KL, PPO
@@ -175,6 +176,7 @@ def summary(run: dict) -> dict:
         "first": statistics.mean(run["rewards"][:6]),
         "last": statistics.mean(run["rewards"][-6:]),
         "test": run["test"],
+        "curve": [statistics.mean(run["rewards"][i:i + CURVE]) for i in range(0, len(run["rewards"]), CURVE)],
     }
 
 
@@ -236,7 +238,9 @@ def main() -> None:
                               f"{row['samples_s']:6.1f} samples/s, reward {row['first']:.2f} -> {row['last']:.2f}, "
                               f"test {row['test']:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
             for name, rows in runs.items():
-                table.append((size_name, processes, name, {key: statistics.median(r[key] for r in rows) for key in rows[0]}))
+                medians = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "curve"}
+                medians["curve"] = [statistics.mean(points) for points in zip(*(r["curve"] for r in rows))]
+                table.append((size_name, processes, name, medians))
     print("\nmedians over seeds and repetitions; ratios against TRL on the same size and processes (samples/s)")
     print(f"{'size':5s} {'procs':>5s} {'config':14s} {'s/step':>7s} {'samples/s':>9s} {'tokens/s':>8s} {'first':>6s} "
           f"{'last6':>6s} {'test':>6s} {'vs TRL':>7s}")
@@ -245,6 +249,9 @@ def main() -> None:
         ratio = f"{row['samples_s'] / trl_row['samples_s']:6.2f}x" if trl_row else "     -"
         print(f"{size_name:5s} {processes:5d} {name:14s} {row['s_step']:7.3f} {row['samples_s']:9.1f} {row['tokens_s']:8.0f} "
               f"{row['first']:6.2f} {row['last']:6.2f} {row['test']:6.3f} {ratio:>7s}")
+    print(f"\nreward curves: the mean reward of each {CURVE} steps, averaged over seeds and repetitions")
+    for size_name, processes, name, row in table:
+        print(f"{size_name:5s} {processes:5d} {name:14s} " + " ".join(f"{point:.2f}" for point in row["curve"]))
     print("\n" + FAIRNESS)
 
 
