@@ -134,11 +134,11 @@ def dtype(device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
-def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: int, steps: int, filtering: bool,
-            device: str, sleep: bool = False) -> dict:
+def rl2_arguments(model: str, data: str, out: str, size: dict, seed: int, steps: int, filtering: bool, device: str,
+                  sleep: bool = False) -> list[str]:
+    """The `rl2.trainer.ppo` key=value arguments of one rl2 run: TRL's settings (FAIRNESS) in rl2's keys."""
     new = size["new_tokens"]
-    command = [
-        "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", "-m", "rl2.trainer.ppo",
+    return [
         f"data.path={data}/train.jsonl", f"data.test_path={data}/test.jsonl",
         f"data.prompts_per_rollout={PROMPTS}", f"data.responses_per_prompt={GROUP}",
         f"actor.model_name={model}", f"actor.dtype={dtype(device)}", "actor.gradient_checkpointing=false",
@@ -152,6 +152,12 @@ def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: i
         f"rollout.max_batch_size={PROMPTS * GROUP}",  # the step's 128 generated at once, as TRL's generation_batch_size
         *(["rollout.sleep=false"] if device == "cuda" and not sleep else []),
     ]
+
+
+def run_rl2(model: str, data: str, out: str, size: dict, processes: int, seed: int, steps: int, filtering: bool,
+            device: str, sleep: bool = False) -> dict:
+    command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}", "-m", "rl2.trainer.ppo",
+               *rl2_arguments(model, data, out, size, seed, steps, filtering, device, sleep)]
     python(command, os.path.join(out, "log.txt"))
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     steps_rows = [row for row in rows if "time/step" in row]
