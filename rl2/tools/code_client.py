@@ -42,18 +42,13 @@ import aiohttp
 from rl2.coroutines import run_coroutine
 from rl2.tools.api_key import auth_headers
 from rl2.tools.faults import FaultCounter
+from rl2.tools.http_post import BODY_CHARS, Retryable, post_json
 
 logger = logging.getLogger("rl2.tools.code_client")
 
-RETRY_STATUSES = (408, 429)  # besides 5xx
-BODY_CHARS = 300  # how much of an unexpected response a message quotes
 RETRIES, BACKOFF, MAX_BACKOFF = 6, 0.5, 8.0  # 23.5 s of backoff in all: rides out a restart of a few seconds
 
 Program = str | tuple[str, str]  # code, or (code, stdin)
-
-
-class _Retryable(Exception):
-    """A failure worth another attempt (connection, timeout, 5xx)."""
 
 
 class _Rejected(Exception):
@@ -184,7 +179,7 @@ class CodeClient:
         for attempt in range(1, attempts + 1):
             try:
                 answers = await self._post(session, [subs[i] for i in pending])
-            except _Retryable as error:
+            except Retryable as error:
                 problem = str(error)
             except _Rejected as error:
                 message = f"code service at {self.url} {error}"
@@ -213,19 +208,10 @@ class CodeClient:
         return results
 
     async def _post(self, session: aiohttp.ClientSession, subs: list[dict]) -> list[dict]:
-        """One batch request; the results, or `_Retryable` / `_Rejected`."""
+        """One batch request; the results, or `Retryable` / `_Rejected`."""
         payload = {"type": "batch", "submissions": subs}
         async with self._limit():
-            try:
-                async with session.post(self.url + self.endpoint, json=payload,
-                                        timeout=aiohttp.ClientTimeout(total=self.timeout)) as response:
-                    status, body = response.status, await response.text(errors="replace")
-            except asyncio.TimeoutError:
-                raise _Retryable(f"did not answer within {self.timeout:g}s") from None
-            except aiohttp.ClientError as error:
-                raise _Retryable(f"unreachable: {type(error).__name__}: {error}") from None
-        if status >= 500 or status in RETRY_STATUSES:
-            raise _Retryable(f"failed with HTTP {status}: {body[:BODY_CHARS]}")
+            status, body = await post_json(session, self.url + self.endpoint, payload, self.timeout)
         if status == 401:  # the service wants a key this client does not have (or another one)
             raise _Rejected(f"refused the request: HTTP 401 ({'wrong' if self._headers else 'no'} API key; set "
                             f"code_server_api_key in rollout.env_args or CODE_SERVER_API_KEY)", "invalid_input")

@@ -44,12 +44,11 @@ import aiohttp
 from rl2.coroutines import run_coroutine
 from rl2.tools.api_key import api_key_from, auth_headers
 from rl2.tools.faults import FaultCounter
+from rl2.tools.http_post import BODY_CHARS, Retryable, post_json
 
 logger = logging.getLogger(__name__)
 
 RETRIES, BACKOFF, MAX_BACKOFF = 6, 0.5, 8.0  # 23.5 s of backoff in all, as rl2's other clients
-RETRY_STATUSES = (408, 429)  # besides 5xx
-BODY_CHARS = 300  # how much of an unexpected answer a message quotes
 
 DEFAULT_RUBRIC = """\
 You are grading a response to a question. Judge whether it is correct, complete and clear. \
@@ -91,10 +90,6 @@ def parse_score(reply: str) -> float:
     if not numbers:
         raise ValueError("no <score>x</score> and no number in the reply")
     return float(numbers[-1])
-
-
-class _Retryable(Exception):
-    """A failure worth another attempt (connection, timeout, 5xx, 408, 429)."""
 
 
 class _Abandoned(Exception):
@@ -237,7 +232,7 @@ class Judge:
                 try:
                     reply = await self._post(session, payload)
                     break
-                except _Retryable as error:
+                except Retryable as error:
                     problem = str(error)
                 if attempt < attempts:
                     self.faults.add("judge_retries")
@@ -267,18 +262,9 @@ class Judge:
         return limit
 
     async def _post(self, session: aiohttp.ClientSession, payload: dict) -> str:
-        """The content of the reply to one request; `_Retryable`, or `JudgeError` for what a retry would repeat."""
+        """The content of the reply to one request; `Retryable`, or `JudgeError` for what a retry would repeat."""
         async with self._limit():
-            try:
-                async with session.post(self.url, json=payload,
-                                        timeout=aiohttp.ClientTimeout(total=self.timeout)) as response:
-                    status, body = response.status, await response.text(errors="replace")
-            except asyncio.TimeoutError:
-                raise _Retryable(f"did not answer within {self.timeout:g}s") from None
-            except aiohttp.ClientError as error:
-                raise _Retryable(f"unreachable: {type(error).__name__}: {error}") from None
-        if status >= 500 or status in RETRY_STATUSES:
-            raise _Retryable(f"failed with HTTP {status}: {body[:BODY_CHARS]}")
+            status, body = await post_json(session, self.url, payload, self.timeout)
         if status in (401, 403):
             raise JudgeError(f"judge at {self.url} refused the request: HTTP {status} "
                              f"({'wrong' if self._headers else 'no'} API key? set {self.api_key_env}): {body[:BODY_CHARS]}")
