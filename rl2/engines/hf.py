@@ -6,11 +6,12 @@ as others finish; their prompts are prefilled together in one packed row, and a 
 shares a prefix with a slot's contents (the other responses of the same prompt, or the earlier
 turns of the same conversation, kept after they finished) copies that prefix's keys and values
 instead of recomputing them. In multi-turn rollouts (`generate_turns`) a conversation's next turn
-joins as soon as its tool answers, while the others go on decoding. Decode runs over the first R slots at once, from a captured CUDA
-graph on CUDA (`decode_step`); eagerly (CPU), once most of those slots have finished, over the running ones alone. Stop conditions (eos, stop ids, length) are checked on the device;
-the host looks every `sync_interval` tokens, and stop strings are found then and cut exactly.
-It needs nothing beyond transformers, runs on CPU, and its log-probs follow the trainer's
-convention exactly.
+joins as soon as its tool answers, while the others go on decoding. Decode runs over the first R
+slots at once, from a captured CUDA graph on CUDA (`decode_step`); an eager step (CPU), once most of
+those slots have finished, runs over the running ones alone. Stop conditions (eos, stop ids, length)
+are checked on the device; the host looks every `sync_interval` tokens, and stop strings are found
+then and cut exactly. It needs nothing beyond transformers, runs on CPU, and its log-probs follow the
+trainer's convention exactly.
 """
 
 import concurrent.futures
@@ -320,20 +321,19 @@ class HFEngine(Engine):
         longest = max(r.fed_bound for r in running) + 1
         self._reserve(longest)
         rows, kv_length = self.decode.sizes(self.slots.highest_active() + 1, longest)
+        slots = None  # the first `rows` slots, read as views
         if not self.decode.use_graphs and 2 * len(running) <= rows:
             # Most slots below the highest running one have finished (e.g. one long answer left in a high
             # slot): an eager step computes the running slots alone, their caches gathered.
-            index = torch.tensor(sorted(r.slot for r in running), device=self.device)
-            slots = index
+            slots = torch.tensor(sorted(r.slot for r in running), device=self.device)
             self.stats["compact_decode_steps"] += 1
-        else:
-            index, slots = torch.arange(rows, device=self.device), None
+        index = slice(0, rows) if slots is None else slots
         live = state.live[index]
         write_positions = torch.where(live, state.length[index], self.kv.capacity)
         logits = self.decode(state.next_input[index], write_positions, kv_length, slots)
         next_tokens, logprobs = sample(logits, params, state.uniforms(index))
         state.length[index] += live
-        state.record(index, live, next_tokens, logprobs)
+        state.record(torch.arange(rows, device=self.device) if slots is None else slots, live, next_tokens, logprobs)
         for request in running:
             request.fed_bound = min(request.fed_bound + 1, len(request.prompt) + request.max_new - 1)
 

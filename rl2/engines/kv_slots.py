@@ -165,10 +165,8 @@ def _decode_attention(query, key, value, layer_keys, layer_values, plan: DecodeP
     index = torch.arange(rows, device=query.device) if plan.slots is None else plan.slots
     layer_keys[index, :, plan.write_positions] = key[:, :, 0]
     layer_values[index, :, plan.write_positions] = value[:, :, 0]
-    if plan.slots is None:  # views of the first R slots
-        keys, values = layer_keys[:rows, :, : plan.kv_length], layer_values[:rows, :, : plan.kv_length]
-    else:  # the given slots' prefixes, gathered
-        keys, values = layer_keys[plan.slots, :, : plan.kv_length], layer_values[plan.slots, :, : plan.kv_length]
+    read = slice(0, rows) if plan.slots is None else plan.slots  # views of the first R slots, or the given ones gathered
+    keys, values = layer_keys[read, :, : plan.kv_length], layer_values[read, :, : plan.kv_length]
     # One query per row: the query heads that share a KV head become that head's queries, so
     # grouped-query attention needs no repeated keys (transformers' repeat_kv order: head h serves
     # query heads h*g .. h*g+g-1).
