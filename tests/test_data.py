@@ -202,8 +202,10 @@ ASSISTANT = {"role": "assistant", "content": "hi there"}
 
 # (kind, bad row, field, words the message must contain); the bad row is written as row 3.
 BAD_ROWS = [
-    ("rl", {"messages": json.dumps("hi"), "answer": "a"}, "messages", "list of {\"role\", \"content\"} messages, got str"),
-    ("rl", {"messages": "[{not json", "answer": "a"}, "messages", "not JSON"),
+    ("rl", {"messages": json.dumps({"role": "user", "content": "hi"}), "answer": "a"}, "messages",
+     "list of {\"role\", \"content\"} messages, got dict"),
+    ("rl", {"messages": '[{"role": "user", not json', "answer": "a"}, "messages", "not JSON"),
+    ("rl", {"messages": "   ", "answer": "a"}, "messages", "the prompt text is empty"),
     ("rl", {"messages": json.dumps([{"role": "user", "content": 5}]), "answer": "a"}, "messages", "'content' should be a string, got int"),
     ("rl", {"messages": [], "answer": "a"}, "messages", "got an empty list"),
     ("rl", {"messages": [{"content": "x"}], "answer": "a"}, "messages", "messages[0] has no 'role'"),

@@ -104,10 +104,10 @@ def test_custom_messages_key(tmp_path, tokenizer):
          "train.jsonl: missing column 'prompt' (data.prompt_key, used because data.apply_chat_template=false) needed "
          "for rl data; columns present: ['messages', 'answer']; to read the 'messages' column through the chat "
          "template, set data.apply_chat_template=true"),
-        (Columns(), [{"prompt": "a", "answer": 1}],
+        (Columns(), [{"question": "a", "answer": 1}],  # a 'prompt' column would be read as one user message
          "train.jsonl: missing column 'messages' (data.messages_key) needed for rl data; columns present: "
-         "['prompt', 'answer']; to use the 'prompt' column as raw prompt text (no chat template), "
-         "set data.apply_chat_template=false"),
+         "['question', 'answer']; a column of prompt text is also read, as one user message: "
+         "data.prompt_key=<its name> (now 'prompt')"),
     ],
     ids=["row-without-prompt", "custom-prompt-key", "row-without-messages", "empty-prompt", "messages-in-prompt",
          "null-answer", "no-prompt-column", "no-messages-column"],

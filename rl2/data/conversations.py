@@ -8,14 +8,15 @@ import torch
 
 from rl2.chat.tools import Tool, row_tools
 from rl2.data.chat_template import _tokenize_conversation, render_chat, tokenize_conversation
-from rl2.data.rows import Columns, DataError, load_rows, parse_messages, parse_prompt, validate_rows
+from rl2.data.rows import Columns, DataError, load_rows, row_messages, row_prompt_text, validate_rows
 
 logger = logging.getLogger(__name__)
 
 
 class _ConversationDataset(torch.utils.data.Dataset):
     """Rows loaded from a path (or given), validated eagerly for `kind`, tokenized lazily; the
-    conversation is read from the `columns.messages_key` column. The chat template renders each row with
+    conversation is read from the `columns.messages_key` column, else the `columns.prompt_key` one (a
+    string: one user message; `rl2.data.rows.row_messages`). The chat template renders each row with
     the tool schemas of its `tools` column (OpenAI-style schemas, or names of `tools`, the env file's),
     else with all of `tools`, else with none."""
 
@@ -51,8 +52,7 @@ class _ConversationDataset(torch.utils.data.Dataset):
         return len(self.rows)
 
     def _messages(self, i: int) -> list[dict]:
-        key = self.columns.messages_key
-        return parse_messages(self.rows[i][key], f"{self.source}, row {i + 1}", key)
+        return row_messages(self.rows[i], self.columns, f"{self.source}, row {i + 1}")
 
     def _tools(self, i: int) -> list[dict] | None:
         """The tool schemas row `i` is rendered with (None: no tools)."""
@@ -112,7 +112,9 @@ class RLDataset(_ConversationDataset):
     Countdown) it is the `columns.prompt_key` text as is, tokenized with no special tokens added (a
     BOS the model needs must be in the text, as in RL2), and its `messages` are
     `[{"role": "user", "content": <the text>}]`: what the env file's `reward_fn` and `interact`
-    see, followed by the assistant's messages (and the tools') of the rollout.
+    see, followed by the assistant's messages (and the tools') of the rollout. With
+    `columns.prompt_optional` (an env file whose `generate` makes the prompt, RL2 HEAD) a row without a
+    prompt has no prompt ids and no messages: the file reads its columns (`row`).
     """
 
     kind = "rl"
@@ -127,10 +129,7 @@ class RLDataset(_ConversationDataset):
         tools: dict[str, Tool] | None = None,
     ):
         super().__init__(path_or_rows, tokenizer, max_length, source, columns, tools)
-        if columns.apply_chat_template:
-            texts = [render_chat(self._messages(i), tokenizer, True, self._tools(i)) for i in range(len(self.rows))]
-        else:
-            texts = [self._prompt_text(i) for i in range(len(self.rows))]
+        texts = [self._rendered_prompt(i) for i in range(len(self.rows))]
         prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         self.indices = [i for i, ids in enumerate(prompt_ids) if max_length is None or len(ids) <= max_length]
         self.prompt_ids = [list(prompt_ids[i]) for i in self.indices]
@@ -150,9 +149,16 @@ class RLDataset(_ConversationDataset):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def _prompt_text(self, i: int) -> str:
-        key = self.columns.prompt_key
-        return parse_prompt(self.rows[i][key], f"{self.source}, row {i + 1}", key)
+    def _prompt_text(self, i: int) -> str | None:
+        return row_prompt_text(self.rows[i], self.columns, f"{self.source}, row {i + 1}")
+
+    def _rendered_prompt(self, i: int) -> str:
+        """Row `i`'s prompt as the model reads it: its messages through the chat template, or its raw text;
+        "" for a row without a prompt (`columns.prompt_optional`)."""
+        if not self.columns.apply_chat_template:
+            return self._prompt_text(i) or ""
+        messages = self._messages(i)
+        return render_chat(messages, self.tokenizer, True, self._tools(i)) if messages else ""
 
     def _source(self, i: int) -> str | None:
         """Row `i`'s `data_source` (verl's column: the task or dataset it comes from), as text; None without one."""
@@ -162,7 +168,8 @@ class RLDataset(_ConversationDataset):
     def _prompt_messages(self, i: int) -> list[dict]:
         if self.columns.apply_chat_template:
             return self._messages(i)
-        return [{"role": "user", "content": self._prompt_text(i)}]
+        text = self._prompt_text(i)
+        return [] if text is None else [{"role": "user", "content": text}]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         row_index = self.indices[i]

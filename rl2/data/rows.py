@@ -4,13 +4,17 @@ splitting and writing.
 Row formats (one JSON object per row, or the same columns in CSV / parquet / arrow / a saved dataset):
 
     RL:   {"messages": [{"role": ..., "content": ...}, ...], "answer": <any JSON value>}  (answer optional)
+    RL:   {"prompt": str, "answer": ...}    (the prompt text is one user message, through the chat template)
     RL, raw prompt (apply_chat_template=False): {"prompt": str, "answer": <any JSON value>}
     SFT:  {"messages": [...]}                                  (at least one assistant message)
-    pair: {"messages": [...], "chosen": str, "rejected": str}  (messages are the prompt)
+    pair: {"messages": [...], "chosen": str, "rejected": str}  (messages are the prompt; a string: one user message)
 
-The "messages" and "prompt" columns are named by `Columns` (`data.messages_key`, `data.prompt_key`).
-An RL file without an "answer" column gives every row the answer None (an env that does not read it);
-where the column exists, every row needs a value.
+The "messages" and "prompt" columns are named by `Columns` (`data.messages_key`, `data.prompt_key`). With
+the chat template, a row's conversation is its "messages" cell, else (no such column, or null) its "prompt"
+cell; a string in either is one user message. RL rows for an env file that makes its own prompts (RL2
+HEAD's `generate`: `Columns.prompt_optional`) need neither column. An RL file without an "answer" column
+gives every row the answer None (an env that does not read it); where the column exists, every row needs
+a value.
 
 Rows are loaded with `datasets` and validated eagerly, so bad data fails before training starts, with
 the file, row and field in the message (`rl2.data.conversations` tokenizes them lazily).
@@ -23,16 +27,18 @@ import math
 import os
 import random
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 import datasets
 
-from rl2.config import DataConfig
+from rl2.config import Config, DataConfig
 from rl2.distributed.process_group import rank
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
+_EXPECTED_MESSAGES = 'expected a non-empty list of {"role", "content"} messages'
 # The columns each kind needs besides the prompt / conversation column (`Columns`); RL's "answer" is optional.
 OTHER_COLUMNS = {"rl": (), "sft": (), "pair": ("chosen", "rejected")}
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
@@ -44,30 +50,53 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Columns:
-    """Where a row's prompt or conversation is: the `messages_key` column, or, for RL rows with
-    `apply_chat_template=False`, the raw prompt text of the `prompt_key` column (RL2's keys; the
-    config's `data.messages_key`, `data.apply_chat_template`, `data.prompt_key`)."""
+    """Where a row's prompt or conversation is (RL2's keys; the config's `data.messages_key`,
+    `data.apply_chat_template`, `data.prompt_key`): with the chat template, the `messages_key` column, or
+    the `prompt_key` column where a row has no messages (a string in either is one user message); with
+    `apply_chat_template=False` (RL only), the raw prompt text of the `prompt_key` column.
+    `prompt_optional`: RL rows may have no prompt at all (the env file's own `generate` makes it, RL2 HEAD)."""
 
     messages_key: str = "messages"
     apply_chat_template: bool = True
     prompt_key: str = "prompt"
+    prompt_optional: bool = False
 
     @classmethod
-    def from_config(cls, data: DataConfig) -> "Columns":
+    def from_config(cls, data: DataConfig, prompt_optional: bool = False) -> "Columns":
         """The columns named by a `DataConfig`."""
-        return cls(data.messages_key, data.apply_chat_template, data.prompt_key)
+        return cls(data.messages_key, data.apply_chat_template, data.prompt_key, prompt_optional)
+
+    @classmethod
+    def for_run(cls, config: Config, kind: str) -> "Columns":
+        """The columns of a run's `kind` rows: RL rows need no prompt when `rollout.env_path` is written to RL2
+        HEAD's interface (its `generate` reads the row, `sample.sample`, and makes the prompt itself)."""
+        from rl2.rollout.env_file import rl2_sample_interface
+
+        env_path = config.rollout.env_path
+        makes_prompts = kind == "rl" and env_path is not None and rl2_sample_interface(env_path) is not None
+        return cls.from_config(config.data, prompt_optional=makes_prompts)
+
+    def prompt_columns(self) -> tuple[str, ...]:
+        """The columns a prompt or conversation is read from, the first one with a value."""
+        if not self.apply_chat_template or self.prompt_key == self.messages_key:
+            return (self.conversation_key(),)
+        return self.messages_key, self.prompt_key
 
     def conversation_key(self) -> str:
-        """The column the prompt or conversation is read from."""
+        """The column the prompt or conversation is read from first."""
         return self.messages_key if self.apply_chat_template else self.prompt_key
 
+    def key_of(self, row: Mapping[str, Any]) -> str | None:
+        """The column `row`'s prompt or conversation is read from; None when it has none."""
+        return next((key for key in self.prompt_columns() if row.get(key) is not None), None)
+
     def describe(self, column: str) -> str:
-        """` (the config key naming it)` for the prompt / conversation column, "" for others."""
-        if column != self.conversation_key():
+        """` (the config key naming it)` for a prompt / conversation column, "" for others."""
+        if column not in self.prompt_columns():
             return ""
-        if self.apply_chat_template:
-            return " (data.messages_key)"
-        return " (data.prompt_key, used because data.apply_chat_template=false)"
+        if not self.apply_chat_template:
+            return " (data.prompt_key, used because data.apply_chat_template=false)"
+        return " (data.messages_key)" if column == self.messages_key else " (data.prompt_key)"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,36 +293,36 @@ def validate_rows(rows: datasets.Dataset, kind: str, source: str, columns: Colum
         raise ValueError(f"unknown data kind {kind!r}; expected one of {sorted(OTHER_COLUMNS)}")
     if not columns.apply_chat_template and kind != "rl":
         raise ValueError(f"apply_chat_template=False (a raw prompt column) is for RL data only, not {kind}")
-    for column in (columns.conversation_key(), *OTHER_COLUMNS[kind]):
-        if column not in rows.column_names:
+    present = rows.column_names
+    needed = list(OTHER_COLUMNS[kind])
+    if not any(key in present for key in columns.prompt_columns()) and not (kind == "rl" and columns.prompt_optional):
+        needed.insert(0, columns.conversation_key())
+    for column in needed:
+        if column not in present:
             raise DataError(
                 f"{source}: missing column {column!r}{columns.describe(column)} needed for {kind} data; "
-                f"columns present: {rows.column_names}{_column_hint(rows.column_names, column, columns)}"
+                f"columns present: {present}{_column_hint(present, column, columns, kind)}"
             )
     for row_number, row in enumerate(rows, 1):
         _validate_row(row, kind, f"{source}, row {row_number}", columns)
 
 
-def _column_hint(present: list[str], missing: str, columns: Columns) -> str:
-    """A pointer to the other way of reading prompts when the file has that column instead."""
+def _column_hint(present: list[str], missing: str, columns: Columns, kind: str) -> str:
+    """A pointer to the other ways of reading prompts, for a file without the prompt column."""
     if missing == columns.prompt_key and not columns.apply_chat_template and columns.messages_key in present:
         return (f"; to read the {columns.messages_key!r} column through the chat template, "
                 "set data.apply_chat_template=true")
-    if missing == columns.messages_key and columns.apply_chat_template and columns.prompt_key in present:
-        return (f"; to use the {columns.prompt_key!r} column as raw prompt text (no chat template), "
-                "set data.apply_chat_template=false")
+    if missing == columns.messages_key and kind != "sft":
+        return (f"; a column of prompt text is also read, as one user message: data.prompt_key=<its name> "
+                f"(now {columns.prompt_key!r})")
     return ""
 
 
 def _validate_row(row: dict, kind: str, where: str, columns: Columns) -> None:
-    key = columns.conversation_key()
-    if row[key] is None:
-        raise DataError(f"{where} has no {key!r} column{columns.describe(key)}")
-    if columns.apply_chat_template:
-        messages = parse_messages(row[key], where, key)
-    else:  # a raw prompt: RL rows only (validate_rows)
-        parse_prompt(row[key], where, key)
-        messages = []
+    messages = row_messages(row, columns, where) if columns.apply_chat_template else []
+    if not columns.apply_chat_template:  # a raw prompt: RL rows only (validate_rows)
+        row_prompt_text(row, columns, where)
+    key = columns.key_of(row) or columns.conversation_key()
     if kind == "sft" and not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}, field {key!r}: SFT rows need at least one assistant message")
     if kind == "rl" and "answer" in row:
@@ -314,6 +343,55 @@ def _validate_row(row: dict, kind: str, where: str, columns: Columns) -> None:
             )
 
 
+def _no_prompt(row: Mapping[str, Any], columns: Columns, where: str) -> DataError:
+    first, *others = columns.prompt_columns()
+    alternative = "".join(f" or {key!r} text{columns.describe(key)}" for key in others if key in row)
+    return DataError(f"{where} has no {first!r} column{columns.describe(first)}{alternative}")
+
+
+def row_messages(row: Mapping[str, Any], columns: Columns, where: str) -> list[dict]:
+    """The conversation of a row read through the chat template: its `messages_key` cell, else its
+    `prompt_key` cell (a string in either is one user message); [] for a row without either when
+    `columns.prompt_optional`, else DataError."""
+    key = columns.key_of(row)
+    if key is None:
+        if columns.prompt_optional:
+            return []
+        raise _no_prompt(row, columns, where)
+    return read_messages(row[key], where, key)
+
+
+def row_prompt_text(row: Mapping[str, Any], columns: Columns, where: str) -> str | None:
+    """The raw prompt text of a row (`apply_chat_template=False`); None for a row without one when
+    `columns.prompt_optional`."""
+    key = columns.prompt_key
+    if row.get(key) is None:
+        if columns.prompt_optional:
+            return None
+        raise _no_prompt(row, columns, where)
+    return parse_prompt(row[key], where, key)
+
+
+def read_messages(value: Any, where: str, key: str = "messages") -> list[dict]:
+    """A prompt or conversation cell as messages: a list of messages (or its JSON text, as CSV / parquet
+    cells hold it) through `parse_messages`; other text is one user message (a plain question column, as
+    TRL and verl read it). Text that is a JSON object, or looks like messages but is not JSON, is an error."""
+    if not isinstance(value, str):
+        return parse_messages(value, where, key)
+    try:
+        decoded = json.loads(value)
+    except json.JSONDecodeError as e:
+        if value.lstrip().startswith("[") and '"role"' in value:
+            raise DataError(f"{where}, field {key!r}: {_EXPECTED_MESSAGES}, got a string that is not JSON "
+                            f"({e.msg})") from None
+        decoded = None
+    if isinstance(decoded, (list, dict)):
+        return parse_messages(decoded, where, key)
+    if not value.strip():
+        raise DataError(f"{where}, field {key!r}: the prompt text is empty")
+    return [{"role": "user", "content": value}]
+
+
 def parse_prompt(value: Any, where: str, key: str = "prompt") -> str:
     """The raw prompt text of a row (`apply_chat_template=False`); DataError unless a non-empty string."""
     if isinstance(value, str) and value:
@@ -332,7 +410,7 @@ def parse_messages(value: Any, where: str, key: str = "messages") -> list[dict]:
     """The messages of a row (its `key` column) as a list of dicts, decoding a JSON string (CSV /
     parquet cells) and dropping null keys that arrow adds when messages have different keys;
     DataError if malformed."""
-    expected = 'expected a non-empty list of {"role", "content"} messages'
+    expected = _EXPECTED_MESSAGES
     if isinstance(value, str):
         try:
             value = json.loads(value)

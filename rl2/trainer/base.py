@@ -182,7 +182,7 @@ class Trainer:
         when `test_ratio` of the rows rounds to no row: the run trains on them all); `tools`: the env
         file's, which the prompts are rendered with."""
         data, tokenizer = self.config.data, self.tokenizer
-        columns = Columns.from_config(data)
+        columns = Columns.for_run(self.config, dataset_cls.kind)  # RL2 HEAD env files: rows need no prompt
         if data.test_path is not None:
             return (dataset_cls(data.path, tokenizer, max_length, columns=columns, tools=tools),
                     dataset_cls(data.test_path, tokenizer, max_length, columns=columns, tools=tools))
