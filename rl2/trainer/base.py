@@ -163,6 +163,7 @@ class Trainer:
             self.check_save_dir()
         self.step = 0
         self.metrics: MetricsLogger | None = None
+        self.closed = False
 
     def check_save_dir(self) -> None:
         """Before any model loads: stop with a ConfigError when the checkpoint folder holds another
@@ -263,6 +264,29 @@ class Trainer:
             models = {name: (model, None) for name, (model, _) in models.items()}
         save_checkpoint(path, models, {"step": step, **self.extra_state()})
         return path
+
+    def close(self) -> None:
+        """End the run (once): the metrics' sinks closed (wandb finished, TensorBoard flushed) and the
+        run's report written."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.metrics is not None:
+            self.metrics.finish()
+
+    def close_after_error(self) -> None:
+        """End a run that failed: nothing more is written."""
+        self.closed = True
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, error_type, error, trace) -> None:
+        """`with Trainer(config) as trainer:` closes the run at the end of the block (after an error: stops it)."""
+        if error_type is None:
+            self.close()
+        else:
+            self.close_after_error()
 
     def should_save(self, step: int) -> bool:
         freq = self.main_config.save_freq

@@ -419,7 +419,8 @@ class PPOTrainer(Trainer):
     # ---- the loop ---------------------------------------------------------------------------
 
     def train_step(self) -> dict[str, float]:
-        """One PPO step; returns its metrics."""
+        """The work of step `self.step` (rollout, scoring, update, weight sync) without what a run does around
+        it (advancing the step, logging, testing, checkpoints: `step_once()`); returns its metrics."""
         config, timer = self.config, PhaseTimer()
         trajectories, partial_metrics = self.roll_out(timer)
         metrics = {**rollout_metrics(trajectories), **self.rollout.fault_metrics(), **partial_metrics}
@@ -513,7 +514,6 @@ class PPOTrainer(Trainer):
         """`trainer.eval_only`: evaluate actor.model_name, write `<save_dir>/eval.json`, print it."""
         config = self.config
         results = self.evaluate("eval")
-        self.rollout.close()
         if is_rank0():
             report = {
                 "model": config.actor.model_name,
@@ -528,35 +528,70 @@ class PPOTrainer(Trainer):
         return results
 
     def train(self) -> None:
+        """Train from the current step (0, or the resumed checkpoint's) to `trainer.total_steps`, calling
+        `step_once()` for each step under a progress bar, then `close()`: the whole run, as
+        `python -m rl2.trainer.ppo` does it. On an error the engine and the env's worker processes stop and
+        the error is raised. With `trainer.eval_only`: one evaluation of `actor.model_name` instead
+        (`<save_dir>/eval.json`)."""
         try:
-            self._train()
+            if self.eval_only:
+                self.evaluate_only()
+            else:
+                with tqdm(total=self.total_steps, initial=self.step, desc="PPO", disable=not is_rank0()) as progress:
+                    while self.step < self.total_steps:
+                        metrics = self.step_once()
+                        progress.update(1)
+                        progress.set_postfix(
+                            reward=f"{metrics['reward/mean']:.3f}" if "reward/mean" in metrics else "none")
         except BaseException:
-            self.rollout.close()  # the env's worker processes and the engine end with the failed run
+            self.close_after_error()
             raise
+        self.close()
 
-    def _train(self) -> None:
+    def step_once(self) -> dict[str, float]:
+        """Train one step by hand (what `train()` does for each step): the test set's evaluation first when no
+        step has run yet (logged at step 0, with `trainer.test_freq` set), then `self.step` advances, the
+        step runs (its trajectories in `trajectories/step_<step>.jsonl`), the test set is evaluated on
+        `trainer.test_freq`'s steps and the last, the metrics go to metrics.jsonl (and wandb, TensorBoard)
+        and a checkpoint is saved on `actor.save_freq`'s steps and the last. Returns the step's metrics.
+        Call `close()` when done (or use the trainer in a `with` block)."""
+        if self.closed:
+            raise RuntimeError("this trainer's run is closed (close() ended it): make a new trainer to train more")
         if self.eval_only:
-            self.evaluate_only()
-            return
+            raise RuntimeError("trainer.eval_only=true trains no step: train() runs its evaluation")
+        if self.step >= self.total_steps:
+            raise RuntimeError(f"the run's {self.total_steps} steps are done (trainer.total_steps, or trainer.n_epochs "
+                               f"of the data): call close() to end it")
         if self.step == 0 and self.test_data is not None and self.config.trainer.test_freq is not None:
             self.metrics.log(self.evaluate(), 0)  # the starting point of the test curve
-        progress = tqdm(total=self.total_steps, initial=self.step, desc="PPO", disable=not is_rank0())
-        while self.step < self.total_steps:
-            self.step += 1
-            metrics = self.train_step()
-            if self.test_data is not None and self.is_test_step(self.step):
-                metrics.update(self.evaluate())
-            self.metrics.log(metrics, self.step)
-            progress.update(1)
-            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}" if "reward/mean" in metrics else "none")
-            if self.should_save(self.step):
-                self.save(self.step)
-        progress.close()
-        self.metrics.finish()
-        self.rollout.close()
-        if is_rank0():
-            rows = read_metrics(os.path.join(self.config.actor.save_dir, "metrics.jsonl"))
-            logger.info("\n" + run_summary(rows))
+        self.step += 1
+        metrics = self.train_step()
+        if self.test_data is not None and self.is_test_step(self.step):
+            metrics.update(self.evaluate())
+        self.metrics.log(metrics, self.step)
+        if self.should_save(self.step):
+            self.save(self.step)
+        return metrics
+
+    def close(self) -> None:
+        """End the run (once; `train()` and a `with` block call it): the metrics' sinks closed (wandb
+        finished), the report written (`report.html`), the engine and the env's worker processes stopped,
+        and on rank 0 the run's summary logged (reward curve, test rewards, step times)."""
+        if self.closed:
+            return
+        try:
+            super().close()
+        finally:
+            self.rollout.close()
+        path = os.path.join(self.config.actor.save_dir, "metrics.jsonl")
+        if is_rank0() and not self.eval_only and os.path.exists(path):
+            logger.info("\n" + run_summary(read_metrics(path)))
+
+    def close_after_error(self) -> None:
+        """End a run that failed: the engine and the env's worker processes stopped, nothing more written."""
+        if not self.closed:
+            self.closed = True
+            self.rollout.close()
 
 
 def teacher_only_rewards(trajectories: list[Trajectory]) -> None:
@@ -597,15 +632,24 @@ def run_summary(rows: list[dict]) -> str:
             else f"step {row['step']}: none ({row['test/reward_errors']:.0f} reward_fn errors)" for row in tests
         ))
     lines.append(env_error_summary(rows))
-    phases = ["rollout", "reward", "logps", "update", "sync"]
-    steps = [row for row in rows if "time/step" in row]
-    means = {p: sum(row.get(f"time/{p}", 0.0) for row in steps) / max(len(steps), 1) for p in phases}
-    step_time = sum(row["time/step"] for row in steps) / max(len(steps), 1)
-    lines.append(
-        f"mean step time {step_time:.3f}s: "
-        + ", ".join(f"{p} {means[p]:.3f}s ({100 * means[p] / max(step_time, 1e-9):.0f}%)" for p in phases)
-    )
+    lines.append(step_time_summary(rows))
     return "\n".join(lines)
+
+
+def step_time_summary(rows: list[dict]) -> str:
+    """Where the time of an updating step went, over the steps that updated (a step with no trajectory left
+    to train on logs no `time/step`), and how many did not."""
+    phases = ["rollout", "reward", "logps", "update", "sync"]
+    ran = [row for row in rows if row["step"] > 0 and any(key.startswith("time/") for key in row)]
+    steps = [row for row in ran if "time/step" in row]
+    if not steps:
+        return (f"no step updated the policy (none of the {len(ran)} steps had a trajectory left to train on: "
+                "equal rewards in every group, see dynamic_filter/dropped_ratio, or env errors)")
+    means = {p: sum(row.get(f"time/{p}", 0.0) for row in steps) / len(steps) for p in phases}
+    step_time = sum(row["time/step"] for row in steps) / len(steps)
+    return (f"mean step time {step_time:.3f}s"
+            + (f" (of the {len(steps)} of {len(ran)} steps that updated)" if len(steps) < len(ran) else "")
+            + ": " + ", ".join(f"{p} {means[p]:.3f}s ({100 * means[p] / max(step_time, 1e-9):.0f}%)" for p in phases))
 
 
 def env_error_summary(rows: list[dict]) -> str:
