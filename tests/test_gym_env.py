@@ -153,3 +153,79 @@ def test_the_last_turn_is_stepped_at_the_turn_limit(tmp_path):
         env.close()
     assert trajectory.turns == 2 and trajectory.step_rewards == [1.0, 1.0] and trajectory.reward == 2.0
     assert [m["role"] for m in trajectory.messages] == ["user", "user", "assistant", "user", "assistant"]
+
+
+# A game in the pattern of third-party gym packages (textarena, gem-llm) wrapped by make_env: `step(text)`
+# returns gymnasium's (observation, reward, terminated, truncated, info); guessing takes several turns, a reply
+# it cannot read costs a point and the game goes on; it gives up (truncated) after `patience` replies.
+GUESSING = '''
+class Guessing:
+    def __init__(self, secret, patience=6):
+        self.secret, self.patience, self.replies = int(secret), patience, 0
+
+    def reset(self):
+        return "Guess my number from 1 to 9, one digit a reply.", {}
+
+    def step(self, text):
+        self.replies += 1
+        guess = text.strip()
+        if not guess.isdigit():
+            reward, observation = -1.0, "One digit, please."
+        elif int(guess) == self.secret:
+            return "", 1.0, True, False, {"won": True}
+        else:
+            reward, observation = 0.0, "Higher." if int(guess) < self.secret else "Lower."
+        return observation, reward, False, self.replies >= self.patience, {}
+
+
+def make_env(row):
+    return Guessing(row["answer"])
+'''
+
+RAMBLE = "let me think about which number it could be, first of all the range is from one to nine so"
+
+
+def guess(tmp_path, replies, max_new_tokens=8, max_turns=6, max_length=None):
+    env = write(tmp_path, GUESSING)
+    tokenizer = build_tiny_tokenizer()
+    messages = [{"role": "user", "content": "Let us play."}]
+    ids = tokenizer(render_chat(messages, tokenizer, True), add_special_tokens=False)["input_ids"]
+    turns = iter(replies)
+    engine = ScriptedEngine(tokenizer, lambda text: next(turns))
+    try:
+        (trajectory,) = rollout(engine, env, tokenizer, [{"prompt_ids": ids, "messages": messages, "answer": "7"}], 1,
+                                SamplingParams(max_new_tokens=max_new_tokens), max_turns=max_turns,
+                                max_length=max_length and len(ids) + max_length)
+        assign_rewards(env, [trajectory])
+    finally:
+        env.close()
+    return trajectory
+
+
+def test_a_turn_cut_by_max_new_tokens_does_not_end_the_game(tmp_path):
+    """A reply cut by max_new_tokens (finish reason "length") is stepped as it is, and the game goes on until the
+    environment says it is over (terminated here, on the third reply)."""
+    trajectory = guess(tmp_path, [RAMBLE, "5", "7"])
+    assert trajectory.turns == 3 and trajectory.step_rewards == [-1.0, 0.0, 1.0] and trajectory.reward == 0.0
+    assert not trajectory.truncated and trajectory.errors == []
+    users = [m["content"] for m in trajectory.messages if m["role"] == "user"]
+    assert users == ["Let us play.", "Guess my number from 1 to 9, one digit a reply.", "One digit, please.", "Higher."]
+
+
+def test_a_game_that_gives_up_or_reaches_the_turn_limit_is_scored(tmp_path):
+    """A model whose every reply is cut plays until the environment gives up (truncated, after 6 replies) or
+    until rollout.max_turns: either way the episode is scored with the rewards of its steps, not an env error."""
+    given_up = guess(tmp_path, [RAMBLE] * 6)
+    assert given_up.turns == 6 and given_up.step_rewards == [-1.0] * 6 and given_up.reward == -6.0
+    assert given_up.errors == [] and given_up.truncated  # its last turn was cut
+    at_limit = guess(tmp_path, [RAMBLE] * 3, max_turns=3)
+    assert at_limit.turns == 3 and at_limit.step_rewards == [-1.0] * 3 and at_limit.reward == -3.0
+    assert at_limit.errors == []
+
+
+def test_a_game_at_the_sequence_length_limit_is_scored(tmp_path):
+    """The sequence length limit ends the game (its cut reply is still stepped); scored, not an env error."""
+    trajectory = guess(tmp_path, [RAMBLE, "5", "6", "7"], max_length=40)
+    assert trajectory.truncated and trajectory.errors == [] and 1 <= trajectory.turns < 4
+    assert trajectory.step_rewards[0] == -1.0 and trajectory.reward == sum(trajectory.step_rewards)
+    assert len(trajectory.step_rewards) == trajectory.turns

@@ -11,7 +11,10 @@
         def close(self): ...                    # optional
 
 The observation of `reset` is the trajectory's first user message (after the row's own messages); each
-`step` gets the turn's text, and its observation is the next user message until `done`. The rewards of the
+`step` gets the turn's text, and its observation is the next user message until `done` (terminated or
+truncated). Only the environment ends the episode, or rollout's limits: a turn cut by max_new_tokens is
+stepped on the text it has and the game goes on; at `rollout.max_turns` or the sequence length limit the
+last turn is stepped too and the episode ends there, scored with the rewards of its steps. The rewards of the
 steps are summed into the trajectory's reward, each discounted by `adv.gamma` per step before it (the return
 from the start: r_0 + gamma r_1 + gamma^2 r_2 ...; an env file's `reward_fn`, if it has one, scores instead);
 each step's reward is kept in the dumps (`step_rewards`). rl2 runs these as it runs `ENVIRONMENT`

@@ -13,6 +13,14 @@ the chat template's rendering of the whole conversation so far, as the template 
 inference (Qwen3 drops the reasoning of turns before the last user message), then the turn's tokens.
 The trajectory's `token_ids` hold those sequences one after the other (`Trajectory.turn_starts`), each
 trained as its own sequence with the trajectory's reward.
+
+An episode ends when the env says so (`interact` returns [], a turn makes no tool call, a gym-style
+environment's step is done: terminated or truncated), at `max_turns` generations, or at the sequence
+length limit; a turn cut by max_new_tokens ends it too, except with a gym-style environment, which is
+stepped on the cut text and goes on until it is done. However it ends, it is scored as it stands
+(`assign_rewards`: `reward_fn` on the conversation so far, or the environment's rewards of its steps, the
+last turn's step included): an episode that never answered is penalised by its reward, not dropped.
+Only a failure (an env call that raised or timed out, an aborted generation) leaves it out of training.
 """
 
 import contextlib
@@ -134,12 +142,14 @@ def continue_rollout(
     thread or a tool's, one at a time); after `pause.now()` the call returns at once and the unfinished
     ones keep what they have, to be continued by a later call (a tool call still running is cancelled
     and made again). With `tool_calling` each turn's calls are parsed and run; a turn without one goes
-    to the env's `interact` if it has one, else ends the episode."""
+    to the env's `interact` if it has one, else ends the episode. An episode at `max_turns` or at the
+    length limit ends unfailed, to be scored as it stands (see the module's docstring)."""
     if max_turns > 1 and (env is None or not (env.has_interact or env.has_tools or env.steps_environment)):
         raise ValueError("rollout.max_turns > 1 needs an env file that defines interact(messages), TOOLS or make_env")
     stop_ids = set(params.stop_token_ids)
     if not params.ignore_eos and tokenizer.eos_token_id is not None:
         stop_ids.add(tokenizer.eos_token_id)
+    stepping = env is not None and env.steps_environment  # gym-style: its environment says when the episode ends
     lock = threading.Lock()
 
     def finish(trajectory: Trajectory) -> None:
@@ -192,14 +202,15 @@ def continue_rollout(
         def on_generation(index: int, generation: Generation) -> Future | None:
             trajectory = active[index]
             paused = generation.finish_reason == "abort" and pause is not None and pause.requested.is_set()
-            _append_generation(trajectory, generation, tokenizer, stop_ids, max_length, version, paused)
+            _append_generation(trajectory, generation, tokenizer, stop_ids, max_length, version, paused,
+                               length_ends_episode=not stepping)
             if paused and not trajectory.done and trajectory.turn_start >= 0:
                 return None
             if tool_calling is not None:
                 _parse_calls(trajectory, tool_calling.parser)
             if trajectory.turns == max_turns:
                 trajectory.done = True
-            if trajectory.done and env is not None and env.steps_environment and not trajectory.errors:
+            if trajectory.done and stepping and not trajectory.errors:
                 last_steps.append(step_last_turn(trajectory))  # its reward is the environment's to give
                 return None
             if trajectory.done:
@@ -326,10 +337,12 @@ def _room(trajectory: Trajectory, max_length: int | None) -> int:
 
 def _append_generation(
     trajectory: Trajectory, generation: Generation, tokenizer, stop_ids: set[int], max_length: int | None,
-    version: int = 0, paused: bool = False,
+    version: int = 0, paused: bool = False, length_ends_episode: bool = True,
 ) -> None:
     """Append a generation's tokens, then (unless `paused` inside it) end the turn: its message is all
-    the turn's tokens, those drawn before a pause included."""
+    the turn's tokens, those drawn before a pause included. A turn that fills the sequence length limit
+    ends the episode; one cut by max_new_tokens too, unless not `length_ends_episode` (a gym-style
+    environment steps on the cut text and says itself whether its episode goes on)."""
     tokens, logprobs = list(generation.token_ids), list(generation.logprobs)
     room = _room(trajectory, max_length)
     cut = len(tokens) > room
@@ -361,8 +374,9 @@ def _append_generation(
     if generation.finish_reason == "abort":
         trajectory.errors.append(generation.error or "the engine aborted the generation")
         trajectory.done = True
-    if cut or generation.finish_reason == "length" or _room(trajectory, max_length) <= 0:
-        trajectory.truncated = True
+    at_limit = cut or _room(trajectory, max_length) <= 0  # the sequence length limit
+    trajectory.truncated = at_limit or generation.finish_reason == "length"  # its latest turn was cut
+    if at_limit or (generation.finish_reason == "length" and length_ends_episode):
         trajectory.done = True
 
 
