@@ -1,8 +1,8 @@
 """RL2's own command lines parse, and each argument lands in the rl2 key it means.
 
 The scripts below are the arguments of RL2's example scripts (github.com/ChenmienTan/RL2,
-examples/*.sh) at HEAD (9161ede, Nov 2025) and at two mid-2025 commits (27b288e, 8166bc9), typed
-out from those scripts: they are RL2's interface, the command lines its users have. Where each
+examples/*.sh) at HEAD (9161ede), at Nov-Dec 2025's layout (1fce214: train_data.sampling_params, ...) and at
+two mid-2025 commits (27b288e, 8166bc9), typed out from those scripts: they are RL2's interface, the command lines its users have. Where each
 argument must land is written out by hand in LANDS_IN, not read from rl2's alias table.
 """
 
@@ -80,6 +80,60 @@ SCRIPTS = {
         "data.train.path=Chenmien/UltraFeedback", "data.train.max_length=1024",
         "actor.model_name=allenai/Llama-3.1-Tulu-3-8B-SFT", "actor.max_length_per_device=4096",
         "trainer.project=UltraFeedback", "trainer.experiment_name=tulu-3-8b",
+    ],
+    # Nov-Dec 2025 (1fce214; 209d390 moved prompts_per_rollout into train_data / test_data).
+    "1fce214/countdown_reinforce.sh": [
+        "train_data.path=train@Chenmien/Countdown", "train_data.prompts_per_rollout=128",
+        "train_data.responses_per_prompt=4", "train_data.sampling_params.max_new_tokens=1024",
+        "train_data.sampling_params.stop=['</answer>']", "train_data.apply_chat_template=false",
+        "test_data.path=test@Chenmien/Countdown", "actor.model_name=Qwen/Qwen2.5-3B-Instruct",
+        "actor.max_length_per_device=8192", "rollout.env_path=envs/countdown.py", "trainer.project=Countdown",
+        "trainer.experiment_name=qwen2.5-3b_reinforce", "trainer.total_steps=512", "trainer.test_freq=8",
+        "trainer.save_freq=32",
+    ],
+    "1fce214/gem_reinforce.sh": [
+        "train_data.sampling_params.max_new_tokens=1024", "train_data.prompts_per_rollout=64",
+        "test_data.prompts_per_rollout=64", "actor.model_name=Qwen/Qwen3-1.7B-Base", "actor.max_length_per_device=8192",
+        "rollout.env_path=envs/gem.py", "adv.norm_var=true", "trainer.project=GEM",
+        "trainer.experiment_name=letter-counting_qwen3-1.7b_reinforce", "trainer.total_steps=512", "trainer.save_freq=64",
+    ],
+    "1fce214/limo_sft.sh": [
+        "data.path=Chenmien/LIMO", "data.max_length=16384", "data.batch_size=32", "actor.model_name=Qwen/Qwen2.5-7B-Instruct",
+        "actor.cp_size=4", "actor.max_length_per_device=4096", "trainer.project=LIMO",
+        "trainer.experiment_name=qwen2.5-7b-inst", "trainer.n_epochs=15",
+    ],
+    "1fce214/orz_ppo.sh": [
+        "train_data.path=Chenmien/OpenReasonerZero", "train_data.prompts_per_rollout=128",
+        "train_data.responses_per_prompt=64", "train_data.sampling_params.max_new_tokens=8192",
+        "test_data.path=Chenmien/OlympiadBench", "actor.model_name=Qwen/Qwen2.5-7B", "actor.cp_size=2",
+        "actor.max_length_per_device=8192", "actor.freeze_steps=4", "critic.model_name=Qwen/Qwen2.5-7B",
+        "critic.cp_size=2", "critic.max_length_per_device=8192", "rollout.env_path=envs/orz.py", "adv.estimator=gae",
+        "trainer.project=OpenReasonerZero", "trainer.experiment_name=qwen2.5-7b-ppo", "trainer.total_steps=512",
+        "trainer.test_freq=8", "trainer.save_freq=32",
+    ],
+    "1fce214/orz_reinforce.sh": [
+        "train_data.path=Chenmien/OpenReasonerZero", "train_data.prompts_per_rollout=128",
+        "train_data.responses_per_prompt=64", "train_data.sampling_params.max_new_tokens=8192",
+        "test_data.path=Chenmien/OlympiadBench", "actor.model_name=Qwen/Qwen2.5-7B", "actor.cp_size=2",
+        "actor.max_length_per_device=8192", "rollout.env_path=envs/orz.py", "adv.estimator=reinforce",
+        "trainer.project=OpenReasonerZero", "trainer.experiment_name=qwen2.5-7b-reinforce", "trainer.total_steps=512",
+        "trainer.test_freq=8", "trainer.save_freq=32",
+    ],
+    "1fce214/searchr1.sh": [
+        "train_data.path=train@Chenmien/SearchR1", "train_data.prompts_per_rollout=256",
+        "train_data.responses_per_prompt=5", "train_data.max_turns=2", "train_data.sampling_params.max_new_tokens=512",
+        "train_data.sampling_params.stop=['</search>','</answer>']", "test_data.path=test@Chenmien/SearchR1",
+        "actor.model_name=Qwen/Qwen2.5-3B", "actor.max_length_per_device=8192", "rollout.env_path=envs/searchr1.py",
+        "trainer.project=SearchR1", "trainer.experiment_name=qwen2.5-3b_reinforce", "trainer.total_steps=256",
+        "trainer.test_freq=8",
+    ],
+    "1fce214/skywork_rm.sh": [
+        "data.path=Chenmien/SkyworkRM", "data.max_length=2048", "critic.model_name=meta-llama/Llama-3.1-8B-Instruct",
+        "critic.max_length_per_device=8192", "trainer.project=SkyworkRM", "trainer.experiment_name=llama-3.1-8b-inst",
+    ],
+    "1fce214/ultrafeedback_dpo.sh": [
+        "data.path=Chenmien/UltraFeedback", "data.max_length=1024", "actor.model_name=allenai/Llama-3.1-Tulu-3-8B-SFT",
+        "actor.max_length_per_device=4096", "trainer.project=UltraFeedback", "trainer.experiment_name=tulu-3-8b",
     ],
     "27b288e/limo_sft.sh": [
         "data.path=Chenmien/LIMO", "data.max_length=16384", "data.batch_size=32", "actor.model_name=Qwen/Qwen2.5-7B-Instruct",
@@ -202,7 +256,12 @@ LANDS_IN = {
     "train_data.path": ["data.path"],
     "train_data.prompts_per_rollout": ["data.prompts_per_rollout"],
     "train_data.responses_per_prompt": ["data.responses_per_prompt"],
+    "train_data.sampling_params.max_new_tokens": [k.format("max_new_tokens") for k in TRAIN_AND_TEST],
+    "train_data.sampling_params.stop": [k.format("stop") for k in TRAIN_AND_TEST],
+    "train_data.apply_chat_template": ["data.apply_chat_template"],
+    "train_data.max_turns": ["rollout.max_turns"],
     "test_data.path": ["data.test_path"],
+    "test_data.prompts_per_rollout": [],
     "rollout.train_sampling_params.max_new_tokens": [k.format("max_new_tokens") for k in TRAIN_AND_TEST],
     "rollout.max_turns": ["rollout.max_turns"],
 }
@@ -216,7 +275,7 @@ def lookup(config, dotted: str):
 
 
 def test_the_table_holds_every_argument_of_every_script():
-    assert len(SCRIPTS) == 9 + 6 + 6
+    assert len(SCRIPTS) == 9 + 8 + 6 + 6
     keys = {arg.partition("=")[0] for args in SCRIPTS.values() for arg in args}
     assert keys == set(LANDS_IN)
 
@@ -318,6 +377,39 @@ KEY_BY_KEY = [
     ("test_data.path=f.jsonl", {"data.test_path": "f.jsonl"}),
     ("test_data.responses_per_prompt=3", {"rollout.test_responses_per_prompt": 3}),
     ("test_data.response_per_prompt=5", {"rollout.test_responses_per_prompt": 5}),
+    ("train_data.max_turns=2", {"rollout.max_turns": 2}),
+    ("train_data.sampling_params.max_new_tokens=64", {"rollout.train_sampling_params.max_new_tokens": 64}),
+    ("train_data.sampling_params.no_stop_trim=true", None, "keeps the stop string"),
+    ("train_data.sampling_params.no_stop_trim=false", ConfigError, "keeps the stop string"),
+    ("train_data.max_new_tokens=32", {"rollout.train_sampling_params.max_new_tokens": 32}),
+    ("train_data.mask_offpolicy_data=true", None, "actor.rollout_correction"),
+    ("train_data.prompt_key=question", {"data.prompt_key": "question"}),
+    ("train_data.messages_key=chat", {"data.messages_key": "chat"}),
+    ("train_data.apply_chat_template=false", {"data.apply_chat_template": False}),
+    ("train_data.experience.max_turns=3", {"rollout.max_turns": 3}),
+    ("train_data.experience.max_new_tokens=16", {"rollout.train_sampling_params.max_new_tokens": 16}),
+    ("train_data.experience.responses_per_prompt=4", {"data.responses_per_prompt": 4}),
+    ("train_data.experience.mask_offpolicy_data=false", None, "actor.rollout_correction"),
+    ("test_data.prompts_per_rollout=64", None, "evaluates every test prompt in one rollout"),
+    ("test_data.max_turns=2", {"rollout.max_turns": 2}),
+    ("test_data.sampling_params.temperature=0.6", {"rollout.test_sampling_params.temperature": 0.6}),
+    ("test_data.sampling_params.no_stop_trim=true", None, "keeps the stop string"),
+    ("test_data.max_new_tokens=100", {"rollout.test_sampling_params.max_new_tokens": 100}),
+    ("test_data.prompt_key=q", {"data.prompt_key": "q"}),
+    ("test_data.messages_key=m", {"data.messages_key": "m"}),
+    ("test_data.apply_chat_template=false", {"data.apply_chat_template": False}),
+    ("test_data.experience.max_turns=2", {"rollout.max_turns": 2}),
+    ("test_data.experience.max_new_tokens=8", {"rollout.test_sampling_params.max_new_tokens": 8}),
+    ("test_data.experience.responses_per_prompt=3", {"rollout.test_responses_per_prompt": 3}),
+    ("rollout.train_prompts_per_rollout=32", {"data.prompts_per_rollout": 32}),
+    ("rollout.test_prompts_per_rollout=32", None, "evaluates every test prompt in one rollout"),
+    ("rollout.train_sampling_params.no_stop_trim=true", None, "keeps the stop string"),
+    ("rollout.train_sampling_params.no_stop_trim=false", ConfigError, "keeps the stop string"),
+    ("rollout.test_sampling_params.no_stop_trim=true", None, "keeps the stop string"),
+    ("data.response_key=response", None, "SFT rows are conversations"),
+    ("data.response_key=output", ConfigError, "SFT rows are conversations"),
+    ("data.chosen_key=chosen", None, "column 'chosen'"),
+    ("data.rejected_key=bad", ConfigError, "column 'rejected'"),
     ("rollout.model_name=other/model", {"actor.model_name": "other/model"}),
     ("rollout.responses_per_prompt=2", {"data.responses_per_prompt": 2}),
     ("data.train_data_path=g.jsonl", {"data.path": "g.jsonl"}),
@@ -416,6 +508,31 @@ def test_one_rl2_key_and_its_rl2_name_disagree():
     with pytest.raises(ConfigError, match=r"train_data.path='a' and data.train_data_path='c' both set data.path"):
         load_config(["train_data.path=a", "data.train_data_path=c"])
     assert load_config(["rollout.train.path=a", "data.path=a"]).data.path == "a"  # the same value is no conflict
+
+
+def test_rl2_nov_dec_2025_yaml_layout(tmp_path, capsys):
+    """A YAML file in RL2's Nov-Dec 2025 layout (ppo.yaml at 1fce214: train_data / test_data holding the
+    sampling params, turns and columns); train and test turns or columns that differ are an error."""
+    path = tmp_path / "nov.yaml"
+    path.write_text(
+        "train_data:\n  path: train.jsonl\n  prompts_per_rollout: 16\n  responses_per_prompt: 4\n  max_turns: 3\n"
+        "  mask_offpolicy_data: true\n  sampling_params: {temperature: 0.9, max_new_tokens: 64, no_stop_trim: true}\n"
+        "  prompt_key: question\n  apply_chat_template: false\n"
+        "test_data:\n  path: test.jsonl\n  prompts_per_rollout: 8\n  sampling_params: {temperature: 0.0}\n"
+        "rollout:\n  train_prompts_per_rollout: 16\n  bucket_size: 256\n"
+    )
+    config = load_config([f"config={path}"], "ppo")
+    assert (config.data.path, config.data.test_path, config.data.prompts_per_rollout) == ("train.jsonl", "test.jsonl", 16)
+    assert config.data.responses_per_prompt == 4 and config.rollout.max_turns == 3
+    assert config.data.prompt_key == "question" and config.data.apply_chat_template is False
+    assert config.rollout.train_sampling_params == {"temperature": 0.9, "max_new_tokens": 64}
+    assert config.rollout.test_sampling_params == {"temperature": 0.0, "max_new_tokens": 64}
+    assert f"RL2's train_data.sampling_params.max_new_tokens is rl2's rollout.train_sampling_params.max_new_tokens " \
+           f"(in {path})" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"train_data.max_turns=3 and test_data.max_turns=2 both set rollout.max_turns"):
+        load_config(["train_data.max_turns=3", "test_data.max_turns=2"])
+    with pytest.raises(ConfigError, match=r"both set data.messages_key"):
+        load_config(["train_data.messages_key=a", "test_data.messages_key=b"])
 
 
 def test_notes_come_from_the_first_process_only(monkeypatch, capsys):

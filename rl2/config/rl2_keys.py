@@ -1,7 +1,9 @@
 """RL2's config keys, in its current layout and its 2025 ones, and the rl2 keys they mean.
 
-RL2 renamed its keys twice (`train_data.path`, then `data.train_data_path`, now
-`rollout.train.path`); a command line or YAML file written for any of these versions parses here.
+RL2 renamed its keys several times: `data.train_data_path` (summer 2025), `train_data.path` with
+`rollout.train_sampling_params` (mid 2025), `train_data.*` holding the sampling params, turns and columns
+too (Nov-Dec 2025: `train_data.sampling_params.max_new_tokens`, `train_data.apply_chat_template`), now
+`rollout.train.path`; a command line or YAML file written for any of these versions parses here.
 Each RL2 key in `RL2_KEYS` is one of:
 - another name for rl2 keys: its value lands there (`rollout.train.path` -> `data.path`);
 - a key whose value changes no result in rl2: accepted, and the log says so;
@@ -52,6 +54,12 @@ def _model_keys(model: str) -> list[RL2Key]:
 
 
 _TRAJECTORIES = "rl2 writes each step's trajectories to <actor.save_dir>/trajectories/ (trainer.dump_trajectories)"
+_ALL_TEST_PROMPTS = "rl2 evaluates every test prompt in one rollout, rollout.max_batch_size sequences at a time"
+_STOP_KEPT = "rl2 keeps the stop string in the response (RL2's no_stop_trim=true): its tokens are trained as sampled"
+_OFF_POLICY = ("without rollout.partial_rollout no token is off-policy; with it, rl2 keeps the tokens carried over "
+               "from an earlier step and weighs them by actor.rollout_correction (tis by default), never masks them")
+_SFT_ROWS = ("rl2's SFT rows are conversations (data.messages_key): a prompt/response row is "
+             "[{role: user, content: prompt}, {role: assistant, content: response}]")
 
 RL2_KEYS: list[RL2Key] = [
     # RL2 since Oct 2025: the data of a rollout under rollout.train / rollout.test; SGLang's own arguments.
@@ -69,8 +77,7 @@ RL2_KEYS: list[RL2Key] = [
     RL2Key("rollout.test.path", ("data.test_path",)),
     RL2Key("rollout.test.responses_per_prompt", ("rollout.test_responses_per_prompt",)),
     RL2Key("rollout.test.sampling_params.*", ("rollout.test_sampling_params.*",)),
-    RL2Key("rollout.test.prompts_per_rollout", any_value=True,
-           note="rl2 evaluates every test prompt in one rollout, rollout.max_batch_size sequences at a time"),
+    RL2Key("rollout.test.prompts_per_rollout", any_value=True, note=_ALL_TEST_PROMPTS),
     RL2Key("rollout.test.save_dir", note=_TRAJECTORIES),
     RL2Key("rollout.test_ratio", ("data.test_ratio",)),
     RL2Key("rollout.bucket_size", ("rollout.sync_bucket_mb",)),
@@ -84,9 +91,7 @@ RL2_KEYS: list[RL2Key] = [
     RL2Key("data.train.messages_key", ("data.messages_key",)),
     RL2Key("data.train.prompt_key", ("data.prompt_key",)),
     RL2Key("data.train.apply_chat_template", ("data.apply_chat_template",)),
-    RL2Key("data.train.response_key", neutral=("response",),
-           note="rl2's SFT rows are conversations (data.messages_key): a prompt/response row is "
-                "[{role: user, content: prompt}, {role: assistant, content: response}]"),
+    RL2Key("data.train.response_key", neutral=("response",), note=_SFT_ROWS),
     RL2Key("data.train.chosen_key", neutral=("chosen",), note="rl2 reads the chosen reply from the column 'chosen'"),
     RL2Key("data.train.rejected_key", neutral=("rejected",), note="rl2 reads the rejected reply from the column 'rejected'"),
     RL2Key("data.test.path", ("data.test_path",)),
@@ -98,13 +103,45 @@ RL2_KEYS: list[RL2Key] = [
     RL2Key("trainer.save_dir", ("actor.save_dir", "critic.save_dir")),
     RL2Key("trainer.save_freq", ("actor.save_freq", "critic.save_freq")),
     RL2Key("trainer.use_wandb", ("trainer.disable_wandb",), invert=True),
-    # RL2, mid 2025 (27b288e): train_data / test_data sections; rollout.model_name.
+    # RL2, mid 2025 (27b288e) and Oct-Dec 2025 (8e7305f to 209d390, 1fce214): train_data / test_data sections.
     RL2Key("train_data.path", ("data.path",)),
     RL2Key("train_data.prompts_per_rollout", ("data.prompts_per_rollout",)),
     RL2Key("train_data.responses_per_prompt", ("data.responses_per_prompt",)),
+    RL2Key("train_data.max_turns", ("rollout.max_turns",)),
+    RL2Key("train_data.sampling_params.no_stop_trim", neutral=(True,), note=_STOP_KEPT),
+    RL2Key("train_data.sampling_params.*", ("rollout.train_sampling_params.*",)),
+    RL2Key("train_data.max_new_tokens", ("rollout.train_sampling_params.max_new_tokens",)),
+    RL2Key("train_data.mask_offpolicy_data", any_value=True, note=_OFF_POLICY),
+    RL2Key("train_data.prompt_key", ("data.prompt_key",)),
+    RL2Key("train_data.messages_key", ("data.messages_key",)),
+    RL2Key("train_data.apply_chat_template", ("data.apply_chat_template",)),
+    RL2Key("train_data.experience.max_turns", ("rollout.max_turns",)),
+    RL2Key("train_data.experience.max_new_tokens", ("rollout.train_sampling_params.max_new_tokens",)),
+    RL2Key("train_data.experience.responses_per_prompt", ("data.responses_per_prompt",)),
+    RL2Key("train_data.experience.mask_offpolicy_data", any_value=True, note=_OFF_POLICY),
     RL2Key("test_data.path", ("data.test_path",)),
     RL2Key("test_data.responses_per_prompt", ("rollout.test_responses_per_prompt",)),
     RL2Key("test_data.response_per_prompt", ("rollout.test_responses_per_prompt",)),  # RL2's own spelling
+    RL2Key("test_data.prompts_per_rollout", any_value=True, note=_ALL_TEST_PROMPTS),
+    RL2Key("test_data.max_turns", ("rollout.max_turns",)),  # one for both sets: a different value is an error
+    RL2Key("test_data.sampling_params.no_stop_trim", neutral=(True,), note=_STOP_KEPT),
+    RL2Key("test_data.sampling_params.*", ("rollout.test_sampling_params.*",)),
+    RL2Key("test_data.max_new_tokens", ("rollout.test_sampling_params.max_new_tokens",)),
+    RL2Key("test_data.prompt_key", ("data.prompt_key",)),  # rl2 reads train and test rows alike
+    RL2Key("test_data.messages_key", ("data.messages_key",)),
+    RL2Key("test_data.apply_chat_template", ("data.apply_chat_template",)),
+    RL2Key("test_data.experience.max_turns", ("rollout.max_turns",)),
+    RL2Key("test_data.experience.max_new_tokens", ("rollout.test_sampling_params.max_new_tokens",)),
+    RL2Key("test_data.experience.responses_per_prompt", ("rollout.test_responses_per_prompt",)),
+    RL2Key("rollout.train_prompts_per_rollout", ("data.prompts_per_rollout",)),
+    RL2Key("rollout.test_prompts_per_rollout", any_value=True, note=_ALL_TEST_PROMPTS),
+    RL2Key("rollout.train_sampling_params.no_stop_trim", neutral=(True,), note=_STOP_KEPT),
+    RL2Key("rollout.test_sampling_params.no_stop_trim", neutral=(True,), note=_STOP_KEPT),
+    # RL2's SFT / RM / DPO data sections of Nov-Dec 2025 (8ceccf4): the columns of rows that are not messages.
+    RL2Key("data.response_key", neutral=("response",), note=_SFT_ROWS),
+    RL2Key("data.chosen_key", neutral=("chosen",), note="rl2 reads the chosen reply from the column 'chosen'"),
+    RL2Key("data.rejected_key", neutral=("rejected",), note="rl2 reads the rejected reply from the column 'rejected'"),
+    # RL2, mid 2025 (27b288e): rollout.model_name.
     RL2Key("rollout.model_name", ("actor.model_name",)),
     RL2Key("rollout.responses_per_prompt", ("data.responses_per_prompt",)),
     # RL2, summer 2025 (8166bc9): data.train_data_path / data.test_data_path; group filtering by mean reward.
