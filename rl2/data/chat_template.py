@@ -51,6 +51,32 @@ def render_chat(messages: list[dict], tokenizer, add_generation_prompt: bool, to
                                          add_generation_prompt=add_generation_prompt)
 
 
+# A conversation and a tool to find out whether a chat template writes tool schemas into the prompt.
+_PROBE_MESSAGES = ({"role": "user", "content": "hi"},)
+_PROBE_TOOL = {"type": "function", "function": {"name": "rl2_probe", "description": "A probe.",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template writes the tool schemas it is given into the prompt (a template
+    without tool support renders a conversation the same with and without them); True where rendering with
+    tools fails (that error is the one to show)."""
+    messages = [dict(message) for message in _PROBE_MESSAGES]
+    try:
+        with_tools = render_chat(messages, tokenizer, add_generation_prompt=True, tools=[_PROBE_TOOL])
+    except Exception:  # noqa: BLE001 - a template that rejects tools says why when the real request renders
+        return True
+    return with_tools != render_chat(messages, tokenizer, add_generation_prompt=True)
+
+
+def tools_not_rendered(tokenizer) -> str:
+    """Why tool schemas given to a template that does not render them are refused, and the fix."""
+    return (f"the chat template of {tokenizer.name_or_path or 'the tokenizer'} does not render tools: the model "
+            "would never see the `tools` given (the prompt is the same without them). Use a model or "
+            "actor.tokenizer_name whose chat template renders tools (a tiny model: python -m rl2.testing.tiny DIR "
+            "--template qwen2.5), or describe the tools in the messages and send no `tools`")
+
+
 def _render_prefix(messages: list[dict], tokenizer, full_text: str, add_generation_prompt: bool,
                    tools: list[dict] | None = None) -> str:
     """Render the first messages of a conversation, checking that this is a prefix of `full_text`."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rl2.chat.tool_parsers import ToolParser
-from rl2.data.chat_template import render_chat
+from rl2.data.chat_template import render_chat, template_renders_tools, tools_not_rendered
 from rl2.data.rows import parse_messages
 from rl2.engines import Generation
 from rl2.rollout.multi_turn import observation_tokens
@@ -120,9 +120,15 @@ class AgentSession:
         self.reward: float | None = None
         self.extras: dict[str, Any] = {}
         self.errors: list[str] = []
+        self.tools_rendered = False  # the template was found to render tools (checked at the first request with some)
 
     def plan(self, messages: list[dict], tools: list[dict] | None) -> Plan:
-        """The prompt ids of a request for `messages` (in template form) with `tools`."""
+        """The prompt ids of a request for `messages` (in template form) with `tools`; RequestError where the
+        chat template would drop the tools."""
+        if tools and not self.tools_rendered:
+            if not template_renders_tools(self.tokenizer):
+                raise RequestError(tools_not_rendered(self.tokenizer))
+            self.tools_rendered = True
         for sequence in reversed(self.sequences):  # the latest first: the conversation an agent goes on with
             continued = len(sequence.messages)
             if (sequence.tools == tools and len(messages) > continued
