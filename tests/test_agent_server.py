@@ -12,7 +12,9 @@ import pytest
 from rl2.chat.tool_parsers import get_tool_parser
 from rl2.data.chat_template import render_chat
 from rl2.engines import Generation, SamplingParams
-from rl2.serve.agent_rollout import AgentFile, agent_rollout
+from rl2.rollout.env import Env
+from rl2.rollout.rollout_metrics import rollout_metrics
+from rl2.serve.agent_rollout import AgentFile, agent_rollout, score_unrewarded
 from rl2.serve.openai_server import OpenAIServer
 from rl2.testing.tiny import build_tiny_tokenizer
 from scripted_engine import ScriptedEngine
@@ -201,8 +203,9 @@ def test_sessions_never_mix_and_unknown_keys_are_refused(server, tokenizer, tmp_
 
 
 def test_a_failing_agent_scores_nothing_and_says_why(server, tokenizer, tmp_path):
-    """`run` raising, returning no number, or going past the request limit: no reward, the error kept on the
-    trajectory, the others scored; a run that made no request still has its prompt (its group keeps shape)."""
+    """`run` raising or returning no number: no reward, the error kept on the trajectory, the others scored; a
+    run that made no request still has its prompt (its group keeps shape). One that raises at the request limit
+    is not a failure: it ends there, to be scored as it stands (`score_unrewarded`)."""
     engine = ScriptedEngine(tokenizer, lambda text: "fine")
     agent = agent_file(tmp_path, '''
         async def run(row, client):
@@ -220,8 +223,63 @@ def test_a_failing_agent_scores_nothing_and_says_why(server, tokenizer, tmp_path
     assert raised.reward is None and "run raised" in raised.errors[0] and "RuntimeError: the agent broke" in raised.errors[0]
     assert raised.token_ids == rows(tokenizer, ["raise"])[0]["prompt_ids"] and raised.excluded
     assert text.reward is None and "returned str, not a number" in text.errors[0]
-    assert greedy.reward is None and "made its 2 requests (rollout.max_turns)" in greedy.errors[0]
+    assert greedy.reward is None and greedy.errors == [] and greedy.agent_stats["at_request_limit"]
     assert fine.reward == 1.0 and not fine.errors
+
+
+NEVER_ANSWERS = '''
+    import httpx
+    import openai
+
+    LOOKUP = {lookup}
+
+
+    async def run(row, client, base_url, api_key):
+        kind = row["messages"][0]["content"]
+        if kind == "posts":
+            async with httpx.AsyncClient() as http:
+                await http.post(base_url.removesuffix("/v1") + "/rl/reward", json={{"reward": -0.5}},
+                                headers={{"Authorization": f"Bearer {{api_key}}"}})
+        messages = list(row["messages"])
+        while True:  # a model that only ever calls its tool: the request limit ends the loop
+            try:
+                reply = await client.chat.completions.create(model="rl2", messages=messages, tools=[LOOKUP])
+            except openai.BadRequestError:
+                if kind == "catches":
+                    return 0.25
+                raise
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls or []:
+                messages.append({{"role": "tool", "tool_call_id": call.id, "content": "nothing yet"}})
+'''.format(lookup=repr(LOOKUP))
+
+
+def test_an_agent_at_its_request_limit_is_scored_as_it_stands(server, tokenizer, tmp_path):
+    """rollout.max_turns bounds an agent's requests: past it the server answers 400. A run that catches it and
+    returns a reward (or posted one) is scored with it; a run that raises is no failure: the env file's
+    reward_fn scores its conversation as it stands (-1 here: it never answered), and without an env file it is
+    an env error that says how to score it."""
+    engine = ScriptedEngine(tokenizer, lambda text: CALL)
+    agent = agent_file(tmp_path, NEVER_ANSWERS)
+    scorer = tmp_path / "reward.py"
+    scorer.write_text("def reward_fn(messages, answer):\n    return -1.0 if messages[-1].get('tool_calls') else 1.0\n")
+    with Env(str(scorer), workers=0) as env:
+        raises, catches, posts = run_agents(server, engine, tokenizer, agent, ["raises", "catches", "posts"],
+                                            max_requests=3)
+        assert [t.turns for t in (raises, catches, posts)] == [3, 3, 3]
+        assert [t.agent_stats["at_request_limit"] for t in (raises, catches, posts)] == [True] * 3
+        assert (raises.reward, catches.reward, posts.reward) == (None, 0.25, -0.5)
+        score_unrewarded(env, [raises, catches, posts])
+    assert (raises.reward, catches.reward, posts.reward) == (-1.0, 0.25, -0.5)
+    assert raises.errors == [] and raises.messages[-1]["tool_calls"] and not raises.excluded
+    metrics = rollout_metrics([raises, catches, posts])
+    assert metrics["env_errors"] == 0.0 and metrics["excluded"] == 0.0
+
+    (alone,) = run_agents(server, engine, tokenizer, agent, ["raises"], max_requests=2)
+    score_unrewarded(None, [alone])
+    assert alone.reward is None and alone.turns == 2 and len(alone.errors) == 1
+    assert "request limit (2 requests, rollout.max_turns)" in alone.errors[0] and "reward_fn" in alone.errors[0]
 
 
 def test_raw_completions_continue_by_token_ids_and_each_mode_splits_requests(server, tokenizer, tmp_path):

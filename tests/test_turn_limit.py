@@ -171,3 +171,17 @@ def test_openenv_turns_cut_by_max_new_tokens_go_on_and_the_turn_limit_is_scored(
     assert finished.errors == [] and at_limit.errors == [] and at_limit.truncated
     assert len(engine.calls) and all(m["content"].startswith("alpha") for m in at_limit.messages
                                      if m["role"] == "assistant")
+
+
+def test_agents_get_room_for_a_tool_call_by_default_and_an_explicit_max_turns_holds(tmp_path):
+    """With rollout.agent_path and no rollout.max_turns the limit is 8 requests (1 would refuse the request
+    that follows any tool call); a max_turns given on the command line, in a YAML file or by RL2's name holds."""
+    assert load_config([]).rollout.max_turns == 1
+    assert load_config(["rollout.agent_path=agent.py"]).rollout.max_turns == 8
+    assert load_config(["rollout.agent_path=agent.py", "rollout.max_turns=1"]).rollout.max_turns == 1
+    assert load_config(["rollout.agent_path=agent.py", "rollout.train.max_turns=2"]).rollout.max_turns == 2
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("rollout:\n  agent_path: agent.py\n")
+    assert load_config([f"config={recipe}"]).rollout.max_turns == 8
+    recipe.write_text("rollout:\n  max_turns: 3\n")
+    assert load_config([f"config={recipe}", "rollout.agent_path=agent.py"]).rollout.max_turns == 3

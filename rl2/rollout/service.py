@@ -153,7 +153,7 @@ class RolloutService(RolloutRecords):
         """`generate` with the agent file: its runs give the trajectories and their rewards; with an env file
         too, its `reward_fn` scores the ones whose run gave none."""
         from rl2.chat.tool_parsers import get_tool_parser
-        from rl2.serve.agent_rollout import agent_rollout
+        from rl2.serve.agent_rollout import agent_rollout, score_unrewarded
 
         rollout_config = self.config.rollout
         with timer("rollout"):
@@ -164,10 +164,8 @@ class RolloutService(RolloutRecords):
             )
         if release_after:
             self.engine.sleep()
-        unscored = [t for t in trajectories if t.reward is None and not t.errors]
-        if self.env is not None and unscored:
-            with timer("reward"):
-                assign_rewards(self.env, unscored)
+        with timer("reward"):  # with an env file too, its reward_fn scores the ones whose run gave no reward
+            score_unrewarded(self.env, trajectories)
         return all_gather_objects(trajectories)
 
     def _generate_with_rl2_head(self, prompts: list[dict], params: SamplingParams, responses_per_prompt: int,

@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 from rl2.distributed.process_group import all_gather_objects, rank, world_size
 from rl2.engines import SamplingParams
 from rl2.metrics import PhaseTimer
-from rl2.rollout.multi_turn import assign_rewards
 from rl2.rollout.partial import partial_metrics
 from rl2.rollout.trajectory import Trajectory
-from rl2.serve.agent_rollout import agent_episodes, agent_trajectory, openai_client
+from rl2.serve.agent_rollout import agent_episodes, agent_trajectory, openai_client, score_unrewarded
 from rl2.serve.session import AgentSession
 
 logger = logging.getLogger(__name__)
@@ -129,10 +128,8 @@ class AgentPartialRollout:
         if self.rollout.ignored_fields and trajectories:
             trajectories[0].agent_stats["ignored_fields"] = dict(self.rollout.ignored_fields)
         self.rollout.ignored_fields.clear()
-        unscored = [t for t in trajectories if t.reward is None and not t.errors]
-        if service.env is not None and unscored:
-            with timer("reward"):
-                assign_rewards(service.env, unscored)
+        with timer("reward"):  # with an env file too, its reward_fn scores the ones whose run gave no reward
+            score_unrewarded(service.env, trajectories)
         return all_gather_objects(trajectories)
 
     def _start(self, group_id: int, prompt: dict, version: int, replays: list[dict] | None = None) -> None:

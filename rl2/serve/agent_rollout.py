@@ -9,6 +9,12 @@ and may take `base_url` and `api_key` keywords too, for frameworks that build th
 (LangGraph's `ChatOpenAI`, the Agents SDK's `OpenAIChatCompletionsModel`). A sync `run` runs in a thread.
 Its return value is the reward; it may instead `POST /rl/reward`. An exception or a timeout in `run`
 leaves the trajectory without a reward, with the error kept (as a failing `reward_fn` does).
+
+`rollout.max_turns` bounds a trajectory's requests: past it the server answers 400 and the episode ends
+there, as a multi-turn rollout's does at its turn limit, scored as it stands: by the reward `run` returns
+(or posted) after catching the refusal, else, where `run` raised or gave none, by the env file's
+`reward_fn` on the conversation so far (`score_unrewarded`); without an env file that is an env error
+saying so.
 """
 
 import asyncio
@@ -19,7 +25,9 @@ from typing import Any
 
 from rl2.chat.tool_parsers import ToolParser
 from rl2.engines import Engine, SamplingParams
+from rl2.rollout.env import Env
 from rl2.rollout.env_file import EnvArgs, EnvError, describe_exception, load_env_file, where
+from rl2.rollout.multi_turn import assign_rewards
 from rl2.rollout.trajectory import Trajectory
 from rl2.serve.openai_server import OpenAIServer
 from rl2.serve.session import AgentSession
@@ -67,7 +75,8 @@ def openai_client(base_url: str, timeout: float):
 def agent_episodes(agent: AgentFile, server: OpenAIServer, sessions: list[AgentSession], rows: list[dict],
                    client, timeout: float) -> Callable[[int, str], Awaitable]:
     """`episode(i, key)`: one run of the agent on `rows[i]` with a copy of `client` holding `key`, its
-    reward (or its error) kept on `sessions[i]`."""
+    reward (or its error) kept on `sessions[i]`; a run that raises once a request was refused at the
+    request limit is no error: its trajectory ends there, unrewarded, to be scored as it stands."""
 
     async def run_one(i: int, key: str) -> None:
         session, row = sessions[i], _agent_row(rows[i])
@@ -78,7 +87,11 @@ def agent_episodes(agent: AgentFile, server: OpenAIServer, sessions: list[AgentS
         except asyncio.TimeoutError:
             session.errors.append(f"agent {agent.path}: run did not finish within {timeout:g} s (rollout.agent_timeout)")
         except Exception as error:  # noqa: BLE001 - the user's agent: recorded on its trajectory
-            session.errors.append(f"agent {agent.path}: run raised{where(error, agent.path)} {describe_exception(error)}")
+            said = f"agent {agent.path}: run raised{where(error, agent.path)} {describe_exception(error)}"
+            if session.at_request_limit:  # the refusal's error, most likely: the episode ended at the limit
+                logger.debug("%s after its trajectory's request limit: scored as it stands", said)
+            else:
+                session.errors.append(said)
 
     return run_one
 
@@ -131,7 +144,7 @@ def _take_reward(session: AgentSession, result: Any, path: str) -> None:
         session.extras = {key: value for key, value in result.items() if key != "reward"}
         result = result.get("reward")
     if result is None:
-        if session.reward is None:
+        if session.reward is None and not session.at_request_limit:
             session.errors.append(f"agent {path}: run returned no reward and none was posted to /rl/reward")
         return
     if isinstance(result, bool) or not isinstance(result, (int, float)):
@@ -165,5 +178,21 @@ def agent_trajectory(session: AgentSession, row: dict, group: int, version: int)
         source=row.get("source"),
         agent_stats={"extras": session.extras, "requests": session.requests, "sequences": len(session.sequences),
                      "reused_tokens": session.reused_tokens, "rendered_tokens": session.rendered_tokens,
-                     "drift_requests": session.drift},
+                     "drift_requests": session.drift, "at_request_limit": session.at_request_limit},
     )
+
+
+def score_unrewarded(env: Env | None, trajectories: list[Trajectory]) -> None:
+    """Score the agents' trajectories that came back with neither a reward nor an error (a run that gave no
+    reward, or raised, once its trajectory reached the request limit) as they stand, with the env file's
+    `reward_fn`; without an env file each gets an env error that says how to score it."""
+    unrewarded = [t for t in trajectories if t.reward is None and not t.errors]
+    if env is not None:
+        if unrewarded:
+            assign_rewards(env, unrewarded)
+        return
+    for trajectory in unrewarded:
+        trajectory.errors.append(
+            f"the agent's run ended at the request limit ({trajectory.turns} requests, rollout.max_turns) without "
+            "a reward: catch the refused request in run and return a reward (or POST /rl/reward), or give an "
+            "env file (rollout.env_path) whose reward_fn scores the conversation as it stands")

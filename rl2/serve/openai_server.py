@@ -212,6 +212,7 @@ class OpenAIServer:
                         max_tokens: int | None) -> Served | None:
         """The generation of `plan` in its trajectory's slot; None where no token fits the length limit."""
         if session.requests_started >= rollout.max_requests:
+            session.at_request_limit = True  # the episode ends here, scored as it stands (`score_unrewarded`)
             raise _Refused(400, "invalid_request_error",
                            f"this trajectory made its {rollout.max_requests} requests (rollout.max_turns)")
         room = rollout.params.max_new_tokens

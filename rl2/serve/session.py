@@ -117,6 +117,7 @@ class AgentSession:
         self.rendered_tokens = 0  # prompt tokens rendered by the template
         self.drift = 0  # requests that re-encoded assistant turns
         self.truncated = False
+        self.at_request_limit = False  # a request was refused: the trajectory made its rollout.max_turns requests
         self.reward: float | None = None
         self.extras: dict[str, Any] = {}
         self.errors: list[str] = []
