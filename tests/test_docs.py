@@ -44,7 +44,7 @@ LANGUAGES = {"bash", "python", "yaml", "jsonc", "text"}
 MARKERS = {"gpu", "test", "config", "rows", "output"}
 # The blocks that tests run, by the name in their `<!-- test: NAME -->` marker, and the tests that run them.
 RUN_BY = {"quickstart": "test_docs.py", "notebook": "test_readme_notebook.py", "sandbox": "test_docs.py",
-          "hermes-call": "test_docs.py", "countdown-port": "test_rl2_scripts.py"}
+          "hermes-call": "test_docs.py", "countdown-port": "test_rl2_scripts.py", "agent": "test_agent_example.py"}
 OUTPUTS = {"rl2-notes", "layout"}
 # Commands whose flags an argparse parser reads (`python -m M --flag ...`): parsed by that parser here.
 ARGPARSE_MODULES = {"rl2.tools.code_server", "rl2.tools.retrieval_server", "rl2.testing.tiny", "rl2.report",
