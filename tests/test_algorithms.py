@@ -338,13 +338,13 @@ def test_loss_weights_hand_made():
     masks = [torch.tensor([0, 1, 0]), torch.tensor([0, 0, 1, 1, 1]), torch.tensor([0, 0])]
     token = loss_weights(masks, "token")
     assert [w.tolist() for w in token] == [[0, 0.25, 0], [0, 0, 0.25, 0.25, 0.25], [0, 0]]
-    seq = loss_weights(masks, "sequence")
-    assert torch.allclose(seq[0], torch.tensor([0, 1 / 2, 0]))
-    assert torch.allclose(seq[1], torch.tensor([0, 0, 1 / 6, 1 / 6, 1 / 6]))
+    seq = loss_weights(masks, "sequence")  # 3 completions, the third without loss tokens: each 1/3 of the mean
+    assert torch.allclose(seq[0], torch.tensor([0, 1 / 3, 0]))
+    assert torch.allclose(seq[1], torch.tensor([0, 0, 1 / 9, 1 / 9, 1 / 9]))
     assert torch.equal(seq[2], torch.zeros(2))
-    for weights in (token, seq):
+    for weights, total in ((token, 1.0), (seq, 2 / 3)):
         assert all(w.dtype == torch.float32 for w in weights)
-        assert sum(w.sum().item() for w in weights) == pytest.approx(1.0)
+        assert sum(w.sum().item() for w in weights) == pytest.approx(total)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -464,24 +464,27 @@ def test_rl2s_tis_coef_alone_means_token_tis():
 
 def test_loss_aggregations_are_the_peers_formulas():
     """Each `actor.loss_agg` against the peers' formulas written out on a padded batch (fp64): verl's
-    token-mean, seq-mean-token-mean, seq-mean-token-sum, and TRL's dr_grpo = Dr. GRPO's constant normaliser
-    (sum over the batch / (batch size x max_completion_length)); `loss_level`'s names are aliases."""
+    `agg_loss` token-mean, seq-mean-token-mean, seq-mean-token-sum, and TRL's grpo and dr_grpo = Dr. GRPO's
+    constant normaliser (sum over the batch / (batch size x max_completion_length)); `loss_level`'s names are
+    aliases. The sequence means divide by every completion of the batch, also those whose loss mask is all 0
+    (overlong-filtered, left out, rejected): they add 0 to the sum and 1 to the count, as in verl and TRL."""
     generator = torch.Generator().manual_seed(3)
     lengths, max_len = [5, 9, 3, 7], 12
     masks = [(torch.rand(n, generator=generator) < 0.8).double() for n in lengths]
-    masks[2] = torch.zeros(3, dtype=torch.float64)  # a sequence without action tokens counts in no mean
+    masks[2] = torch.zeros(3, dtype=torch.float64)  # e.g. truncated with overlong filtering: still a completion
     losses = [torch.randn(n, generator=generator, dtype=torch.float64) for n in lengths]
     padded_loss = torch.zeros(4, max_len, dtype=torch.float64)
     padded_mask = torch.zeros(4, max_len, dtype=torch.float64)
     for i, (loss, mask) in enumerate(zip(losses, masks)):
         padded_loss[i, :len(loss)], padded_mask[i, :len(mask)] = loss, mask
-    live = padded_mask.sum(-1) > 0
-    per_sequence_sum = (padded_loss * padded_mask).sum(-1)[live]
+    batch_size = padded_mask.shape[0]
+    per_sequence_sum = (padded_loss * padded_mask).sum(-1)
     expected = {
         "token_mean": (padded_loss * padded_mask).sum() / padded_mask.sum(),
-        "seq_mean_token_mean": (per_sequence_sum / padded_mask.sum(-1)[live]).mean(),
+        # TRL grpo: ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean(); verl: / (mask.sum(-1) + 1e-8)
+        "seq_mean_token_mean": (per_sequence_sum / padded_mask.sum(-1).clamp(min=1)).mean(),
         "seq_mean_token_sum": per_sequence_sum.mean(),
-        "seq_mean_token_sum_norm": (padded_loss * padded_mask).sum() / (int(live.sum()) * max_len),
+        "seq_mean_token_sum_norm": (padded_loss * padded_mask).sum() / (batch_size * max_len),
     }
     for mode, value in expected.items():
         weights = loss_weights(masks, mode, norm=max_len)
@@ -491,6 +494,22 @@ def test_loss_aggregations_are_the_peers_formulas():
         assert all(torch.equal(a, b) for a, b in zip(loss_weights(masks, alias), loss_weights(masks, mode)))
     with pytest.raises(ValueError, match="positive constant"):
         loss_weights(masks, "seq_mean_token_sum_norm")
+
+
+def test_metric_weights_sum_to_one_whatever_the_aggregation():
+    """A minibatch's metrics (entropy, clip ratio) are weighted means under every aggregation: the loss
+    weights scaled to sum to 1 (Dr. GRPO's sum over a constant or a minibatch with a masked completion would
+    otherwise report a fraction of the entropy)."""
+    from rl2.algorithms.losses import with_loss_weights
+
+    masks = [torch.tensor([0.0, 1, 1, 1]), torch.zeros(3), torch.tensor([0.0, 0, 1, 1, 1, 1])]
+    for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
+        weighted = with_loss_weights([{"loss_mask": m} for m in masks], mode, norm=16)
+        assert abs(sum(float(s["metric_weight"].sum()) for s in weighted) - 1.0) < 1e-6, mode
+        entropy = sum(float((s["metric_weight"] * 2.5 * s["loss_mask"]).sum()) for s in weighted)
+        assert abs(entropy - 2.5) < 1e-6, mode  # a constant's mean is the constant
+    assert float(with_loss_weights([{"loss_mask": m} for m in masks], "seq_mean_token_mean")[0]["loss_weight"].sum()) \
+        == pytest.approx(1 / 3)  # 1 of 3 completions, the masked one counted
 
 
 def verl_masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

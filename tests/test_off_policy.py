@@ -238,7 +238,7 @@ def test_the_defaults_give_todays_loss_bit_for_bit():
     lengths, cu_seqlens, mask, old, current, advantages = packed_batch()
     to32 = lambda t: t.float()[None]  # noqa: E731  (a packed row [1, T], float32 as the trainer holds it)
     batch = {"old_logps": to32(old), "advantages": to32(advantages), "loss_mask": to32(mask),
-             "loss_weight": to32(mask / mask.sum()), "cu_seqlens": cu_seqlens.int(), "engine_logps": to32(old)}
+             "loss_weight": to32(mask / mask.sum()), "metric_weight": to32(mask / mask.sum()), "cu_seqlens": cu_seqlens.int(), "engine_logps": to32(old)}
     outputs = {"logps": to32(current).requires_grad_(True), "entropy": torch.rand(1, 12)}
     trainer = SimpleNamespace(config=config, reference=None, teacher=None)
     loss, _ = PPOTrainer.actor_loss(trainer, outputs, batch)

@@ -76,13 +76,15 @@ class Case:
     distill_env_reward: bool = True
     perturb: float = 0.0
     logprob_noise: float = 0.0
+    max_grad_norm: float = MAX_GRAD_NORM  # larger: the gradient unclipped, so a scaled loss shows
     extra: list[str] = field(default_factory=list)
 
     def overrides(self) -> list[str]:
         clip_high = "null" if self.clip_high is None else self.clip_high
         return [
             f"data.responses_per_prompt={GROUP_SIZE}", "data.prompts_per_rollout=2", "trainer.total_steps=60",
-            f"actor.lr={LR}", "actor.warmup_ratio=0.0", "critic.warmup_ratio=0.0", f"critic.lr={CRITIC_LR}",
+            f"actor.lr={LR}", f"actor.max_grad_norm={self.max_grad_norm}", "actor.warmup_ratio=0.0",
+            "critic.warmup_ratio=0.0", f"critic.lr={CRITIC_LR}",
             f"adv.estimator={self.estimator}", f"adv.norm_var={str(self.norm_var).lower()}",
             f"adv.global_norm={str(self.global_norm).lower()}", f"adv.gamma={self.gamma}", f"adv.lamda={self.lamda}",
             f"rollout.train_sampling_params={{temperature: {self.temperature}, max_new_tokens: {MAX_NEW_TOKENS}}}",
@@ -156,6 +158,13 @@ CASES = {
                       logprob_noise=0.5),
     "dr-grpo-loss-agg": Case("actor.loss_agg=seq_mean_token_sum_norm ignored (Dr. GRPO's constant normaliser, "
                              "the run's max_new_tokens)", loss_agg="seq_mean_token_sum_norm"),
+    "seq-mean-counts-every-completion": Case("a completion without loss tokens (cut by overlong filtering) left "
+                                             "out of the sequence mean's count (verl's agg_loss and TRL's grpo "
+                                             "count every completion)", loss_level="sequence", overlong_filtering=True,
+                                             max_grad_norm=1e9),
+    "dr-grpo-counts-every-completion": Case("the same for Dr. GRPO's sum over (completions x a constant)",
+                                            loss_agg="seq_mean_token_sum_norm", overlong_filtering=True,
+                                            max_grad_norm=1e9),
     "mis": Case("rejected tokens left in the loss's denominator, or not rejected", rollout_correction="mis",
                 correction_threshold=1.1, logprob_noise=0.3),
     "seq-tis": Case("the sequence-level truncated weight (the product of the ratios) not applied",
@@ -282,7 +291,7 @@ def weights(masks: list[torch.Tensor], level: str) -> list[torch.Tensor]:
     if level == "token":
         total = sum(m.sum() for m in masks)
         return [m / total for m in masks]
-    counted = sum(1 for m in masks if m.sum() > 0)
+    counted = len(masks)  # every completion, also one without loss tokens (verl's agg_loss, TRL's grpo / dr_grpo)
     if level == "seq_mean_token_sum_norm":  # TRL's dr_grpo: / (sequences x max completion length)
         return [m / (counted * MAX_NEW_TOKENS) for m in masks]
     return [m / (m.sum() * counted) if m.sum() > 0 else m for m in masks]
@@ -396,7 +405,7 @@ def reference_step(case: Case, batch: list[dict], captured: dict, model_dir: str
             if case.entropy_coef:
                 loss = loss - case.entropy_coef * token_entropy(policy, ids[i], case.temperature)
             (loss * w).sum().backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), MAX_GRAD_NORM)
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), case.max_grad_norm)
         result["actor"] = {name: p.grad for name, p in policy.named_parameters()}
     if critic is not None:
         chosen = [i for i, row in enumerate(batch) if row["group"] in critic_groups]

@@ -120,13 +120,17 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float)
 def loss_weights(action_masks: list[Tensor], level: str, norm: float | None = None) -> list[Tensor]:
     """Per-token float32 weights such that the batch loss is sum over sequences of (weights * loss).sum().
 
-    With S the sequences that have action tokens, a sequence's k > 0 action tokens each weigh:
+    With B the batch's sequences (every completion, also one whose tokens all carry no loss: cut by overlong
+    filtering, left out after an env error, rejected by the rollout correction), a sequence's k > 0 action
+    tokens each weigh:
     - "token_mean" ("token"): 1 / (action tokens in the batch), DAPO's token-level mean (Yu et al. 2025);
-    - "seq_mean_token_mean" ("sequence"): 1 / (k S), the mean of per-sequence means of GRPO's paper;
-    - "seq_mean_token_sum": 1 / S, each sequence's token sum, averaged over sequences;
-    - "seq_mean_token_sum_norm": 1 / (S norm), the token sums over a constant, Dr. GRPO's (Liu et al. 2025)
+    - "seq_mean_token_mean" ("sequence"): 1 / (k B), the mean of per-sequence means of GRPO's paper;
+    - "seq_mean_token_sum": 1 / B, each sequence's token sum, averaged over sequences;
+    - "seq_mean_token_sum_norm": 1 / (B norm), the token sums over a constant, Dr. GRPO's (Liu et al. 2025)
       normaliser (TRL's `dr_grpo`: / (batch size x max_completion_length)).
-    Masked tokens weigh 0; all 0 if the batch has no action tokens. The two means' weights sum to 1.
+    The sequence means divide by B as verl's `agg_loss` and TRL's `grpo` / `dr_grpo` do: a sequence without
+    loss tokens adds 0 to the sum and 1 to the count. Masked tokens weigh 0; all 0 if the batch has no
+    action tokens. The token mean's weights sum to 1.
     """
     level = {"token": "token_mean", "sequence": "seq_mean_token_mean"}.get(level, level)
     if level not in LOSS_AGGS:
@@ -138,11 +142,11 @@ def loss_weights(action_masks: list[Tensor], level: str, norm: float | None = No
     if level == "token_mean":
         total = sum(counts)
         return [mask / total if total > 0 else mask for mask in masks]
-    n_sequences = sum(count > 0 for count in counts)
+    n_sequences = len(masks)
     if level == "seq_mean_token_mean":
         return [mask / (count * n_sequences) if count > 0 else mask for mask, count in zip(masks, counts)]
     divisor = n_sequences * (norm if level == "seq_mean_token_sum_norm" else 1.0)
-    return [mask / divisor if count > 0 else mask for mask, count in zip(masks, counts)]
+    return [mask / divisor for mask in masks]
 
 
 def loss_aggregation(config) -> str:
@@ -160,9 +164,13 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 def with_loss_weights(sequences: list[dict[str, Tensor]], level: str = "token",
                       norm: float | None = None) -> list[dict[str, Tensor]]:
-    """`sequences` with their `loss_weight` (`loss_weights` of their loss masks at `level`)."""
+    """`sequences` with their `loss_weight` (`loss_weights` of their loss masks at `level`) and their
+    `metric_weight`: the same weights scaled to sum to 1, so a metric weighted by them (entropy, clip ratio)
+    is a mean under the aggregation whatever its normaliser."""
     weights = loss_weights([seq["loss_mask"] for seq in sequences], level, norm)
-    return [{**seq, "loss_weight": weight} for seq, weight in zip(sequences, weights)]
+    total = float(sum(weight.sum() for weight in weights))
+    return [{**seq, "loss_weight": weight, "metric_weight": weight / total if total > 0 else weight}
+            for seq, weight in zip(sequences, weights)]
 
 
 def sft_loss(outputs: dict[str, Tensor], micro_batch: dict[str, Tensor]) -> tuple[Tensor, dict]:

@@ -13,7 +13,7 @@ class RLSequence(TypedDict, total=False):
     Set from the rollout: `input_ids`, `loss_mask`, `engine_logps`. Set by scoring: `old_logps`,
     `ref_logps` (with a reference), `teacher_logps` (distilling), `old_values` and `returns` (with a critic),
     `is_weights` (with a rollout correction, which also takes rejected tokens out of `loss_mask`). Set by the advantage
-    computation: `advantages`. Set per minibatch: `loss_weight`. With `rollout.trajectory_format=per_turn`
+    computation: `advantages`. Set per minibatch: `loss_weight`, `metric_weight`. With `rollout.trajectory_format=per_turn`
     a trajectory holds one sequence per turn back to back, marked by `turn_starts`; the models see each
     on its own (`split_turns`).
     """
@@ -28,7 +28,8 @@ class RLSequence(TypedDict, total=False):
     returns: Tensor  # GAE's value targets
     advantages: Tensor  # per-token advantages, 0 outside the loss mask
     is_weights: Tensor  # with a rollout correction: each token's importance weight (detached)
-    loss_weight: Tensor  # per-token weights of the minibatch loss, summing to 1 over the minibatch
+    loss_weight: Tensor  # per-token weights of the minibatch loss (`rl2.algorithms.losses.loss_weights`)
+    metric_weight: Tensor  # loss_weight scaled to sum to 1 over the minibatch: the weights of its metrics
     turn_starts: Tensor  # per turn: 1.0 where a turn's own sequence begins, else 0.0
 
 

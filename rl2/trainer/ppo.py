@@ -377,7 +377,8 @@ class PPOTrainer(Trainer):
         """The policy loss (`actor.policy_loss`) times the rollout correction's importance weights, plus
         the KL loss with kl.type=loss and the distillation loss with distill.mode=loss, minus the entropy
         bonus, weighted per token."""
-        config, weight, actor = self.config, batch["loss_weight"], self.config.actor
+        config, actor = self.config, self.config.actor
+        weight, shown = batch["loss_weight"], batch["metric_weight"]  # the loss's weights; its metrics'
         if "old_logps" not in batch:  # proximal_from_update: this forward pass is the proximal policy's
             batch = {**batch, "old_logps": outputs["logps"].detach()}
         if actor.policy_loss == "gspo":
@@ -391,30 +392,29 @@ class PPOTrainer(Trainer):
                                         actor.clip_high, actor.clip_c)
         if "is_weights" in batch:
             loss = loss * batch["is_weights"]
-        metrics = {"clip_ratio": (clipped * weight).sum(), "entropy": (outputs["entropy"] * weight).sum()}
+        metrics = {"clip_ratio": (clipped * shown).sum(), "entropy": (outputs["entropy"] * shown).sum()}
         if not config.actor.recompute_logprobs:
             # Before the first optimizer step this forward pass is the old policy's.
             mismatch = (outputs["logps"].detach() - batch["engine_logps"]).abs()
-            metrics["logp_mismatch"] = (mismatch * weight).sum()
+            metrics["logp_mismatch"] = (mismatch * shown).sum()
         if self.reference is not None and config.kl.type == "loss":
             kl = kl_penalty(outputs["logps"], batch["ref_logps"], config.kl.loss_estimator, config.kl.clamp)
             if config.kl.k3_ratio_correction:  # TRL: the tokens were sampled by the old policy, not this one
                 kl = kl * torch.exp(outputs["logps"] - batch["old_logps"])
             loss = loss + config.kl.coef * kl
-            metrics["kl_loss"] = (kl * weight).sum()
+            metrics["kl_loss"] = (kl * shown).sum()
         if self.teacher is not None and config.distill.mode == "loss":
             distill = distill_loss(outputs["logps"], batch["teacher_logps"], config.distill.loss_estimator)
             loss = loss + config.distill.coef * distill
-            metrics["distill_loss"] = (distill * weight).sum()
+            metrics["distill_loss"] = (distill * shown).sum()
         if actor.entropy_coef:
             loss = loss - actor.entropy_coef * outputs["entropy"]
         return (loss * weight).sum(), metrics
 
     def critic_loss(self, outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]):
         """Clipped value loss, weighted per token."""
-        weight = batch["loss_weight"]
         loss, clipped = value_loss(outputs["values"], batch["old_values"], batch["returns"], self.config.critic.clip)
-        return (loss * weight).sum(), {"clip_ratio": (clipped * weight).sum()}
+        return (loss * batch["loss_weight"]).sum(), {"clip_ratio": (clipped * batch["metric_weight"]).sum()}
 
     # ---- the loop ---------------------------------------------------------------------------
 
