@@ -15,12 +15,15 @@ A call's arguments are checked against its schema (`jsonschema`) before the tool
 """
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import jsonschema
 
 from rl2.tools import ToolUnavailable  # noqa: F401  (tools raise it; it is defined where env files import helpers)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -184,3 +187,50 @@ def drop_nulls(value: Any) -> Any:
     if isinstance(value, list):
         return [drop_nulls(item) for item in value]
     return value
+
+
+def schema_difference(schema: dict, other: dict) -> str:
+    """How two tool schemas differ, in words: the keys of their `function` that one has and the other lacks,
+    and those whose values differ."""
+    mine, theirs = schema.get("function", {}), other.get("function", {})
+    parts = []
+    if set(mine) - set(theirs):
+        parts.append(f"only the row's has {', '.join(repr(k) for k in sorted(set(mine) - set(theirs)))}")
+    if set(theirs) - set(mine):
+        parts.append(f"only TOOLS' has {', '.join(repr(k) for k in sorted(set(theirs) - set(mine)))}")
+    changed = sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
+    if changed:
+        parts.append(f"they differ in {', '.join(repr(k) for k in changed)}")
+    return "; ".join(parts) or "they differ outside 'function'"
+
+
+def warn_row_tools_render_differently(rows_tools: list[list[dict] | None], tools: dict[str, Tool], tokenizer,
+                                      source: str) -> None:
+    """Warn (one warning for `source`'s rows) where a row's `tools` column gives a tool of the env file's
+    `TOOLS` a schema that the chat template renders otherwise than `TOOLS`' own (e.g. an OpenAI-style schema
+    without the `"return"` entry transformers' `get_json_schema` adds): such rows' prompts are not the ones
+    rendered from `TOOLS`, nor, for SFT rows written without it, the other way round."""
+    from rl2.data.chat_template import render_chat
+    from rl2.distributed.process_group import is_rank0
+
+    if not is_rank0():  # every rank reads the same rows: rank 0 says it
+        return
+
+    def rendered(schema: dict) -> str:
+        return render_chat([{"role": "user", "content": "hi"}], tokenizer, add_generation_prompt=True, tools=[schema])
+
+    differing: dict[str, tuple[int, str]] = {}  # tool name -> (first row, how the schemas differ)
+    for i, schemas in enumerate(rows_tools):
+        for schema in schemas or ():
+            name = schema["function"]["name"]
+            if name in differing or name not in tools or schema == tools[name].schema:
+                continue
+            if rendered(schema) != rendered(tools[name].schema):
+                differing[name] = (i + 1, schema_difference(schema, tools[name].schema))
+    if differing:
+        logger.warning(
+            f"{source}: the `tools` of some rows render otherwise than the env file's TOOLS, so those prompts differ "
+            "from the ones TOOLS give (and an SFT warm-up on rows like them did not see TOOLS' prompt): "
+            + "; ".join(f"{name} (row {row}: {how})" for name, (row, how) in differing.items())
+            + ". Give the rows TOOLS' schemas (transformers.utils.get_json_schema(function), or the tool's name "
+            "in the row's `tools`), or give TOOLS the rows' schemas as (schema, function) pairs")

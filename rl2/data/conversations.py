@@ -6,7 +6,7 @@ from typing import Any
 import datasets
 import torch
 
-from rl2.chat.tools import Tool, row_tools
+from rl2.chat.tools import Tool, row_tools, warn_row_tools_render_differently
 from rl2.data.chat_template import _tokenize_conversation, render_chat, tokenize_conversation
 from rl2.data.rows import Columns, DataError, load_rows, row_messages, row_prompt_text, validate_rows
 
@@ -45,6 +45,8 @@ class _ConversationDataset(torch.utils.data.Dataset):
                           if "tools" in self.rows.column_names else None)
         self.tokenizer = tokenizer
         self.max_length = max_length
+        if self.row_tools is not None and self.tools:
+            warn_row_tools_render_differently(self.row_tools, self.tools, tokenizer, self.source)
         # Counted in the process that calls __getitem__ (a DataLoader worker's count stays there).
         self.num_truncated = 0
 
