@@ -12,17 +12,28 @@ behaviour (read in RL2's `RL2/datasets/rl.py` and `RL2/utils/communication.py` a
 - a response's output ids and log-probs are appended as they were sampled (token-in, token-out);
 - a `next_state` that extends `state_text + action_text` appends its new text's tokens; one that does not
   starts a new sequence; the episode's reward is the sum of each sequence's last reward.
-`RL2_MODULES` are what `rl2.rollout.rl2_head` installs under those names while it loads such a file.
+`rl2_modules()` are what `rl2.rollout.rl2_head_worker` installs under those names while it loads such a file.
+
+One difference, for rl2 gives each trajectory a URL of its own (`/s/{key}` on the rank's server) where RL2
+gives every trajectory its router's: `async_request` sends a request for any trajectory URL of that server
+to the URL of the trajectory whose task makes it (`TRAJECTORY_URL`, set in each trajectory's task). A file
+that keeps the router URL in a global (deep_research.py: `ROUTER_URL`, `SERVER_URL`, set by whichever
+trajectory came first or last, even at an earlier step) so still reaches its own trajectory.
 """
 
 import asyncio
 import types
 from collections import defaultdict
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
 import aiohttp
+
+# The URL of the trajectory whose task is running (each trajectory's task sets its own; a context variable:
+# its value is per task, not shared).
+TRAJECTORY_URL: ContextVar[str | None] = ContextVar("rl2_trajectory_url", default=None)
 
 
 @dataclass
@@ -141,9 +152,10 @@ async def async_request(url: str | list[str], endpoint: str, method: str = "POST
     text) reply; retried `max_trials` times, then the last error raised."""
     if isinstance(url, list):
         return await asyncio.gather(*(async_request(u, endpoint, method, max_trials, retry_delay, **kwargs) for u in url))
+    url = routed(url)
     for trial in range(max_trials):
-        try:
-            async with aiohttp.ClientSession() as session:
+        try:  # no time limit, as RL2's session (the trajectory's own timeout bounds it)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
                 async with session.request(method, f"{url}/{endpoint}", **kwargs) as response:
                     response.raise_for_status()
                     try:
@@ -154,6 +166,19 @@ async def async_request(url: str | list[str], endpoint: str, method: str = "POST
             if trial == max_trials - 1:
                 raise
             await asyncio.sleep(retry_delay)
+
+
+def routed(url: str) -> str:
+    """`url`, or, where it is a trajectory URL (`.../s/{key}`, any key) of the server of the calling
+    trajectory's own (`TRAJECTORY_URL`), that trajectory's URL followed by the rest of `url`."""
+    own = TRAJECTORY_URL.get()
+    if not own or "/s/" not in own:
+        return url
+    prefix = own[:own.rindex("/s/") + len("/s/")]
+    if not url.startswith(prefix):
+        return url
+    _, slash, rest = url[len(prefix):].partition("/")
+    return own + slash + rest
 
 
 def _plain(value: Any) -> Any:

@@ -88,9 +88,12 @@ class RolloutService(RolloutRecords):
 
             self.agent = AgentFile(agent, config.rollout.env_args)
         if env_path and rl2_sample_interface(env_path):
+            from rl2.rollout.env import default_env_workers
             from rl2.rollout.rl2_head import RL2HeadFile
 
-            self.rl2_head = RL2HeadFile(env_path, config.rollout.env_args)
+            workers = default_env_workers() if config.rollout.env_workers is None else config.rollout.env_workers
+            self.rl2_head = RL2HeadFile(env_path, config.rollout.env_args, tokenizer, workers,
+                                        config.rollout.env_worker_memory_mb)
         elif env_path:
             self.env = Env.from_config(config.rollout, need_interact=config.rollout.max_turns > 1 and not agent,
                                        step_discount=config.adv.gamma)
@@ -174,9 +177,8 @@ class RolloutService(RolloutRecords):
         """`generate` with an RL2 HEAD env file: its `generate` gives the trajectories and their rewards."""
         from rl2.rollout.rl2_head import rl2_head_rollout, rl2_rollout_config
 
-        data, rollout_config = self.config.data, self.config.rollout
-        config = rl2_rollout_config(params, data.apply_chat_template, data.messages_key, data.prompt_key,
-                                    responses_per_prompt)
+        rollout_config = self.config.rollout
+        config = rl2_rollout_config(self.config, params, responses_per_prompt, train=params is not self.test_params)
         with timer("rollout"):
             trajectories = rl2_head_rollout(
                 self.server, self.engine, self.rl2_head, self.tokenizer, prompts, responses_per_prompt, params, config,
@@ -245,6 +247,8 @@ class RolloutService(RolloutRecords):
         """End the env file's worker pools and the engine (SGLang: its scheduler processes)."""
         if self.env is not None:
             self.env.close()
+        if self.rl2_head is not None:
+            self.rl2_head.close()
         if self.server is not None:
             self.server.close()
         self.engine.shutdown()

@@ -50,6 +50,10 @@ class Rollout:
     max_length: int | None
     stop_ids: set[int]
     ignored_fields: dict[str, int] = field(default_factory=dict)
+    # Chat and text completions at a trajectory URL (`/s/{key}/v1/...`: an RL2 HEAD file's judge or
+    # summariser) are served, not trained, and no turns: at most this many a trajectory, counted by slot.
+    served_requests: int = 0
+    served: dict[int, int] = field(default_factory=dict)
 
 
 class OpenAIServer:
@@ -129,14 +133,16 @@ class OpenAIServer:
         self._thread.join(timeout=10)
 
     def open_rollout(self, params: SamplingParams, version: int, max_requests: int,
-                     max_length: int | None) -> Rollout:
+                     max_length: int | None, served_requests: int = 0) -> Rollout:
         """A rollout whose sessions (`open_sessions`) are generated with `params`, at most `max_requests`
-        generations each and `max_length` tokens a sequence."""
+        generations each (and `served_requests` completions at their trajectory URL) and `max_length`
+        tokens a sequence."""
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.tokenizer.eos_token_id is not None:
             stop_ids.add(self.tokenizer.eos_token_id)
         self.max_length = max_length
-        return Rollout(EngineSlots(), params, version, max_requests, max_length, stop_ids)
+        return Rollout(EngineSlots(), params, version, max_requests, max_length, stop_ids,
+                       served_requests=served_requests)
 
     def open_sessions(self, rollout: Rollout, sessions: list[AgentSession], episode: Callable[[int, str], Awaitable],
                       on_end: Callable[[int], None] | None = None,
@@ -173,15 +179,16 @@ class OpenAIServer:
         or until `rollout.slots.pause()`."""
         rollout.version = version
         engine.generate_turns(rollout.slots.start(slots, version), rollout.params, rollout.slots.on_generation,
-                              rollout.max_requests)
+                              rollout.max_requests + rollout.served_requests)
 
     def serve_rollout(self, engine: Engine, sessions: list[AgentSession], episode: Callable[[int, str], Awaitable],
                       params: SamplingParams, version: int, max_requests: int,
-                      max_length: int | None) -> dict[str, int]:
+                      max_length: int | None, served_requests: int = 0) -> dict[str, int]:
         """Serve `sessions` while `episode(i, key)` drives session i on this server's loop and `engine`
-        generates their requests, at most `max_requests` each; their keys are refused once all are done.
-        Returns the request fields that were ignored, counted."""
-        rollout = self.open_rollout(params, version, max_requests, max_length)
+        generates their requests, at most `max_requests` each (and `served_requests` completions at their
+        trajectory URL); their keys are refused once all are done. Returns the request fields that were
+        ignored, counted."""
+        rollout = self.open_rollout(params, version, max_requests, max_length, served_requests)
         keys, slots, running = self.open_sessions(rollout, sessions, episode)
         try:
             self.run_engine(engine, rollout, slots, version)
@@ -209,9 +216,13 @@ class OpenAIServer:
         return body
 
     async def _generate(self, rollout: Rollout, slot: int, session: AgentSession, plan: Plan,
-                        max_tokens: int | None) -> Served | None:
-        """The generation of `plan` in its trajectory's slot; None where no token fits the length limit."""
-        if session.requests_started >= rollout.max_requests:
+                        max_tokens: int | None, served: bool = False) -> Served | None:
+        """The generation of `plan` in its trajectory's slot; None where no token fits the length limit.
+        `served`: a completion served, not trained (no turn: `Rollout.served_requests`)."""
+        if served and rollout.served.get(slot, 0) >= rollout.served_requests:
+            raise _Refused(400, "invalid_request_error",
+                           f"this trajectory made its {rollout.served_requests} completions of its own")
+        if not served and session.requests_started >= rollout.max_requests:
             session.at_request_limit = True  # the episode ends here, scored as it stands (`score_unrewarded`)
             raise _Refused(400, "invalid_request_error",
                            f"this trajectory made its {rollout.max_requests} requests (rollout.max_turns)")
@@ -223,7 +234,10 @@ class OpenAIServer:
         if room < 1:
             session.truncated = True
             return None
-        session.requests_started += 1
+        if served:
+            rollout.served[slot] = rollout.served.get(slot, 0) + 1
+        else:
+            session.requests_started += 1
         return await asyncio.wrap_future(rollout.slots.submit(slot, Turn(plan.prompt_ids, room)))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -238,7 +252,7 @@ class OpenAIServer:
             for index in range(n):
                 plan = session.plan(messages, tools)
                 prompt_ids = plan.prompt_ids
-                served = await self._generate(rollout, slot, session, plan, max_tokens)
+                served = await self._generate(rollout, slot, session, plan, max_tokens, "key" in request.match_info)
                 if served is None:
                     choices.append(({"role": "assistant", "content": ""}, "length", [], []))
                     continue
@@ -325,7 +339,8 @@ class OpenAIServer:
             choices = []
             for index in range(_count(body, "n", 1)):
                 plan = session.plan_tokens(ids)
-                served = await self._generate(rollout, slot, session, plan, _max_tokens(body))
+                served = await self._generate(rollout, slot, session, plan, _max_tokens(body),
+                                              "key" in request.match_info)
                 generation = served.generation if served else None
                 tokens = list(generation.token_ids) if generation else []
                 if served is not None:
@@ -366,7 +381,9 @@ class OpenAIServer:
     async def generate(self, request: web.Request) -> web.Response:
         """SGLang's `/generate`: `input_ids` (or `text`), `sampling_params` (its `max_new_tokens` honoured, the
         rest the run's), `return_logprob`; the reply's `output_token_logprobs` are `[logprob, id, None]` of the
-        sampled tokens, `text` their decoding (special tokens skipped unless `skip_special_tokens` is false)."""
+        sampled tokens, `text` their decoding (special tokens skipped unless `skip_special_tokens` is false).
+        Past the trajectory's `max_requests` (rollout.max_turns) the reply is an aborted one (finish reason
+        `abort`, no tokens), as SGLang's to a request it aborted: RL2's files return on it."""
         try:
             rollout, slot, session = self._session(request)
             body = await self._body(request)
@@ -380,6 +397,10 @@ class OpenAIServer:
                          if name in ("temperature", "top_p", "top_k") and value != getattr(rollout.params, name)}
             _count_ignored(rollout, differing)
             max_tokens = sampling.get("max_new_tokens")
+            if session.requests_started >= rollout.max_requests:  # rollout.max_turns: the episode ends here
+                meta = {"id": uuid.uuid4().hex, "finish_reason": {"type": "abort"}, "prompt_tokens": len(ids),
+                        "completion_tokens": 0}
+                return web.json_response({"text": "", "output_ids": [], "meta_info": meta})
             served = await self._generate(rollout, slot, session, Plan([], None, list(ids)),
                                           max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None)
             generation = served.generation if served else None
