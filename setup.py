@@ -8,6 +8,11 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["rl2", "rl2.*"]),
+    # RL2's package name (`torchrun -m RL2.trainer.ppo`, `from RL2.datasets import ...`): the module
+    # rl2/compat/RL2.py, its submodules in rl2/compat/alias/. A folder RL2/ beside rl2/ (in a checkout or in
+    # site-packages) would be the same folder as rl2/ on a case-insensitive filesystem.
+    py_modules=["RL2"],
+    package_dir={"": "rl2/compat", "rl2": "rl2"},
     python_requires=">=3.10",
     # torchrun's arguments and launcher, without its failure report after rl2's own one-line errors.
     entry_points={"console_scripts": ["rl2run=rl2.launch:main"]},
