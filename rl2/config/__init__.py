@@ -540,7 +540,11 @@ def config_help(config_cls: type = Config, command: Optional[str] = None) -> str
     reader = command_named(command) if command is not None else None
     launch = f"{reader.launch} " if reader else ""
     usage = f"usage: {launch}[config=file.yaml] [section.key=value ...]   (values use YAML syntax; null = None)"
-    lines = [usage] + _help_lines(config_cls, reader)
+    lines = [usage]
+    if reader is not None:
+        lines.append(f"       python -m {reader.module} --check [config=file.yaml] [section.key=value ...]   (checks "
+                     "the keys, the files, the data's first rows and the models' names, and loads no model)")
+    lines += _help_lines(config_cls, reader)
     return "\n".join(lines + rl2_keys_help(reader) if config_cls is Config else lines)
 
 

@@ -23,6 +23,7 @@ from rl2.checkpoint import (
     save_hf_model,
 )
 from rl2.config import Config, ConfigError, ModelConfig, config_to_dict, load_config
+from rl2.config.check import CHECK_FLAG, run_check
 from rl2.config.commands import command_named
 from rl2.data.rows import Columns, DataError, load_rows, split_rows, validate_rows
 from rl2.distributed.process_group import (
@@ -92,7 +93,8 @@ def run_main(run: Callable[[Config], Any], command: str) -> None:
     `rl2: error:` line from rank 0 and exit code 2; Ctrl-C (or torchrun forwarding it) ends every rank
     with one line from rank 0 saying where to resume, exit code 130; a rank whose peer exited first
     stops with exit code 1 and one line naming itself (the peer says why it exited). Under `rl2run`
-    nothing else is printed for the first two."""
+    nothing else is printed for the first two. With `--check` among the arguments nothing runs: the
+    config, files, data and models are checked (`rl2.config.check`), exit code 0 or a user error."""
     config: Config | None = None
 
     def on_interrupt(signum, frame) -> None:
@@ -103,8 +105,11 @@ def run_main(run: Callable[[Config], Any], command: str) -> None:
 
     signal.signal(signal.SIGINT, on_interrupt)
     try:
-        config = load_config(sys.argv[1:], command)
-        run(config)
+        if CHECK_FLAG in sys.argv[1:]:  # `--check`: the config, files, data and models checked, nothing run
+            run_check(sys.argv[1:], command)
+        else:
+            config = load_config(sys.argv[1:], command)
+            run(config)
     except USER_ERRORS as error:
         stop_on_user_error(error)
     except RuntimeError as error:
