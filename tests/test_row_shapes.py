@@ -158,3 +158,16 @@ def test_ppo_trains_on_rows_without_a_prompt_with_an_rl2_head_env_file(tiny_mode
     [metrics] = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
     assert metrics["env_errors"] == 0 and metrics["reward_errors"] == 0 and "actor/loss" in metrics
     assert metrics["reward/mean"] == pytest.approx(0.5)  # levels 0 and 1, the file's own rewards
+
+
+def test_an_evaluation_on_rows_without_a_prompt_with_an_rl2_head_env_file(tiny_model_dir, tmp_path):
+    """RL2's deepresearch_eval.sh shape (trainer.eval_only=true, the test set read by the file's generate)."""
+    data = write_jsonl(tmp_path / "empty.jsonl", [{"level": 1}] * 2)
+    env = tmp_path / "gem_style.py"
+    env.write_text(textwrap.dedent(RL2_HEAD_FILE))
+    run_python(["-m", "rl2.trainer.ppo", f"data.test_path={data}", "trainer.eval_only=true",
+                f"actor.model_name={tiny_model_dir}", "actor.dtype=float32", f"actor.save_dir={tmp_path / 'run'}",
+                f"rollout.env_path={env}", "rollout.test_sampling_params={temperature: 0.0, max_new_tokens: 4}",
+                "trainer.disable_wandb=true"])
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert report["prompts"] == 2 and report["test/reward_mean"] == pytest.approx(1.0)  # the file's reward, level 1

@@ -74,7 +74,7 @@ class PPOTrainer(Trainer):
         if self.eval_only:  # the engine alone serves actor.model_name
             self.train_data, self.sampler, self.total_steps = None, None, 0
             self.test_data = RLDataset(config.data.test_path, self.tokenizer, max_length,
-                                       columns=Columns.from_config(config.data), tools=self.rollout.tools)
+                                       columns=Columns.for_run(config, "rl"), tools=self.rollout.tools)
         else:
             self.train_data, self.test_data = self.load_datasets(RLDataset, max_length, self.rollout.tools)
             self.sampler = BatchSampler(
