@@ -386,14 +386,26 @@ def countdown_rows() -> list[dict]:
              "target": a + b} for a in range(1, 5) for b in range(1, 5)]
 
 
-TRAINED = {  # file, its rows, the run's extra keys
+TRAINED = {  # file, its rows, the run's extra keys: none of RL2's example scripts gives a turn limit
     "countdown": (None, countdown_rows, []),
     "orz": ("rl2_orz_style.py", orz_rows, []),
-    "gem": ("rl2_gem_style.py", lambda: [{"prompt": "play"}] * 8, ["rollout.max_turns=2"]),
+    "gem": ("rl2_gem_style.py", lambda: [{"prompt": "play"}] * 8, []),
     "research": ("rl2_research_style.py",
-                 lambda: [{"prompt": f"What code is in box {n}?", "answer": "42"} for n in range(8)],
-                 ["rollout.max_turns=2"]),
+                 lambda: [{"prompt": f"What code is in box {n}?", "answer": "42"} for n in range(8)], []),
 }
+
+
+def test_rl2_head_files_get_rl2s_unbounded_turns_unless_a_limit_is_given(tmp_path):
+    """RL2 HEAD's files loop until env_step says done (RL2 has no turn limit; gem.py's pool gets a game back
+    only then): without rollout.max_turns such a file gets RL2_HEAD_MAX_TURNS, a bound against a file that never
+    ends; a limit given (rl2's key or RL2's rollout.train.max_turns) holds; rl2's own env files keep one turn."""
+    from rl2.config import RL2_HEAD_MAX_TURNS, load_config
+
+    gem = os.path.join(ENVS, "rl2_gem_style.py")
+    assert load_config([f"rollout.env_path={gem}"]).rollout.max_turns == RL2_HEAD_MAX_TURNS > 8
+    assert load_config([f"rollout.env_path={gem}", "rollout.max_turns=3"]).rollout.max_turns == 3
+    assert load_config([f"rollout.env_path={gem}", "rollout.train.max_turns=2"]).rollout.max_turns == 2
+    assert load_config([f"rollout.env_path={os.path.join(ENVS, 'good_sync.py')}"]).rollout.max_turns == 1
 
 
 @pytest.mark.parametrize("name", list(TRAINED))

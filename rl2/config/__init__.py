@@ -146,6 +146,9 @@ class DistillConfig:
 
 
 AGENT_MAX_TURNS = 8  # rollout.max_turns when rollout.agent_path is set and max_turns is not given
+# rollout.max_turns for an env file written to RL2 HEAD's interface when max_turns is not given: RL2 sets no turn
+# limit (its files loop until env_step says done), so only a bound against a file that never ends
+RL2_HEAD_MAX_TURNS = 64
 
 
 @dataclass
@@ -160,7 +163,7 @@ class RolloutConfig:
     attn_implementation: str = _f("auto", "hf engine: prefill attention; auto = flash-attn, else torch's varlen kernel on CUDA; sdpa_loop on CPU (flex_attention refused)", ATTENTION_CHOICES)
     train_sampling_params: dict[str, Any] = _f({"temperature": 1.0, "max_new_tokens": 512}, "sampling params for training: temperature, top_p, top_k (-1 = off), max_new_tokens, stop (strings), stop_token_ids, ignore_eos; another key is an error")
     test_sampling_params: dict[str, Any] = _f({"temperature": 0.0}, "sampling params for testing; a key not set here is train_sampling_params' (max_new_tokens, stop, ...)")
-    max_turns: int = _f(1, f"max assistant turns per episode, at which it ends and is scored as it stands; with rollout.agent_path, the requests an agent's trajectory may make (default {AGENT_MAX_TURNS} there, so that its tool calls get answers)")
+    max_turns: int = _f(1, f"max assistant turns per episode, at which it ends and is scored as it stands; with rollout.agent_path, the requests an agent's trajectory may make (default {AGENT_MAX_TURNS} there, so that its tool calls get answers); with an env file written to RL2 HEAD's interface, its /generate calls (default {RL2_HEAD_MAX_TURNS}: RL2 has no turn limit)")
     tool_parser: str = _f("hermes", "native function calling (an env file with TOOLS): how the model writes its calls; hermes = Qwen2.5/Qwen3 <tool_call>{json}</tool_call>, qwen3_coder = <function=...><parameter=...>, llama3_json = Llama 3.x JSON, mistral = [TOOL_CALLS]; an env file's parse_tool_calls(text) overrides it", ["hermes", "qwen3_coder", "llama3_json", "mistral"])
     tool_timeout: Optional[float] = _f(None, "seconds one tool call may take (its tool message then says it timed out); null = rollout.env_timeout")
     trajectory_format: str = _f("whole", "multi-turn RL: whole = a trajectory is one sequence, each turn's tokens appended as the model saw them; per_turn = each turn its own sequence (its prompt the chat template's rendering of the conversation so far, as at inference: Qwen3 drops earlier turns' reasoning), trained with the trajectory's advantage", ["whole", "per_turn"])
@@ -171,7 +174,7 @@ class RolloutConfig:
     agent_timeout: float = _f(600.0, "agents: seconds one run(row, client) may take; past it the trajectory gets no reward (counted, as a failed reward_fn)")
     env_timeout: float = _f(60.0, "seconds one reward_fn / interact call may take; a call past it fails like one that raised: the trajectory gets no reward (null), is left out of the update and counted in env_errors")
     env_concurrency: int = _f(64, "env calls running at once (threads for sync functions)")
-    env_workers: Optional[int] = _f(None, "processes per rank that run the env file's sync functions in their main thread (signals, crashes and hangs cost one call); None = one per core of this rank's share, at most 8; 0 = threads in the trainer process instead (shared in-process state)")
+    env_workers: Optional[int] = _f(None, "processes per rank that run the env file's sync functions in their main thread (signals, crashes and hangs cost one call), or an RL2 HEAD env file's generate coroutines on one event loop each (its share of a step's episodes); None = one per core of this rank's share, at most 8; 0 = threads in the trainer process instead (shared in-process state)")
     env_worker_memory_mb: int = _f(8192, "memory limit of one env worker process (a call that exceeds it fails alone); 0 = no limit")
     max_unscored_steps: int = _f(3, "the run stops with an error after this many steps in a row in which no reward_fn call succeeded")
     env_args: dict[str, Any] = _f({}, "settings of the env file, read there as env_args.get(name, default), e.g. {python_tool_workers: 8}; a name not set here falls back to the environment variable NAME")
@@ -451,9 +454,21 @@ def load_config(args: Optional[list[str]] = None, command: Optional[str] = None)
             model.save_dir = os.path.join("ckpts", config.trainer.experiment_name)
     rollout = config.rollout
     rollout.test_sampling_params = {**rollout.train_sampling_params, **rollout.test_sampling_params}
-    if rollout.agent_path and not any("max_turns" in (layer.get("rollout") or {}) for layer in layers):
-        rollout.max_turns = AGENT_MAX_TURNS  # an agent's tool call needs a second request
+    if not any("max_turns" in (layer.get("rollout") or {}) for layer in layers):
+        rollout.max_turns = _default_max_turns(rollout)
     return config
+
+
+def _default_max_turns(rollout: "RolloutConfig") -> int:
+    """`rollout.max_turns` where none is given: room for an agent's tool calls (`AGENT_MAX_TURNS`), no limit
+    short of `RL2_HEAD_MAX_TURNS` for an RL2 HEAD env file (as in RL2), else one turn."""
+    from rl2.rollout.env_file import rl2_sample_interface
+
+    if rollout.agent_path:
+        return AGENT_MAX_TURNS  # an agent's tool call needs a second request
+    if rollout.env_path and rl2_sample_interface(rollout.env_path):
+        return RL2_HEAD_MAX_TURNS
+    return rollout.max_turns
 
 
 def _unread_keys(reader: Optional[Command], sets: dict[str, list[str]]) -> list[str]:
