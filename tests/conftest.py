@@ -206,3 +206,31 @@ def varlen_by_flash_semantics(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, 
             scale=scale, enable_gqa=enable_gqa)
         outputs.append(out.transpose(0, 1))
     return torch.cat(outputs)
+
+
+@pytest.fixture(scope="module")
+def word_chain_url():
+    """The OpenEnv word-chain game of tests/openenv_word_chain.py, served on loopback (its URL)."""
+    pytest.importorskip("openenv.core")
+    import time
+    import urllib.request
+
+    from server_process import REPO, free_port, python_env
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, f"{REPO}/tests/openenv_word_chain.py", str(port)], env=python_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=1)
+                break
+            except OSError:
+                if process.poll() is not None:
+                    raise RuntimeError(process.stdout.read())
+                time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)

@@ -197,10 +197,15 @@ def test_rl2_newer_env_interface_gets_a_porting_message(tmp_path):
     message = str(info.value)
     assert "countdown.py" in message and "since Oct 2025" in message and "env_step and generate" in message
     assert "reward_fn(messages, answer)" in message and "docs/migration/from-rl2.md" in message
-    # Only the import of RL2 gives it away: the same advice.
-    only_import = write(tmp_path, "imports_rl2.py", "from RL2.utils.communication import async_request\n\n"
+    # A file of rl2's interface may use RL2's env-file helpers (rl2's RL2 package: RL2.utils.communication's
+    # async_request); one that imports more of RL2 than that is told what there is, and the same advice.
+    helpers = write(tmp_path, "uses_rl2_helpers.py", "from RL2.utils.communication import async_request\n\n"
+                                                      "def reward_fn(messages, answer):\n    return 1.0\n")
+    with Env(helpers, workers=0) as env:
+        assert env.rewards([[{"role": "assistant", "content": "x"}]], [None])[0].value == 1.0
+    only_import = write(tmp_path, "imports_rl2.py", "from RL2.utils.algorithms import compute_gae\n\n"
                                                      "def reward_fn(messages, answer):\n    return 1.0\n")
-    with pytest.raises(EnvError, match="rl2 does not import RL2.*docs/migration/from-rl2.md"):
+    with pytest.raises(EnvError, match="RL2.datasets, RL2.utils.communication.*docs/migration/from-rl2.md"):
         Env(only_import)
 
 

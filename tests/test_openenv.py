@@ -2,11 +2,6 @@
 openenv-core's server helpers on loopback, played by rl2's multi-turn rollout through openenv-core's client,
 one session per trajectory; step rewards summed; bad configuration and server errors named."""
 
-import subprocess
-import sys
-import time
-import urllib.request
-
 import pytest
 
 from rl2.data.chat_template import render_chat
@@ -15,30 +10,9 @@ from rl2.rollout.env import Env, EnvError
 from rl2.rollout.multi_turn import assign_rewards, rollout
 from rl2.testing.tiny import build_tiny_tokenizer
 from scripted_engine import ScriptedEngine
-from server_process import REPO, free_port, python_env
+from server_process import REPO
 
 pytest.importorskip("openenv.core")
-
-
-@pytest.fixture(scope="module")
-def word_chain_url():
-    port = free_port()
-    process = subprocess.Popen([sys.executable, f"{REPO}/tests/openenv_word_chain.py", str(port)], env=python_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=1)
-                break
-            except OSError:
-                if process.poll() is not None:
-                    raise RuntimeError(process.stdout.read())
-                time.sleep(0.1)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def env_for(url: str, **extra) -> Env:

@@ -4,11 +4,7 @@ file's `interact`, its `TOOLS`, a gym-style `make_env` (whose episode a turn cut
 end: only the environment, the turn limit or the sequence length limit do), and agents over the OpenAI API
 (their default request budget included)."""
 
-import subprocess
-import sys
 import textwrap
-import time
-import urllib.request
 
 import pytest
 
@@ -21,7 +17,7 @@ from rl2.rollout.multi_turn import ToolCalling, assign_rewards, rollout
 from rl2.rollout.rollout_metrics import rollout_metrics
 from rl2.testing.tiny import build_tiny_tokenizer
 from scripted_engine import ScriptedEngine
-from server_process import REPO, free_port, python_env
+from server_process import REPO
 
 # Never answers: it asks its tool again and again. Unanswered, the reward is -1; an answer scores 1.
 INTERACT = '''
@@ -123,29 +119,6 @@ def test_interact_episode_at_the_sequence_length_limit_is_scored(tmp_path):
         env.close()
     assert trajectory.truncated and 1 <= trajectory.turns < 8
     assert trajectory.reward == -1.0 and trajectory.errors == []
-
-
-@pytest.fixture(scope="module")
-def word_chain_url():
-    """The OpenEnv word-chain game of tests/openenv_word_chain.py, served on loopback."""
-    pytest.importorskip("openenv.core")
-    port = free_port()
-    process = subprocess.Popen([sys.executable, f"{REPO}/tests/openenv_word_chain.py", str(port)], env=python_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=1)
-                break
-            except OSError:
-                if process.poll() is not None:
-                    raise RuntimeError(process.stdout.read())
-                time.sleep(0.1)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
 
 
 def test_openenv_turns_cut_by_max_new_tokens_go_on_and_the_turn_limit_is_scored(word_chain_url):

@@ -252,7 +252,8 @@ def _import_hint(exc: BaseException, path: str) -> str:
     if missing in TOOLS_EXTRA_MODULES:
         return " (rl2.tools needs the tools extra: pip install 'rl2[tools]')"
     if missing == "RL2":
-        return f" (rl2 does not import RL2: {PORTING_HINT})"
+        return (f" (rl2's RL2 package holds only what RL2's env files import: RL2.datasets, "
+                f"RL2.utils.communication, RL2.trainer; {PORTING_HINT})")
     if own_name and own_name in str(exc) and "is not a package" in str(exc):
         return (f" (the env file is named like the package it imports, {own_name!r}, which is not installed: "
                 f"install it, or rename the file)")

@@ -110,6 +110,7 @@ class OfflineTrainer(Trainer):
         return {f"test/{key}": value for key, value in self.evaluate().items()}
 
     def train(self) -> None:
+        """Train to `total_steps` (testing and saving on their schedules), then close the run (`close`)."""
         testing = self.test_data is not None
         if testing and self.evaluate_before_training and self.step == 0 and self.config.trainer.test_freq is not None:
             self.metrics.log(self.test_metrics(), 0)
@@ -132,4 +133,4 @@ class OfflineTrainer(Trainer):
                 progress.set_postfix(loss=f"{metrics['loss']:.4f}")
                 if self.should_save(self.step):
                     self.save(self.step)
-        self.metrics.finish()
+        self.close()
