@@ -392,6 +392,10 @@ TRAINED = {  # file, its rows, the run's extra keys: none of RL2's example scrip
     "gem": ("rl2_gem_style.py", lambda: [{"prompt": "play"}] * 8, []),
     "research": ("rl2_research_style.py",
                  lambda: [{"prompt": f"What code is in box {n}?", "answer": "42"} for n in range(8)], []),
+    # RL2's searchr1 scripts until Dec 2025 give rollout.train.max_turns=2: a policy that never answers is scored there
+    "searchr1": ("rl2_searchr1_style.py",
+                 lambda: [{"messages": [{"role": "user", "content": f"Who wrote book {n}?"}], "answer": ["Ann"]}
+                          for n in range(8)], ["rollout.train.max_turns=2"]),
 }
 
 
@@ -428,3 +432,5 @@ def test_grpo_trains_on_an_rl2_head_env_file(tiny_model_dir, tmp_path, name):
     for step in (1, 2):
         dumped = [json.loads(line) for line in (tmp_path / "run" / "trajectories" / f"step_{step}.jsonl").open()]
         assert len(dumped) == 8 and all(t["reward"] is not None and not t["errors"] for t in dumped)
+        if name == "searchr1":  # the tiny policy never writes a tag: every episode is cut at the limit, scored 0
+            assert all(t["turns"] == 2 and t["reward"] == 0.0 for t in dumped), [(t["turns"], t["reward"]) for t in dumped]
