@@ -274,7 +274,7 @@ def test_an_agent_at_its_request_limit_is_scored_as_it_stands(server, tokenizer,
     assert (raises.reward, catches.reward, posts.reward) == (-1.0, 0.25, -0.5)
     assert raises.errors == [] and raises.messages[-1]["tool_calls"] and not raises.excluded
     metrics = rollout_metrics([raises, catches, posts])
-    assert metrics["env_errors"] == 0.0 and metrics["excluded"] == 0.0
+    assert metrics["env_errors"] == 0.0 and metrics["excluded"] == 0.0 and metrics["agent/at_request_limit"] == 1.0
 
     (alone,) = run_agents(server, engine, tokenizer, agent, ["raises"], max_requests=2)
     score_unrewarded(None, [alone])

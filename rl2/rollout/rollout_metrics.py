@@ -39,6 +39,7 @@ def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     """An agent file's rollout (`rollout.agent_path`): `agent/requests` and `agent/sequences` per trajectory,
     `agent/reused_tokens` (prompt tokens taken from sampled sequences) and `agent/rendered_tokens` (rendered
     by the chat template) in all, `agent/drift_requests` (requests that re-encoded earlier assistant turns),
+    `agent/at_request_limit` (the fraction whose agent was refused a request past rollout.max_turns),
     `agent/ignored/<field>`: requests whose sampling fields were ignored, and `agent/extra/<name>`: the mean of
     each number `run` returned beside its reward."""
     stats = [t.agent_stats for t in trajectories if t.agent_stats]
@@ -50,6 +51,7 @@ def agent_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
         "agent/reused_tokens": float(sum(s["reused_tokens"] for s in stats)),
         "agent/rendered_tokens": float(sum(s["rendered_tokens"] for s in stats)),
         "agent/drift_requests": float(sum(s["drift_requests"] for s in stats)),
+        "agent/at_request_limit": sum(bool(s.get("at_request_limit")) for s in stats) / len(stats),
     }
     extras: dict[str, list[float]] = {}
     for s in stats:
