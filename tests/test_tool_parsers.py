@@ -1,8 +1,13 @@
 """Tool-call parsers on the turns real models write: Qwen2.5/Qwen3/Hermes, Qwen3-Coder, Llama 3.x, Mistral."""
 
+import json
+import random
+import time
+
 import pytest
 
 from rl2.chat.tool_parsers import (
+    MAX_DEPTH,
     TOOL_PARSERS,
     FunctionToolParser,
     ParsedCall,
@@ -437,3 +442,70 @@ def test_function_parser_rejects_bad_returns(returned, error, match):
 def test_function_parser_needs_a_function():
     with pytest.raises(TypeError, match="must be a function"):
         FunctionToolParser("parse_tool_calls")
+
+
+# ---- any text: calls or tool errors, never an exception -------------------------------------------------
+
+FUZZ_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "x": {"type": "object"}, "n": {"type": "integer"}, "r": {"type": "number"}, "b": {"type": "boolean"},
+    "a": {"type": "array"}, "y": {"type": "weird"}}}}}]
+HUGE_INT, DEEP = "9" * 5000, "[" * 3000 + "]" * 3000
+
+
+def adversarial_texts() -> list[str]:
+    """Calls holding what Python's readers raise on (an integer past the int-string limit, nesting past the
+    recursion limit or MAX_DEPTH, literals without a JSON form), in every parser's format."""
+    values = [HUGE_INT, DEEP, "[" * 900 + "]" * 900, "{" * 2000, '"' + "\\" * 3000, "1e99999", "NaN", "{1, 2}",
+              "0x" + "f" * 5000, "[" * 150 + "]" * 150]
+    texts = []
+    for value in values:
+        obj = f'{{"name": "f", "arguments": {{"x": {value}}}}}'
+        texts += [f"<tool_call>{obj}</tool_call>", f"<tool_call>{obj}", f'<tool_call>{{"name": "f", "arguments": {value}}}</tool_call>',
+                  f'<tool_call>{{"name": "f", "arguments": "{{\\"x\\": {value}}}"}}</tool_call>',
+                  f"[TOOL_CALLS][{obj}]", f"[TOOL_CALLS]f[ARGS]{{\"x\": {value}}}", f"[TOOL_CALLS]f[ARGS]{value}",
+                  f"[TOOL_CALLS]{value}", obj, f"<|python_tag|>{obj}; {value}", value,
+                  "<tool_call>\n<function=f>\n" + "".join(f"<parameter={p}>\n{value}\n</parameter>\n" for p in "xnrbay")
+                  + "</function>\n</tool_call>"]
+    return texts
+
+
+def random_texts(rng: random.Random, count: int) -> list[str]:
+    """Random strings of the formats' tags, JSON pieces and noise."""
+    pieces = ["<tool_call>", "</tool_call>", "<function=f>", "</function>", "<parameter=x>", "</parameter>",
+              "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", '{"name": "f", "arguments": ', '"name"', ":",
+              "{", "}", "[", "]", ",", ";", '"', "\\", "\\u", "null", "true", "1", "-", "e", ".", "\n", " ", "f",
+              HUGE_INT, "[" * 1500, "]" * 1500, "\x00", "\ud800", "é"]
+    return ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 40))) for _ in range(count)]
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_every_parser_reads_any_text_as_calls_or_tool_errors(name):
+    """Random and adversarial text (seeded, a few hundred strings a parser, bounded in time): each parser
+    returns a turn whose calls either parsed (a name, arguments that are a JSON object of bounded depth) or
+    carry a one-line error; nothing raises."""
+    parser = get_tool_parser(name)
+    started = time.monotonic()
+    for text in adversarial_texts() + random_texts(random.Random(65), 300):
+        for tools in (None, FUZZ_TOOLS):
+            turn = parser.parse(text, tools)
+            assert isinstance(turn.content, str)
+            for call in turn.calls:
+                if call.error is None:
+                    assert isinstance(call.name, str) and isinstance(call.arguments, dict)
+                    json.dumps(call.arguments)  # the server writes them back
+                else:
+                    assert isinstance(call.error, str) and call.error
+    assert time.monotonic() - started < 20
+
+
+def test_a_huge_integer_or_deep_nesting_is_a_tool_error():
+    """The two cases of issue 65, by name: Python's int-string limit and its recursion limit."""
+    for text in (f'<tool_call>{{"name": "f", "arguments": {{"x": {HUGE_INT}}}}}</tool_call>',
+                 f'<tool_call>{{"name": "f", "arguments": {{"x": {DEEP}}}}}</tool_call>'):
+        (call,) = get_tool_parser("hermes").parse(text, FUZZ_TOOLS).calls
+        assert call.name == "f" and call.arguments is None and "not valid JSON" in call.error
+    (call,) = get_tool_parser("mistral").parse(f'[TOOL_CALLS]f[ARGS]{{"x": {HUGE_INT}}}').calls
+    assert call.name == "f" and "4300" in call.error
+    deep = '{"name": "f", "arguments": {"x": ' + "[" * 500 + "]" * 500 + "}}"
+    (call,) = get_tool_parser("hermes").parse(f"<tool_call>{deep}</tool_call>").calls
+    assert call.arguments is None and f"deeper than {MAX_DEPTH}" in call.error

@@ -2,7 +2,10 @@
 content and its tool calls, for the formats real models emit, or through a user's `parse_tool_calls` function.
 
 A call that cannot be read is still returned, with `error` set to one line the model can read in the tool
-message, so that a malformed call costs the model a turn instead of silently turning into text.
+message, so that a malformed call costs the model a turn instead of silently turning into text. The built-in
+parsers never raise on any text: JSON that Python cannot read (an integer past its 4,300-digit limit, nesting
+deeper than its recursion limit) and arguments that cannot be written back as JSON (nested deeper than
+`MAX_DEPTH`, a value JSON has no form for) are such errors too.
 """
 
 import ast
@@ -44,6 +47,10 @@ _SPACE = re.compile(r"\s*")
 _NAME_IN_JSON = re.compile(r'"name"\s*:\s*"([^"\\]+)"')
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>]*)>(.*?)</parameter>", re.DOTALL)
+# What reading JSON (or a Python literal) may raise on text: JSONDecodeError is a ValueError, as is an integer
+# past Python's int-string limit; RecursionError for deep nesting.
+_UNREADABLE = (ValueError, RecursionError)
+MAX_DEPTH = 100  # the deepest nesting of a call's arguments (no real tool takes more)
 
 
 def _skip_space(text: str, pos: int) -> int:
@@ -51,9 +58,30 @@ def _skip_space(text: str, pos: int) -> int:
     return _SPACE.match(text, pos).end()
 
 
-def _json_error(error: json.JSONDecodeError, start: int = 0) -> str:
-    """`Expecting value at character 12`, counted from `start`."""
-    return f"{error.msg} at character {error.pos - start}"
+def _json_error(error: Exception, start: int = 0) -> str:
+    """`Expecting value at character 12`, counted from `start`; for what else reading JSON raises, one line
+    saying what it is."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"{error.msg} at character {error.pos - start}"
+    if isinstance(error, RecursionError):
+        return "it is nested too deeply"
+    return str(error).split("\n")[0][:200] or type(error).__name__
+
+
+def _unwritable(arguments: dict) -> str | None:
+    """Why `arguments` cannot be a call's arguments (nested deeper than MAX_DEPTH, or no JSON form), or None."""
+    stack = [(arguments, 1)]
+    while stack:  # without recursion: the depth is what is being checked
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return f"they are nested deeper than {MAX_DEPTH} levels"
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+        stack.extend((child, depth + 1) for child in children)
+    try:
+        json.dumps(arguments)
+    except (ValueError, TypeError, RecursionError) as error:
+        return f"they have no JSON form ({_json_error(error)})"
+    return None
 
 
 def _called(name: str | None) -> str:
@@ -87,12 +115,15 @@ def _checked(name: Any, arguments: Any, raw: str, tools: list[dict] | None) -> P
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError as error:
+        except _UNREADABLE as error:
             reason = f'the arguments of the call to "{name}" are not valid JSON: {_json_error(error)}'
             return ParsedCall(name, None, raw, reason)
     arguments = {} if arguments is None else arguments
     if not isinstance(arguments, dict):
         return ParsedCall(name, None, raw, f'the arguments of the call to "{name}" are not a JSON object')
+    problem = _unwritable(arguments)
+    if problem is not None:
+        return ParsedCall(name, None, raw, f'the arguments of the call to "{name}" cannot be used: {problem}')
     known = _functions(tools)
     if tools is not None and name not in known:
         choices = ", ".join(f'"{n}"' for n in known) or "none"
@@ -111,7 +142,7 @@ def _from_json(text: str, raw: str, tools: list[dict] | None) -> ParsedCall:
     """A call from the JSON text of a `{"name": ..., "arguments": {...}}` object."""
     try:
         return _from_object(json.loads(text), raw, tools)
-    except json.JSONDecodeError as error:
+    except _UNREADABLE as error:
         return _bad_json(text, raw, _json_error(error))
 
 
@@ -188,7 +219,7 @@ def _convert(value: str, schema: Any) -> Any:
     if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
         try:
             return json.loads(value)
-        except json.JSONDecodeError:
+        except _UNREADABLE:
             pass
     return _or_text(ast.literal_eval, value)
 
@@ -236,7 +267,7 @@ def _json_sequence(text: str, separator: str) -> list[tuple[Any, str]]:
     while True:
         try:
             value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as error:
+        except _UNREADABLE as error:
             raise ValueError(_json_error(error)) from None
         values.append((value, text[pos:end]))
         pos = _skip_space(text, end)
@@ -300,7 +331,7 @@ class MistralToolParser:
         decoder = json.JSONDecoder()
         try:
             values, end = decoder.raw_decode(segment, start)
-        except json.JSONDecodeError as error:
+        except _UNREADABLE as error:
             return [_bad_json(segment, self.TAG + segment, _json_error(error, start))], ""
         calls, pos = [], start + 1
         for value in values:  # walk the array again to give each call its own text
@@ -320,7 +351,7 @@ class MistralToolParser:
         name, pos = head.partition("[CALL_ID]")[0].strip(), _skip_space(after, 0)
         try:
             arguments, end = json.JSONDecoder().raw_decode(after, pos)
-        except json.JSONDecodeError as error:
+        except _UNREADABLE as error:
             reason = f"the arguments of {_called(name)} are not valid JSON: {_json_error(error, pos)}"
             return [ParsedCall(name or None, None, self.TAG + segment, reason)], ""
         return [_checked(name, arguments, self.TAG + head + has_args + after[:end], tools)], after[end:]
@@ -370,7 +401,7 @@ class FunctionToolParser(_NumberedIds):
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError as bad:
+            except _UNREADABLE as bad:
                 raise ValueError(f'{where} whose "arguments" string is not valid JSON: {_json_error(bad)}') from None
         if not isinstance(arguments, dict):
             kind = type(arguments).__name__
