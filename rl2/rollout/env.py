@@ -500,6 +500,8 @@ class Env:
             raised = response["raised"]
             return _Outcome(error=f"{name} raised {raised['exception']}", note=raised["where"],
                             unavailable=raised.get("unavailable", False))
+        if "returned" in response:  # a value of a class of the env file, which the trainer cannot unpickle
+            return _Outcome(error=f"{name} returned {response['returned']}")
         return _Outcome(response["value"])
 
     def _dispatcher(self) -> concurrent.futures.ThreadPoolExecutor:

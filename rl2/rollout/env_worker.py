@@ -7,18 +7,26 @@ hang or a memory blow-up in the user's code ends this process, not the run: the 
 
 Request (pickled): `(function name, args)`, or `("tool:<name>", (arguments,))` for a tool of the file's
 `TOOLS`, called with the arguments as keywords. Response: `{"value": result}` or `{"raised": {"exception",
-"where", "unavailable"}}` (unavailable: it was `rl2.tools.ToolUnavailable`), each with `"faults"` (the running totals of the module's own pools' faults)
-and `"pid"`.
+"where", "unavailable"}}` (unavailable: it was `rl2.tools.ToolUnavailable`) or `{"returned": what}` (a value
+that cannot leave the worker as plain data), each with `"faults"` (the running totals of the module's own pools'
+faults) and `"pid"`.
+
+Values cross the process boundary as plain data (`plain_data`): a subclass of a builtin type (`class Score(float)`)
+becomes that type, and a value whose class is defined in the env file (a result dataclass) is refused with a
+description, since the trainer cannot import the module the worker loaded the file as.
 """
 
 import asyncio
 import base64
 import faulthandler
 import inspect
+import io
+import json
 import os
 import pickle
 import resource
 import sys
+import types
 from typing import Any
 
 from rl2.chat.tools import tool_functions
@@ -51,14 +59,66 @@ def call(module: Any, path: str, memory_mb: int, request: tuple[str, tuple], too
             result = getattr(module, name)(*args)
         if inspect.isawaitable(result):  # a plain function returning a coroutine
             result = asyncio.run(_awaited(result))
-        pickle.dumps(result)  # fails here, with a message, rather than in the frame writer
+        try:
+            result = plain_data(result, module.__name__)
+        except NotPlainData:
+            if not name.startswith("tool:"):
+                raise
+            result = json.dumps(result, ensure_ascii=False, default=str)  # a tool's message is its value as JSON
+        _EnvClassCheck(io.BytesIO(), module.__name__).dump(result)  # fails here, with a message, not in the frame writer
         response: dict[str, Any] = {"value": result}
+    except NotPlainData as problem:
+        response = {"returned": str(problem)}
     except Exception as exc:  # the function's, or its value cannot be sent back
         response = {"raised": {"exception": describe_exception(exc, memory_mb), "where": where(exc, path),
                                "unavailable": isinstance(exc, ToolUnavailable)}}
     response["faults"] = module_fault_counts(module)
     response["pid"] = os.getpid()
     return response
+
+
+class NotPlainData(TypeError):
+    """A value holds an object of a class defined in the env file; the message says which."""
+
+
+def plain_data(value: Any, module_name: str) -> Any:
+    """`value` as data the trainer can unpickle: a subclass of a builtin scalar or container becomes
+    that type (`class Score(float)` a float, a namedtuple a tuple), through lists, tuples and dicts.
+    `NotPlainData` for an object of a class of the env module `module_name` (a dataclass of its own)."""
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return value
+    if isinstance(value, dict):
+        return {plain_data(key, module_name): plain_data(item, module_name) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [plain_data(item, module_name) for item in value]
+        return items if isinstance(value, list) else tuple(items)
+    for kind in (bool, float, int, str, bytes):  # a subclass (numpy.float64 too): its value
+        if isinstance(value, kind):
+            return kind(value)
+    if type(value).__module__ == module_name:
+        raise NotPlainData(_not_plain(type(value)))
+    return value
+
+
+class _EnvClassCheck(pickle.Pickler):
+    """Pickles a value, raising `NotPlainData` at any object, class or function of the env module
+    (deeper than `plain_data` looks: in a set, an attribute): the trainer could not unpickle it."""
+
+    def __init__(self, file: io.BytesIO, module_name: str):
+        super().__init__(file)
+        self.module_name = module_name
+
+    def reducer_override(self, obj: Any) -> Any:
+        for kind in (type(obj), obj):
+            if isinstance(kind, (type, types.FunctionType)) and getattr(kind, "__module__", None) == self.module_name:
+                raise NotPlainData(_not_plain(kind))
+        return NotImplemented
+
+
+def _not_plain(kind: Any) -> str:
+    what = "class" if isinstance(kind, type) else "function"
+    return (f"a {kind.__qualname__} (a {what} defined in the env file, which cannot leave its env worker process): "
+            "return plain data (numbers, str, lists, dicts)")
 
 
 async def _awaited(awaitable: Any) -> Any:
