@@ -229,3 +229,37 @@ def test_a_game_at_the_sequence_length_limit_is_scored(tmp_path):
     assert trajectory.truncated and trajectory.errors == [] and 1 <= trajectory.turns < 4
     assert trajectory.step_rewards[0] == -1.0 and trajectory.reward == sum(trajectory.step_rewards)
     assert len(trajectory.step_rewards) == trajectory.turns
+
+
+FAILING_GAME = '''
+class Game:
+    def __init__(self, fails):
+        self.fails = fails
+
+    def reset(self):
+        if self.fails == "reset":
+            raise KeyError("no board")
+        return "go"
+
+    async def step(self, action):
+        raise RuntimeError("the move broke")
+
+
+def make_env(row):
+    if row["answer"] == "make_env":
+        raise ValueError("no such game")
+    return Game(row["answer"])
+'''
+
+
+@pytest.mark.parametrize("fails, error", [("make_env", "make_env raised ValueError: no such game"),
+                                          ("reset", "reset raised KeyError: 'no board'"),
+                                          ("step", "step raised RuntimeError: the move broke")])
+def test_a_failure_names_the_function_of_the_env_file_that_raised(tmp_path, fails, error):
+    """make_env, reset or step: the error names the one that raised, not the rl2 call that drove it (nor reward_fn)."""
+    env = write(tmp_path, FAILING_GAME)
+    try:
+        trajectory = play(env, ["a move"], answer=fails)
+    finally:
+        env.close()
+    assert trajectory.reward is None and trajectory.errors == [error]

@@ -58,7 +58,7 @@ from typing import Any, Callable, Iterator
 from rl2.chat.tools import Tool, ToolUnavailable, argument_problem, environment_tools, tools_from_entries
 from rl2.config import RolloutConfig
 from rl2.coroutines import run_coroutine
-from rl2.rollout.gym_env import GymEpisode
+from rl2.rollout.gym_env import GymCallFailed, GymEpisode
 from rl2.rollout.env_file import (  # noqa: F401  (EnvArgs, EnvError: env files and callers import them from here)
     EnvArgs,
     EnvError,
@@ -337,6 +337,7 @@ class Env:
                     if inspect.isawaitable(result):
                         run_coroutine(lambda: result)
             except Exception as exc:  # noqa: BLE001 - closing must not fail the step
+                _, exc = _what_raised("close", exc)
                 logger.warning("env %s: close() of a stateful environment raised %s", self.path,
                                describe_exception(exc))
 
@@ -356,7 +357,8 @@ class Env:
             except asyncio.TimeoutError:
                 return EnvResult(None, f"{name} timed out after {self.timeout}s")
             except Exception as exc:
-                error = f"{name} raised {describe_exception(exc)}"
+                function, exc = _what_raised(name, exc)
+                error = f"{function} raised {describe_exception(exc)}"
                 logger.warning("env %s: %s%s", self.path, error, where(exc, self.path))
                 return EnvResult(None, error)
 
@@ -476,6 +478,7 @@ class Env:
                 result = await result
             return _Outcome(result)
         except Exception as exc:
+            name, exc = _what_raised(name, exc)
             return _Outcome(error=f"{name} raised {describe_exception(exc)}", note=where(exc, self.path),
                             unavailable=isinstance(exc, ToolUnavailable))
 
@@ -563,6 +566,14 @@ def _keyword_call(function: Callable) -> Callable:
             return await function(**arguments)
         return call_async
     return lambda arguments: function(**arguments)
+
+
+def _what_raised(name: str, exc: Exception) -> tuple[str, Exception]:
+    """The function of the env file that raised and its exception: a gym-style environment's `make_env`,
+    `reset` or `step` (`GymCallFailed`) rather than the call of rl2's that drove it; else `name`, `exc`."""
+    if isinstance(exc, GymCallFailed) and isinstance(exc.__cause__, Exception):
+        return exc.function, exc.__cause__
+    return name, exc
 
 
 def _is_async(fn: Callable) -> bool:

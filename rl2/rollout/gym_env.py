@@ -21,8 +21,18 @@ each step's reward is kept in the dumps (`step_rewards`). rl2 runs these as it r
 instances: `GymEpisode` is one.
 """
 
+import contextlib
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+
+class GymCallFailed(Exception):
+    """The env file's `function` (`make_env`, or its environment's `reset` / `step` / `close`) raised
+    `__cause__`: the error names it, not the rl2 call that drove it."""
+
+    def __init__(self, function: str):
+        super().__init__(function)
+        self.function = function
 
 
 class GymEpisode:
@@ -37,24 +47,31 @@ class GymEpisode:
 
     def reset(self, messages: list[dict], answer: Any = None, **row) -> Any:
         """Make the environment and reset it: its observation as a user message's text (or messages)."""
-        made = self.make_env({**row, "messages": messages, "answer": answer})
+        with _naming("make_env"):
+            made = self.make_env({**row, "messages": messages, "answer": answer})
         if inspect.isawaitable(made):
             async def finish() -> Any:
-                self.env = await made
-                return await _observed(self.env.reset())
+                with _naming("make_env"):
+                    self.env = await made
+                with _naming("reset"):
+                    return await _observed(self.env.reset())
             return finish()
         self.env = made
-        observation = self.env.reset()
+        with _naming("reset"):
+            observation = self.env.reset()
         if inspect.isawaitable(observation):
-            return _observed(observation)
+            return _named("reset", _observed(observation))
         return _observation(observation)
 
     def step(self, action: str) -> Any:
         """The environment's step on the turn's text: the next user message(s), [] once done."""
-        result = self.env.step(action)
+        with _naming("step"):
+            result = self.env.step(action)
         if inspect.isawaitable(result):
             async def finish() -> list[dict]:
-                return self._take(await result)
+                with _naming("step"):
+                    taken = await result
+                return self._take(taken)
             return finish()
         return self._take(result)
 
@@ -64,7 +81,11 @@ class GymEpisode:
 
     def close(self) -> Any:
         close = getattr(self.env, "close", None)
-        return close() if close is not None else None
+        if close is None:
+            return None
+        with _naming("close"):
+            result = close()
+        return _named("close", result) if inspect.isawaitable(result) else result
 
     def _take(self, result: Any) -> list[dict]:
         if not isinstance(result, tuple) or len(result) not in (4, 5):
@@ -78,6 +99,22 @@ class GymEpisode:
         if self.done:
             return []
         return _messages(_observation(observation))
+
+
+@contextlib.contextmanager
+def _naming(function: str) -> Iterator[None]:
+    """Re-raises an exception of the env file's code as `GymCallFailed(function)`."""
+    try:
+        yield
+    except GymCallFailed:
+        raise
+    except Exception as exc:
+        raise GymCallFailed(function) from exc
+
+
+async def _named(function: str, awaitable: Any) -> Any:
+    with _naming(function):
+        return await awaitable
 
 
 async def _observed(observation: Any) -> Any:
