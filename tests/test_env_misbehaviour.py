@@ -3,6 +3,8 @@ raises, a huge tool result, a leaking function, daemons it starts, and a call th
 
 import time
 
+import pytest
+
 from rl2.rollout.env import Env
 
 
@@ -48,3 +50,61 @@ def test_results_of_the_env_files_own_classes_are_plain_data_or_a_clear_error(tm
         (again,) = env.rewards([reply("x")], ["a"])  # the worker is fine
     assert scored.value == 0.75 and type(scored.value) is float and scored.error is None and again.value == 0.75
     assert interacted.value == [] and "interact returned a Reply (a class defined in the env file" in interacted.error
+
+
+# A tool result far past what fits: 10 MB of text, of which a few hundred tokens are kept.
+HUGE_RESULT_ENV = '''
+def dump(what: str) -> str:
+    """Dump a log.
+
+    Args:
+        what: which log
+    """
+    return "the log says hello world " * 400_000
+
+
+TOOLS = [dump]
+
+
+def interact(messages):
+    return [{"role": "tool", "content": "the log says hello world " * 400_000}]
+
+
+def reward_fn(messages, answer):
+    return float(len(messages[-1]["content"]) < 100_000)
+'''
+
+HUGE_CALL = '<tool_call>\n{"name": "dump", "arguments": {"what": "all"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("by", ["tools", "interact"])
+def test_a_huge_tool_result_is_cut_to_the_room_left_before_it_is_tokenised(tmp_path, by):
+    from rl2.chat.tool_parsers import get_tool_parser
+    from rl2.data.chat_template import render_chat
+    from rl2.engines import SamplingParams
+    from rl2.rollout.multi_turn import ToolCalling, observation_tokens, rollout
+    from rl2.testing.tiny import build_tiny_tokenizer
+    from scripted_engine import ScriptedEngine
+
+    tokenizer = build_tiny_tokenizer()
+    source = HUGE_RESULT_ENV if by == "tools" else HUGE_RESULT_ENV.replace("TOOLS = [dump]", "")
+    messages = [{"role": "user", "content": "What do the logs say?"}]
+    prompt_ids = tokenizer(render_chat(messages, tokenizer, True), add_special_tokens=False)["input_ids"]
+    with Env(write(tmp_path, "huge_env.py", source), workers=1, timeout=30.0) as env:
+        calling = ToolCalling(get_tool_parser("hermes")) if by == "tools" else None
+        engine = ScriptedEngine(tokenizer, lambda text: HUGE_CALL)
+        start = time.monotonic()
+        (trajectory,) = rollout(engine, env, tokenizer, [{"prompt_ids": prompt_ids, "messages": messages, "answer": ""}],
+                                1, SamplingParams(max_new_tokens=64), max_turns=3, max_length=600, tool_calling=calling)
+        seconds = time.monotonic() - start
+    assert seconds < 5.0, f"the rollout took {seconds:.1f} s"  # 37 s before the cut (2 shared cores)
+    assert trajectory.truncated and trajectory.done and len(trajectory.token_ids) == 600 and not trajectory.errors
+    tool = trajectory.messages[-1]
+    assert tool["role"] == "tool" and 2_000 < len(tool["content"]) < 1_000_000  # cut, and not to less than was seen
+    # the tokens kept are those the whole result would have given
+    turn_end = trajectory.messages.index(tool)
+    reference = [{**tool, "content": "the log says hello world " * 20_000}]
+    assistant_end = max(i for i, m in enumerate(trajectory.action_mask) if m == 1) + 1
+    expected = observation_tokens(tokenizer, trajectory.token_ids[:assistant_end], trajectory.messages[:turn_end],
+                                  reference, True, None)
+    assert trajectory.token_ids[assistant_end:] == expected[: 600 - assistant_end]

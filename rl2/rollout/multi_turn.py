@@ -39,6 +39,8 @@ from rl2.engines import Engine, Generation, SamplingParams, Turn
 from rl2.rollout.env import Env, EnvResult, Interactions, ToolResult
 from rl2.rollout.trajectory import Trajectory
 
+CHARS_PER_TOKEN = 32  # characters kept per token of room when a message is cut before tokenising: more than any token spans
+
 logger = logging.getLogger(__name__)
 
 
@@ -386,11 +388,12 @@ def _append_observation(
     if trajectory.turn_starts is not None:
         _start_turn_sequence(trajectory, new_messages, tokenizer, max_length)
         return
+    new_messages, cut = _cut_to_room(new_messages, _room(trajectory, max_length))
     tokens = observation_tokens(tokenizer, trajectory.token_ids, trajectory.messages, new_messages, apply_chat_template,
                                 trajectory.tools)
     trajectory.messages.extend(new_messages)
     room = _room(trajectory, max_length)
-    if len(tokens) >= room:
+    if len(tokens) >= room or cut:
         # No room left to answer after the tool output: the episode ends at the limit.
         tokens = tokens[: max(room, 0)]
         trajectory.truncated = True
@@ -402,14 +405,26 @@ def _append_observation(
         trajectory.versions += [-1] * len(tokens)
 
 
+def _cut_to_room(new_messages: list[dict], room: int) -> tuple[list[dict], bool]:
+    """`new_messages` with each content cut to `CHARS_PER_TOKEN` characters a token of the `room` left,
+    before they are tokenised (a 10 MB tool result would take half a minute and gigabytes to tokenise, for
+    the few thousand tokens kept); and whether any was cut (then the sequence is full: the episode ends)."""
+    limit = max(room, 0) * CHARS_PER_TOKEN
+    if all(not isinstance(m.get("content"), str) or len(m["content"]) <= limit for m in new_messages):
+        return new_messages, False
+    return [{**m, "content": m["content"][:limit]} if isinstance(m.get("content"), str) else m
+            for m in new_messages], True
+
+
 def _start_turn_sequence(trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None) -> None:
     """Per turn: the next turn's sequence begins with the template's rendering of the whole conversation,
     `new_messages` and the generation prompt included. One that leaves no room to generate is not begun:
     the episode ends at the limit."""
+    new_messages, cut = _cut_to_room(new_messages, 2**62 if max_length is None else max_length)
     trajectory.messages.extend(new_messages)
     text = render_chat(trajectory.messages, tokenizer, True, trajectory.tools)
     tokens = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if max_length is not None and len(tokens) >= max_length:
+    if max_length is not None and (len(tokens) >= max_length or cut):
         trajectory.truncated = True
         trajectory.done = True
         return
