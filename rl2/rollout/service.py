@@ -102,7 +102,7 @@ class RolloutService(RolloutRecords):
         if agent or self.rl2_head:
             from rl2.serve.openai_server import OpenAIServer
 
-            self.server = OpenAIServer(tokenizer, config.actor.model_name)
+            self.server = OpenAIServer(tokenizer, config.actor.model_name, config.rollout.agent_max_request_mb)
         self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
 
     def generate(

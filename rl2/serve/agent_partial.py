@@ -118,8 +118,12 @@ class AgentPartialRollout:
                 firsts = self.rollout.slots.start(slots, version)
                 if self._on_loop(self._reached):  # reached while the call was set up
                     self.rollout.slots.pause()
-                service.engine.generate_turns(firsts, params, self.rollout.slots.on_generation,
-                                              config.rollout.max_turns)
+                try:
+                    service.engine.generate_turns(firsts, params, self.rollout.slots.on_generation,
+                                                  config.rollout.max_turns)
+                except BaseException as error:  # every request waiting on the engine fails with it, none hangs
+                    self.rollout.slots.fail(error)
+                    raise
             trained = self._on_loop(self._take_trained)
         if release_after:
             service.engine.sleep()

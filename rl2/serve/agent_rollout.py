@@ -20,6 +20,7 @@ saying so.
 import asyncio
 import inspect
 import logging
+import numbers
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ from rl2.rollout.env import Env
 from rl2.rollout.env_file import EnvArgs, EnvError, describe_exception, load_env_file, where
 from rl2.rollout.multi_turn import assign_rewards
 from rl2.rollout.trajectory import Trajectory
-from rl2.serve.openai_server import OpenAIServer
+from rl2.serve.openai_server import OpenAIServer, finite_reward
 from rl2.serve.session import AgentSession
 
 logger = logging.getLogger(__name__)
@@ -147,10 +148,14 @@ def _take_reward(session: AgentSession, result: Any, path: str) -> None:
         if session.reward is None and not session.at_request_limit:
             session.errors.append(f"agent {path}: run returned no reward and none was posted to /rl/reward")
         return
-    if isinstance(result, bool) or not isinstance(result, (int, float)):
+    if isinstance(result, bool) or not isinstance(result, numbers.Real):
         session.errors.append(f"agent {path}: run returned {type(result).__name__}, not a number")
         return
-    session.reward = float(result)
+    reward = finite_reward(result)
+    if reward is None:  # NaN or inf would make the loss NaN: the trajectory's env error instead
+        session.errors.append(f"agent {path}: run returned a reward of {result!r:.40}, expected a finite number")
+        return
+    session.reward = reward
 
 
 def agent_trajectory(session: AgentSession, row: dict, group: int, version: int) -> Trajectory:

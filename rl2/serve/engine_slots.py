@@ -59,6 +59,7 @@ class EngineSlots:
         self._paused = True
         self._version = 0
         self._next_id = 0
+        self._failed: BaseException | None = None  # the error the current engine call ended with
         self.replay_mismatches = 0  # restored slots whose agent asked for something else than it logged
 
     def add(self, count: int) -> list[int]:
@@ -81,7 +82,7 @@ class EngineSlots:
         firsts: list[FirstTurn] = []
         filled: list[tuple[Future, Served]] = []
         with self._lock:
-            self._order, self._version, self._paused = list(ids), version, False
+            self._order, self._version, self._paused, self._failed = list(ids), version, False, None
             for slot_id in ids:
                 slot = self._slots[slot_id]
                 if slot.current is not None and not slot.drawn:  # handed out as the pause came: never begun
@@ -106,11 +107,15 @@ class EngineSlots:
         """A future of the generation of `turn`, queued behind the slot's earlier requests (and, while the
         engine is paused, until the next `start`)."""
         result: Future = Future()
+        result.set_running_or_notify_cancel()  # a request whose client gave up is still generated: never cancelled
         start = None
         with self._lock:
             slot = self._slots[slot_id]
             if slot.closed:
                 raise RuntimeError(f"slot {slot_id} is closed: its agent is done")
+            if self._failed is not None:  # no engine will generate it
+                result.set_exception(self._failed)
+                return result
             replayed = self._replayed(slot, turn)
             if isinstance(replayed, Served):
                 result.set_result(replayed)
@@ -217,6 +222,22 @@ class EngineSlots:
         for future in ending:
             if not future.done():
                 future.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        """The engine call raised `error`: every request given to it or waiting fails with it, as does every
+        request made before the next `start`, so that no agent waits for a generation that will not come."""
+        with self._lock:
+            self._failed = error
+            pending = []
+            for slot in self._slots.values():
+                if slot.current is not None:
+                    pending.append(slot.current[1])
+                pending += [result for _, result in slot.waiting]
+                slot.current, slot.drawn = None, []
+                slot.waiting.clear()
+        for result in pending:
+            if not result.done():
+                result.set_exception(error)
 
     def close(self, slot_id: int) -> None:
         """The slot's agent is done: once its queued requests are generated, the engine lets it go."""

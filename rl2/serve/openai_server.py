@@ -8,11 +8,19 @@ and an unknown key is refused (401). Generation uses the run's sampling paramete
 `temperature`, `top_p` or `stop` would make the behaviour policy another one than the one trained: they
 are ignored and counted); a request's `max_tokens` is honoured. vLLM's `return_token_ids` extension
 returns the prompt's and the completion's token ids.
+
+What the server refuses, so that no request of one agent can end the run or stall the others: a body past
+`max_request_mb` (413), any request but `/v1/models` without its trajectory's key (401), token ids outside
+the vocabulary (400, before they reach the engine), a request whose `n` generations would pass the
+trajectory's request limit (400, none generated), a reward that is not a finite number (400). A reply
+its client never received (it disconnected, or the request failed after generating) is not trained.
 """
 
 import asyncio
 import json
 import logging
+import math
+import numbers
 import secrets
 import threading
 import time
@@ -25,7 +33,7 @@ from aiohttp import web
 
 from rl2.engines import Engine, Generation, SamplingParams, Turn
 from rl2.serve.engine_slots import EngineSlots, Served
-from rl2.serve.session import AgentSession, Plan, RequestError, openai_messages
+from rl2.serve.session import AgentSession, Kept, Plan, RequestError, openai_messages
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +44,10 @@ SGLANG_PARSERS = {"qwen25": "hermes", "qwen": "hermes", "qwen3": "hermes", "llam
 # Request fields that choose how to sample: the run's own sampling parameters are used instead.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "presence_penalty", "frequency_penalty", "seed",
                    "logit_bias", "min_p", "repetition_penalty")
+
+# A request body longer than this is parsed (and its prompt rendered) in a worker thread, off the event loop
+# that serves every session of the rank.
+OFF_LOOP_BYTES = 64 * 1024
 
 
 @dataclass
@@ -59,8 +71,12 @@ class Rollout:
 class OpenAIServer:
     """The server, on an event loop of its own thread; `open` makes a rollout's sessions reachable."""
 
-    def __init__(self, tokenizer, model_name: str = "rl2-policy"):
+    def __init__(self, tokenizer, model_name: str = "rl2-policy", max_request_mb: float = 4.0):
+        if not max_request_mb > 0:
+            raise ValueError(f"rollout.agent_max_request_mb must be a positive number of MB, not {max_request_mb!r}")
         self.tokenizer, self.model_name = tokenizer, model_name
+        self.max_request_bytes = int(max_request_mb * 2**20)  # a longer body is refused (413)
+        self.vocab_size = len(tokenizer)  # token ids a request may hold: 0 to vocab_size - 1
         self.sessions: dict[str, tuple[Rollout, int, AgentSession]] = {}  # by API key: its rollout, slot, session
         self.max_length: int | None = None
         self.loop = asyncio.new_event_loop()
@@ -86,7 +102,7 @@ class OpenAIServer:
         self.loop.run_forever()
 
     async def _start(self) -> None:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=self.max_request_bytes)
         app.add_routes([
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/completions", self.completions),
@@ -103,7 +119,8 @@ class OpenAIServer:
             web.get("/s/{key}/list_workers", self.list_workers),
             web.post("/s/{key}/parse_function_call", self.parse_function_call),
         ])
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # handler_cancellation: a client that disconnects cancels its handler, which drops what it generated
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -178,8 +195,12 @@ class OpenAIServer:
         """Generate the requests of `slots` with `engine` (policy `version`) until each slot's episode ends,
         or until `rollout.slots.pause()`."""
         rollout.version = version
-        engine.generate_turns(rollout.slots.start(slots, version), rollout.params, rollout.slots.on_generation,
-                              rollout.max_requests + rollout.served_requests)
+        try:
+            engine.generate_turns(rollout.slots.start(slots, version), rollout.params, rollout.slots.on_generation,
+                                  rollout.max_requests + rollout.served_requests)
+        except BaseException as error:  # every request waiting on the engine fails with it, none hangs
+            rollout.slots.fail(error)
+            raise
 
     def serve_rollout(self, engine: Engine, sessions: list[AgentSession], episode: Callable[[int, str], Awaitable],
                       params: SamplingParams, version: int, max_requests: int,
@@ -207,25 +228,56 @@ class OpenAIServer:
         return self.sessions[key]
 
     async def _body(self, request: web.Request) -> dict:
+        """The request's JSON object: 413 past `max_request_bytes`; a long one parsed off the event loop."""
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _Refused(413, "request_too_large", f"the request body is larger than "
+                           f"{self.max_request_bytes / 2**20:g} MB (rollout.agent_max_request_mb)") from None
+        try:
+            if len(raw) > OFF_LOOP_BYTES:
+                body = await asyncio.get_running_loop().run_in_executor(None, json.loads, raw)
+            else:
+                body = json.loads(raw)
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, an integer past Python's limit, too deep
             raise _Refused(400, "invalid_request_error", "the request body is not JSON") from None
         if not isinstance(body, dict):
             raise _Refused(400, "invalid_request_error", "the request body must be a JSON object")
         return body
 
-    async def _generate(self, rollout: Rollout, slot: int, session: AgentSession, plan: Plan,
-                        max_tokens: int | None, served: bool = False) -> Served | None:
-        """The generation of `plan` in its trajectory's slot; None where no token fits the length limit.
-        `served`: a completion served, not trained (no turn: `Rollout.served_requests`)."""
-        if served and rollout.served.get(slot, 0) >= rollout.served_requests:
-            raise _Refused(400, "invalid_request_error",
-                           f"this trajectory made its {rollout.served_requests} completions of its own")
-        if not served and session.requests_started >= rollout.max_requests:
+    def _token_ids(self, value, name: str) -> list[int]:
+        """`value` as a prompt's token ids: a non-empty list of ints of the vocabulary; RequestError naming the
+        first that is not (the engine would fail on it, with every request of the rank)."""
+        if not isinstance(value, list) or not value:
+            raise RequestError(f"'{name}' must be a non-empty list of token ids")
+        for token in value:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise RequestError(f"'{name}' holds {token!r:.40}, which is not a token id of this model: the "
+                                   f"vocabulary has {self.vocab_size} tokens (ids 0 to {self.vocab_size - 1})")
+        return list(value)
+
+    @staticmethod
+    def _reserve(rollout: Rollout, slot: int, session: AgentSession, n: int, served: bool) -> None:
+        """Count `n` generations against the trajectory's limits before any is generated: a request that would
+        pass one is refused whole, so that no generation its agent never receives is trained."""
+        if served:
+            if rollout.served.get(slot, 0) + n > rollout.served_requests:
+                raise _Refused(400, "invalid_request_error",
+                               f"this trajectory made its {rollout.served_requests} completions of its own")
+            rollout.served[slot] = rollout.served.get(slot, 0) + n
+            return
+        if session.requests_started + n > rollout.max_requests:
             session.at_request_limit = True  # the episode ends here, scored as it stands (`score_unrewarded`)
+            left = rollout.max_requests - session.requests_started
+            more = f" ({left} left, {n} asked with 'n')" if 0 < left < n else ""
             raise _Refused(400, "invalid_request_error",
-                           f"this trajectory made its {rollout.max_requests} requests (rollout.max_turns)")
+                           f"this trajectory made its {rollout.max_requests} requests (rollout.max_turns){more}")
+        session.requests_started += n
+
+    async def _generate(self, rollout: Rollout, slot: int, session: AgentSession, plan: Plan,
+                        max_tokens: int | None) -> Served | None:
+        """The generation of `plan` in its trajectory's slot (counted by `_reserve` beforehand); None where no
+        token fits the length limit; 500 where the engine failed."""
         room = rollout.params.max_new_tokens
         if max_tokens is not None:
             room = min(room, max_tokens)
@@ -234,13 +286,33 @@ class OpenAIServer:
         if room < 1:
             session.truncated = True
             return None
-        if served:
-            rollout.served[slot] = rollout.served.get(slot, 0) + 1
-        else:
-            session.requests_started += 1
-        return await asyncio.wrap_future(rollout.slots.submit(slot, Turn(plan.prompt_ids, room)))
+        try:
+            return await asyncio.wrap_future(rollout.slots.submit(slot, Turn(plan.prompt_ids, room)))
+        except Exception as error:  # noqa: BLE001 - the engine call failed (`EngineSlots.fail`)
+            raise _Refused(500, "engine_error", f"the engine failed: {type(error).__name__}: {error}"[:500]) from None
+
+    async def _plan(self, session: AgentSession, messages: list[dict], tools: list[dict] | None, large: bool) -> Plan:
+        """`session.plan`, rendered and tokenised off the event loop for a large request."""
+        if large:
+            return await asyncio.to_thread(session.plan, messages, tools)
+        return session.plan(messages, tools)
+
+    async def _send(self, request: web.Request, response: web.StreamResponse, session: AgentSession,
+                    kept: list[Kept]) -> web.StreamResponse:
+        """Send `response` from the handler: where the client is gone before it has it all, the generations
+        the request kept are dropped (nothing the agent never received is trained)."""
+        try:
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the client disconnected")
+            await response.prepare(request)
+            await response.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            session.drop(kept)
+            raise
+        return response
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        kept: list[Kept] = []  # what this request's generations changed in its session, dropped if not delivered
         try:
             rollout, slot, session = self._session(request)
             body = await self._body(request)
@@ -248,21 +320,27 @@ class OpenAIServer:
             tools = _tools(body)
             n, max_tokens = _count(body, "n", 1), _max_tokens(body)
             _count_ignored(rollout, body)
+            large = (request.content_length or 0) > OFF_LOOP_BYTES
             choices, prompt_ids = [], []
+            self._reserve(rollout, slot, session, n, "key" in request.match_info)
             for index in range(n):
-                plan = session.plan(messages, tools)
+                plan = await self._plan(session, messages, tools, large)
                 prompt_ids = plan.prompt_ids
-                served = await self._generate(rollout, slot, session, plan, max_tokens, "key" in request.match_info)
+                served = await self._generate(rollout, slot, session, plan, max_tokens)
                 if served is None:
                     choices.append(({"role": "assistant", "content": ""}, "length", [], []))
                     continue
                 generation = served.generation
-                message, finish = session.record(plan, generation, served.versions, rollout.stop_ids)
+                message, finish = session.record(plan, generation, served.versions, rollout.stop_ids, kept)
                 choices.append((message, finish, list(generation.token_ids), list(generation.logprobs)))
         except _Refused as refused:
             return refused.response()
         except RequestError as error:
             return _Refused(400, "invalid_request_error", str(error)).response()
+        except BaseException:  # the client disconnected (the handler is cancelled), or an error: nothing delivered
+            if kept:
+                session.drop(kept)
+            raise
         reply = {
             "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model") or self.model_name,
@@ -272,8 +350,8 @@ class OpenAIServer:
         if body.get("return_token_ids"):
             reply["prompt_token_ids"] = prompt_ids
         if body.get("stream"):
-            return await self._stream(request, reply, body)
-        return web.json_response(reply)
+            return await self._stream(request, reply, body, session, kept)
+        return await self._send(request, web.json_response(reply), session, kept)
 
     def _choice(self, index: int, message: dict, finish: str, token_ids: list[int], logprobs: list[float],
                 body: dict) -> dict:
@@ -296,8 +374,17 @@ class OpenAIServer:
         return [{"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
                 for text, logprob in zip(texts, logprobs)]
 
-    async def _stream(self, request: web.Request, reply: dict, body: dict) -> web.StreamResponse:
-        """The finished reply as server-sent chunks (the engine does not stream tokens)."""
+    async def _stream(self, request: web.Request, reply: dict, body: dict, session: AgentSession,
+                      kept: list[Kept]) -> web.StreamResponse:
+        """The finished reply as server-sent chunks (the engine does not stream tokens); where the client is
+        gone before the last, the request's generations are dropped."""
+        try:
+            return await self._chunks(request, reply, body)
+        except (ConnectionError, asyncio.CancelledError):
+            session.drop(kept)
+            raise
+
+    async def _chunks(self, request: web.Request, reply: dict, body: dict) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         base = {key: reply[key] for key in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
@@ -323,28 +410,29 @@ class OpenAIServer:
     async def completions(self, request: web.Request) -> web.Response:
         """Raw completion of a prompt (text or token ids), no chat template: a prompt that starts with one
         of the trajectory's sequences continues it."""
+        kept: list[Kept] = []  # what this request's generations changed in its session, dropped if not delivered
         try:
             rollout, slot, session = self._session(request)
             body = await self._body(request)
             prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                ids = list(prompt)
+                ids = await self._encode(prompt, (request.content_length or 0) > OFF_LOOP_BYTES)
+            elif isinstance(prompt, list):
+                ids = self._token_ids(prompt, "prompt")
             else:
                 raise RequestError("'prompt' must be a string or a list of token ids")
             _count_ignored(rollout, body)
-            choices = []
-            for index in range(_count(body, "n", 1)):
+            n, choices = _count(body, "n", 1), []
+            self._reserve(rollout, slot, session, n, "key" in request.match_info)
+            for index in range(n):
                 plan = session.plan_tokens(ids)
-                served = await self._generate(rollout, slot, session, plan, _max_tokens(body),
-                                              "key" in request.match_info)
+                served = await self._generate(rollout, slot, session, plan, _max_tokens(body))
                 generation = served.generation if served else None
                 tokens = list(generation.token_ids) if generation else []
                 if served is not None:
-                    session.record_tokens(plan, generation, served.versions)
+                    session.record_tokens(plan, generation, served.versions, kept)
                 choice = {"index": index, "text": self.tokenizer.decode(tokens, skip_special_tokens=False),
                           "finish_reason": generation.finish_reason if generation else "length", "logprobs": None}
                 if body.get("return_token_ids"):
@@ -354,12 +442,22 @@ class OpenAIServer:
             return refused.response()
         except RequestError as error:
             return _Refused(400, "invalid_request_error", str(error)).response()
+        except BaseException:  # the client disconnected (the handler is cancelled), or an error: nothing delivered
+            if kept:
+                session.drop(kept)
+            raise
         reply = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                  "model": body.get("model") or self.model_name, "choices": choices,
                  "usage": _usage(len(ids), sum(len(c.get("token_ids", [])) for c in choices))}
         if body.get("return_token_ids"):
             reply["prompt_token_ids"] = ids
-        return web.json_response(reply)
+        return await self._send(request, web.json_response(reply), session, kept)
+
+    async def _encode(self, text: str, large: bool) -> list[int]:
+        """The token ids of `text` (no special tokens added), tokenised off the event loop when `large`."""
+        if large:
+            return await asyncio.to_thread(lambda: list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     async def responses(self, request: web.Request) -> web.Response:
         """The Responses API is not served: refused in OpenAI's shape, saying what to use (a bare 404 leaves
@@ -389,9 +487,10 @@ class OpenAIServer:
             body = await self._body(request)
             ids = body.get("input_ids")
             if ids is None and isinstance(body.get("text"), str):
-                ids = list(self.tokenizer(body["text"], add_special_tokens=False)["input_ids"])
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                ids = await self._encode(body["text"], (request.content_length or 0) > OFF_LOOP_BYTES)
+            if not isinstance(ids, list) or not ids:
                 raise RequestError("'input_ids' must be a non-empty list of token ids (or give 'text')")
+            ids = self._token_ids(ids, "input_ids")
             sampling = body.get("sampling_params") or {}
             differing = {name: value for name, value in sampling.items()
                          if name in ("temperature", "top_p", "top_k") and value != getattr(rollout.params, name)}
@@ -401,6 +500,7 @@ class OpenAIServer:
                 meta = {"id": uuid.uuid4().hex, "finish_reason": {"type": "abort"}, "prompt_tokens": len(ids),
                         "completion_tokens": 0}
                 return web.json_response({"text": "", "output_ids": [], "meta_info": meta})
+            self._reserve(rollout, slot, session, 1, False)
             served = await self._generate(rollout, slot, session, Plan([], None, list(ids)),
                                           max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None)
             generation = served.generation if served else None
@@ -424,6 +524,7 @@ class OpenAIServer:
         from rl2.chat.tool_parsers import get_tool_parser
 
         try:
+            self._session(request)
             body = await self._body(request)
             name = SGLANG_PARSERS.get(body.get("tool_call_parser"), body.get("tool_call_parser"))
             try:
@@ -443,21 +544,27 @@ class OpenAIServer:
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's `/tokenize`: the token ids of `prompt`, or of `messages` through the chat template."""
         try:
+            self._session(request)  # it costs work: a trajectory's key only
             body = await self._body(request)
+            large = (request.content_length or 0) > OFF_LOOP_BYTES
             if "messages" in body:
                 from rl2.data.chat_template import render_chat
 
-                text = render_chat(openai_messages(body["messages"]), self.tokenizer,
-                                   bool(body.get("add_generation_prompt", True)), _tools(body))
+                messages, tools = openai_messages(body["messages"]), _tools(body)
+                generation_prompt = bool(body.get("add_generation_prompt", True))
+                if large:
+                    text = await asyncio.to_thread(render_chat, messages, self.tokenizer, generation_prompt, tools)
+                else:
+                    text = render_chat(messages, self.tokenizer, generation_prompt, tools)
             elif isinstance(body.get("prompt"), str):
                 text = body["prompt"]
             else:
                 raise RequestError("give 'prompt' (a string) or 'messages'")
+            tokens = await self._encode(text, large)
         except _Refused as refused:
             return refused.response()
         except RequestError as error:
             return _Refused(400, "invalid_request_error", str(error)).response()
-        tokens = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         max_length = self.max_length
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": max_length})
 
@@ -466,14 +573,14 @@ class OpenAIServer:
         try:
             _, _, session = self._session(request)
             body = await self._body(request)
-            value = body.get("reward")
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise RequestError("'reward' must be a number")
+            value = finite_reward(body.get("reward"))
+            if value is None:
+                raise RequestError(f"'reward' must be a finite number, not {body.get('reward')!r:.40}")
         except _Refused as refused:
             return refused.response()
         except RequestError as error:
             return _Refused(400, "invalid_request_error", str(error)).response()
-        session.reward = float(value)
+        session.reward = value
         return web.json_response({"ok": True})
 
 
@@ -485,9 +592,21 @@ class _Refused(Exception):
         self.status, self.code, self.message = status, code, message
 
     def response(self) -> web.Response:
-        kind = "authentication_error" if self.status == 401 else "invalid_request_error"
+        kind = ("authentication_error" if self.status == 401 else "server_error" if self.status >= 500
+                else "invalid_request_error")
         return web.json_response({"error": {"message": self.message, "type": kind, "param": None, "code": self.code}},
                                  status=self.status)
+
+
+def finite_reward(value) -> float | None:
+    """`value` as a reward: a finite real number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        reward = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return reward if math.isfinite(reward) else None
 
 
 def _tools(body: dict) -> list[dict] | None:

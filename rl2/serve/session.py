@@ -48,6 +48,22 @@ class AgentSequence:
 
 
 @dataclass
+class Kept:
+    """What keeping one generation changed in a session, so that it can be dropped again (`AgentSession.drop`):
+    a reply its agent never received is not trained."""
+
+    sequence: AgentSequence
+    new: bool  # the generation began this sequence
+    start: int  # the sequence's length before it (its prompt's new part, then the generation)
+    end: int  # and after it
+    messages: list[dict]  # the sequence's messages before it
+    calls_made: int
+    reused: int
+    rendered: int
+    truncated: bool  # the session's `truncated` before it
+
+
+@dataclass
 class Plan:
     """What a request is generated from: its prompt ids, and the sequence it continues (None: a new
     one), as that sequence stood when the request came."""
@@ -160,34 +176,67 @@ class AgentSession:
                             reused=len(sequence.token_ids))
         return Plan(messages, None, list(prompt_ids))
 
-    def record_tokens(self, plan: Plan, generation: Generation, versions: list[int]) -> None:
-        """Keep a finished raw completion of `plan` (`versions`: the policy version of each token)."""
-        sequence = self._keep(plan, generation, versions)
+    def record_tokens(self, plan: Plan, generation: Generation, versions: list[int],
+                      kept: list[Kept] | None = None) -> None:
+        """Keep a finished raw completion of `plan` (`versions`: the policy version of each token); what that
+        changed is appended to `kept` (for `drop`)."""
+        sequence = self._keep(plan, generation, versions, kept)
         text = self.tokenizer.decode(generation.token_ids, skip_special_tokens=False)
         sequence.messages = copy.deepcopy(plan.messages) + [{"role": "assistant", "content": text}]
 
-    def _keep(self, plan: Plan, generation: Generation, versions: list[int]) -> AgentSequence:
-        """Append `plan`'s prompt (what is new of it) and its generation to the sequence they belong to."""
+    def _keep(self, plan: Plan, generation: Generation, versions: list[int],
+              kept: list[Kept] | None = None) -> AgentSequence:
+        """Append `plan`'s prompt (what is new of it) and its generation to the sequence they belong to; what
+        that changed is appended to `kept`."""
+        truncated = self.truncated
         self.requests += 1
         self.reused_tokens += plan.reused
         self.rendered_tokens += len(plan.prompt_ids) - plan.reused
         base = plan.base
         if base is not None and self.merge and len(base.token_ids) == plan.base_length:
-            sequence = base  # the conversation goes on: one sequence
+            sequence, new = base, False  # the conversation goes on: one sequence
+            undo = (sequence.messages, sequence.calls_made, len(sequence.token_ids))
             sequence.append(plan.prompt_ids[plan.base_length:], generated=False)
         else:  # a new request, a branch (n > 1, or two requests continuing one conversation), or each its own
-            sequence = AgentSequence(copy.deepcopy(plan.messages), plan.tools, calls_made=base.calls_made if base else 0)
+            sequence, new = AgentSequence(copy.deepcopy(plan.messages), plan.tools,
+                                          calls_made=base.calls_made if base else 0), True
+            undo = (sequence.messages, sequence.calls_made, 0)
             sequence.append(plan.prompt_ids, generated=False)
             self.sequences.append(sequence)
         sequence.append(list(generation.token_ids), generated=True, logprobs=list(generation.logprobs),
                         versions=list(versions))
         self.truncated |= generation.finish_reason == "length"
+        if kept is not None:
+            kept.append(Kept(sequence, new, undo[2], len(sequence.token_ids), undo[0], undo[1], plan.reused,
+                             len(plan.prompt_ids) - plan.reused, truncated))
         return sequence
 
-    def record(self, plan: Plan, generation: Generation, versions: list[int], stop_ids: set[int]) -> tuple[dict, str]:
+    def drop(self, kept: list[Kept]) -> None:
+        """Undo what keeping these generations changed (latest first): a reply that was never delivered (its
+        client disconnected, or the request failed after generating) is not trained. A sequence another
+        request has gone on with since is left as it is."""
+        for entry in reversed(kept):
+            self.requests -= 1
+            self.reused_tokens -= entry.reused
+            self.rendered_tokens -= entry.rendered
+            self.truncated = entry.truncated
+            sequence = entry.sequence
+            if len(sequence.token_ids) != entry.end:
+                continue
+            if entry.new:
+                self.sequences = [s for s in self.sequences if s is not sequence]
+                continue
+            for values in (sequence.token_ids, sequence.action_mask, sequence.logprobs, sequence.versions):
+                del values[entry.start:]
+            sequence.messages, sequence.calls_made = entry.messages, entry.calls_made
+        kept.clear()
+
+    def record(self, plan: Plan, generation: Generation, versions: list[int], stop_ids: set[int],
+               kept: list[Kept] | None = None) -> tuple[dict, str]:
         """Keep a finished generation of `plan` (`versions`: the policy version of each token); the assistant
-        message it becomes (tool calls parsed when the request had tools) and its finish reason."""
-        sequence = self._keep(plan, generation, versions)
+        message it becomes (tool calls parsed when the request had tools) and its finish reason. What keeping
+        it changed is appended to `kept` (for `drop`)."""
+        sequence = self._keep(plan, generation, versions, kept)
         tokens = list(generation.token_ids)
         # A stop token id, or another special token the engine stops on (a generation config's eos), as
         # `rl2.rollout.multi_turn` reads a turn: the template writes the end-of-turn token itself.
