@@ -108,3 +108,38 @@ def test_a_huge_tool_result_is_cut_to_the_room_left_before_it_is_tokenised(tmp_p
     expected = observation_tokens(tokenizer, trajectory.token_ids[:assistant_end], trajectory.messages[:turn_end],
                                   reference, True, None)
     assert trajectory.token_ids[assistant_end:] == expected[: 600 - assistant_end]
+
+
+# A reward function that leaks: each call keeps 40 MB for good.
+LEAKING_ENV = """
+import os
+
+KEPT = []
+
+
+def reward_fn(messages, answer):
+    KEPT.append(bytearray(40 * 1024 * 1024))
+    return float(os.getpid())
+"""
+
+
+def test_a_leaking_reward_fn_gets_a_fresh_worker_not_memory_errors_for_good(tmp_path):
+    """Under a 300 MB limit a worker holds 5 leaks at most: it is replaced when it nears the limit (or a call
+    runs out of memory), so every call but such a one scores, and the replacements are counted."""
+    path = write(tmp_path, "leaking_env.py", LEAKING_ENV)
+    with Env(path, workers=1, timeout=20.0, memory_mb=300) as env:
+        results = [env.rewards([reply("x")], ["a"])[0] for _ in range(16)]
+        faults = env.fault_counts()
+    failed = [r.error for r in results if r.error is not None]
+    assert len(failed) <= 2 and all("MemoryError" in error for error in failed)
+    assert results[-1].error is None and len({r.value for r in results if r.error is None}) >= 3  # fresh workers
+    assert faults.get("env_worker_restarts", 0) >= 2
+
+
+def test_env_workers_are_recycled_after_max_calls(tmp_path):
+    path = write(tmp_path, "pid_env.py", "import os\n\n\ndef reward_fn(messages, answer):\n    return float(os.getpid())\n")
+    with Env(path, workers=1, timeout=20.0, worker_max_calls=2) as env:
+        pids = [env.rewards([reply("x")], ["a"])[0].value for _ in range(5)]
+        faults = env.fault_counts()
+    assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4]
+    assert faults["env_worker_recycles"] == 2 and not faults.get("env_worker_restarts")

@@ -86,7 +86,7 @@ def test_a_crash_a_hang_in_c_and_a_memory_blow_up_each_cost_one_call(tmp_path):
         assert hang == "reward_fn timed out after 2.0s"
         assert allocate.startswith("reward_fn raised MemoryError: past the env worker's memory limit (512 MB")
         faults = env.fault_counts()
-        assert faults["env_worker_restarts"] == 2 and faults["env_worker_timeouts"] == 1  # the crash and the hang
+        assert faults["env_worker_restarts"] == 3 and faults["env_worker_timeouts"] == 1  # the crash, the hang, the memory
         # The replaced workers serve the next calls.
         assert [r.value for r in env.rewards([reply("x")] * 4, ["ok"] * 4)] == [1.0] * 4
     assert elapsed < 30

@@ -160,7 +160,8 @@ class Env:
     Each batch call runs all its calls concurrently (at most `concurrency` at once), each with a
     `timeout` in seconds, and returns results in input order. `workers`: env worker processes for
     the sync functions (None: `default_env_workers()`; 0: threads in this process), each limited to
-    `memory_mb` of memory (0: no limit); they start at the first sync call. Use it as a context
+    `memory_mb` of memory (0: no limit) and replaced after `worker_max_calls` calls (0: never) or when
+    one runs out of memory or nears its limit; they start at the first sync call. Use it as a context
     manager or call `close()` to stop the workers.
     """
 
@@ -175,6 +176,7 @@ class Env:
         memory_mb: int = 8192,
         tool_timeout: float | None = None,
         step_discount: float = 1.0,
+        worker_max_calls: int = 1000,
     ):
         if timeout <= 0:
             raise ValueError(f"env timeout must be positive, got {timeout}")
@@ -182,11 +184,14 @@ class Env:
             raise ValueError(f"env concurrency must be at least 1, got {concurrency}")
         if workers is not None and workers < 0:
             raise ValueError(f"env workers must be >= 0 (0 = threads), got {workers}")
+        if worker_max_calls < 0:
+            raise ValueError(f"env worker_max_calls must be >= 0 (0 = never), got {worker_max_calls}")
         self.path = os.path.expanduser(path)
         self.timeout = float(timeout)
         self.concurrency = concurrency
         self.workers = default_env_workers() if workers is None else workers
         self.memory_mb = memory_mb
+        self.worker_max_calls = worker_max_calls
         self._args = dict(args or {})
 
         module = load_env_file(self.path, EnvArgs(self._args, self.path))
@@ -225,7 +230,7 @@ class Env:
         return cls(rollout.env_path, timeout=rollout.env_timeout, concurrency=rollout.env_concurrency,
                    need_interact=need_interact, args=rollout.env_args, workers=rollout.env_workers,
                    memory_mb=rollout.env_worker_memory_mb, tool_timeout=rollout.tool_timeout,
-                   step_discount=step_discount)
+                   step_discount=step_discount, worker_max_calls=rollout.env_worker_max_calls)
 
     @property
     def mode(self) -> str:
@@ -377,7 +382,8 @@ class Env:
     def fault_counts(self) -> dict[str, int]:
         """Running totals of the faults recovered from: the env file's own pools and counters in this
         process and in every env worker (`module_fault_counts`), and the env workers replaced
-        (`env_worker_restarts`; `env_worker_timeouts` of them for a call past its timeout)."""
+        (`env_worker_restarts`; `env_worker_timeouts` of them for a call past its timeout; and
+        `env_worker_recycles`, after `worker_max_calls` calls)."""
         totals: Counter[str] = Counter(module_fault_counts(self._module))
         with self._worker_lock:
             for counts in self._worker_faults.values():
@@ -529,7 +535,7 @@ class Env:
                 # retries=0: a call whose worker dies (the user's code crashed it) is not run again.
                 self._worker_pool = WorkerPool("env_worker", [command] * self.workers, retries=0,
                                                env=child_python_environment(), start_timeout=WORKER_START_TIMEOUT,
-                                               codec=PICKLE)
+                                               codec=PICKLE, max_calls=self.worker_max_calls)
             return self._worker_pool
 
 

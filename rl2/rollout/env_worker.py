@@ -9,7 +9,9 @@ Request (pickled): `(function name, args)`, or `("tool:<name>", (arguments,))` f
 `TOOLS`, called with the arguments as keywords. Response: `{"value": result}` or `{"raised": {"exception",
 "where", "unavailable"}}` (unavailable: it was `rl2.tools.ToolUnavailable`) or `{"returned": what}` (a value
 that cannot leave the worker as plain data), each with `"faults"` (the running totals of the module's own pools'
-faults) and `"pid"`.
+faults) and `"pid"`, and `"retire"` (why) when this worker should be replaced after the call: the call ran out
+of memory, or this process holds more than `MEMORY_CEILING` of the room its memory limit left after the file
+loaded (a function that leaks would fail every later call with MemoryError).
 
 Values cross the process boundary as plain data (`plain_data`): a subclass of a builtin type (`class Score(float)`)
 becomes that type, and a value whose class is defined in the env file (a result dataclass) is refused with a
@@ -48,9 +50,42 @@ def limit_memory(megabytes: int) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
-def call(module: Any, path: str, memory_mb: int, request: tuple[str, tuple], tools: dict[str, Any] | None = None
-         ) -> dict:
+MEMORY_CEILING = 0.75  # of the room the memory limit leaves after the file loaded: past it the worker is replaced
+
+
+def data_bytes() -> int:
+    """This process's data segment (what RLIMIT_DATA limits), in bytes; 0 where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[5]) * resource.getpagesize()
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def past_memory_ceiling(memory_mb: int, loaded_bytes: int) -> bool:
+    """Whether this process uses more than `MEMORY_CEILING` of the room `memory_mb` left after loading."""
+    if memory_mb <= 0:
+        return False
+    room = memory_mb * 1024 * 1024 - loaded_bytes
+    return data_bytes() - loaded_bytes > MEMORY_CEILING * room
+
+
+def call(module: Any, path: str, memory_mb: int, request: tuple[str, tuple], tools: dict[str, Any] | None = None,
+         loaded_bytes: int = 0) -> dict:
     """Run one env function (or one of its `tools`) and describe its outcome."""
+    response = _outcome(module, path, memory_mb, request, tools)
+    if response.pop("out_of_memory", False):
+        response["retire"] = "the call ran out of memory"
+    elif past_memory_ceiling(memory_mb, loaded_bytes):
+        response["retire"] = (f"it holds {data_bytes() // 2**20} MB, past {MEMORY_CEILING:.0%} of its room under "
+                              f"its memory limit ({memory_mb} MB, rollout.env_worker_memory_mb)")
+    response["faults"] = module_fault_counts(module)
+    response["pid"] = os.getpid()
+    return response
+
+
+def _outcome(module: Any, path: str, memory_mb: int, request: tuple[str, tuple], tools: dict[str, Any] | None) -> dict:
+    """The call's value or why there is none (`out_of_memory`: it raised MemoryError)."""
     name, args = request
     try:
         if name.startswith("tool:"):
@@ -71,9 +106,8 @@ def call(module: Any, path: str, memory_mb: int, request: tuple[str, tuple], too
         response = {"returned": str(problem)}
     except Exception as exc:  # the function's, or its value cannot be sent back
         response = {"raised": {"exception": describe_exception(exc, memory_mb), "where": where(exc, path),
-                               "unavailable": isinstance(exc, ToolUnavailable)}}
-    response["faults"] = module_fault_counts(module)
-    response["pid"] = os.getpid()
+                               "unavailable": isinstance(exc, ToolUnavailable)},
+                    "out_of_memory": isinstance(exc, MemoryError)}
     return response
 
 
@@ -134,7 +168,8 @@ def main() -> None:
         tools = tool_functions(getattr(module, "TOOLS", None))
     except EnvError as error:
         sys.exit(f"rl2 env worker: {error}")
-    serve(lambda request: call(module, path, memory_mb, request, tools), PICKLE)
+    loaded_bytes = data_bytes()
+    serve(lambda request: call(module, path, memory_mb, request, tools, loaded_bytes), PICKLE)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ a worker found dead is restarted, a call whose worker dies under it is retried o
 (at most `retries` times), a call past its deadline has its worker killed and replaced and raises
 `WorkerTimeout`, and a call that still cannot complete raises `WorkerFailed`, naming the pool and
 what happened. Every recovery is counted in the pool's `faults` (`<name>_restarts`,
-`<name>_retries`, `<name>_timeouts`).
+`<name>_retries`, `<name>_timeouts`). A worker is also replaced after a response that asks for it
+(`{"retire": why, ...}`: a worker that ran out of memory, counted in `<name>_restarts`) and after
+`max_calls` calls (`<name>_recycles`, as gunicorn's max_requests: what leaks is let go).
 
 Workers are started with `subprocess.Popen`, not multiprocessing, so the caller may be anything (a
 notebook, `python -c`, a script on stdin, a `python -m` entry point). Protocol on the worker's
@@ -122,6 +124,7 @@ class _Worker:
         self.process: subprocess.Popen | None = None
         self.ready: dict | None = None  # the worker's {"ready": ...} frame, once read
         self.busy = False  # a request has been (or is being) sent and not yet answered
+        self.calls = 0  # calls this process has answered
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
         self._stderr_reader: threading.Thread | None = None
 
@@ -135,7 +138,7 @@ class _Worker:
         return process is not None and process.poll() is None
 
     def start(self, spawn: Callable[[list[str]], subprocess.Popen]) -> None:
-        self.process, self.ready = spawn(self.command), None
+        self.process, self.ready, self.calls = spawn(self.command), None, 0
         os.set_blocking(self.process.stdin.fileno(), False)  # so a write can give up at its deadline
         self.stderr_tail = collections.deque(maxlen=STDERR_LINES)  # a fresh process, a fresh tail
         self._stderr_reader = threading.Thread(target=_pass_on_stderr, args=(self.process.stderr, self.stderr_tail),
@@ -237,15 +240,19 @@ class WorkerPool:
     thread-safe `call` that waits for an idle one. `env`: the workers' whole environment (None:
     ours). `start_timeout`: seconds a worker may take to send its ready frame; start-up never counts
     against a call's timeout. `codec`: how requests and responses are encoded (the workers' `serve`
-    must use the same). Workers end when the pool closes or this process dies."""
+    must use the same). `max_calls`: calls a worker answers before it is replaced (0: no limit).
+    Workers end when the pool closes or this process dies."""
 
     def __init__(self, name: str, commands: list[list[str]], retries: int = 2, env: dict[str, str] | None = None,
-                 start_timeout: float = 60.0, codec: Codec = JSON):
+                 start_timeout: float = 60.0, codec: Codec = JSON, max_calls: int = 0):
         if not commands:
             raise ValueError(f"{name} worker pool needs at least one worker")
         if retries < 0:
             raise ValueError(f"{name} worker pool: retries must be >= 0, got {retries}")
+        if max_calls < 0:
+            raise ValueError(f"{name} worker pool: max_calls must be >= 0 (0 = no limit), got {max_calls}")
         self.name, self.retries, self.env, self.start_timeout = name, retries, env, float(start_timeout)
+        self.max_calls = max_calls
         self.faults = FaultCounter()
         self._workers = [_Worker(list(command), codec) for command in commands]
         self._idle = list(self._workers)
@@ -269,7 +276,9 @@ class WorkerPool:
         `WorkerFailed` when the call cannot complete."""
         worker = self._acquire()
         try:
-            return self._call_on(worker, request, timeout)
+            response = self._call_on(worker, request, timeout)
+            self._retire_if_due(worker, response)
+            return response
         finally:
             self._release(worker)
 
@@ -345,6 +354,23 @@ class WorkerPool:
         attempts = f"{len(failures)} attempt" + ("s" if len(failures) > 1 else "")
         raise WorkerFailed(f"{self.name} worker pool: the call failed ({attempts}): " + "; ".join(failures), how, stderr_tail)
 
+    def _retire_if_due(self, worker: _Worker, response: Any) -> None:
+        """Replace `worker` after a response that asks for it (counted as a restart) or its `max_calls`-th
+        call (a recycle)."""
+        worker.calls += 1
+        why = response.get("retire") if isinstance(response, dict) else None
+        if not why and not (self.max_calls and worker.calls >= self.max_calls):
+            return
+        pid = worker.pid
+        try:
+            self._restart(worker, counted="restarts" if why else "recycles")
+        except WorkerFailed:  # closed meanwhile, or no new worker: the next call says so
+            return
+        if why:
+            logger.warning("%s worker pid %s replaced: %s", self.name, pid, why)
+        else:
+            logger.info("%s worker pid %s replaced after %d calls", self.name, pid, self.max_calls)
+
     def _start_up(self, worker: _Worker) -> None:
         """Wait for a new worker's ready frame; one that dies first (killed, out of memory) is
         restarted up to `retries` times before the pool gives up."""
@@ -361,9 +387,9 @@ class WorkerPool:
                 ended, stderr_tail = self._restart(worker, read_stderr=True)
                 logger.warning("%s worker pid %s %s (%s%s); restarted it", self.name, pid, error, ended, _quote(stderr_tail))
 
-    def _restart(self, worker: _Worker, read_stderr: bool = False) -> tuple[str, list[str]]:
-        """Replace `worker`'s process with a fresh one (its ready frame is read later); how the old
-        one ended, and (with `read_stderr`) its last stderr lines."""
+    def _restart(self, worker: _Worker, read_stderr: bool = False, counted: str = "restarts") -> tuple[str, list[str]]:
+        """Replace `worker`'s process with a fresh one (its ready frame is read later), counted in
+        `<name>_<counted>`; how the old one ended, and (with `read_stderr`) its last stderr lines."""
         with self._lock:
             lines = worker.stderr_lines()
             ended = worker.kill()
@@ -373,7 +399,7 @@ class WorkerPool:
                 worker.start(self._spawn)
             except (OSError, RuntimeError) as error:  # RuntimeError: the interpreter is shutting down
                 raise WorkerFailed(f"{self.name} worker pool: cannot start a worker: {error}") from None
-            self.faults.add(f"{self.name}_restarts")
+            self.faults.add(f"{self.name}_{counted}")
         return ended, lines() if read_stderr else []
 
     def _spawn(self, command: list[str]) -> subprocess.Popen:
