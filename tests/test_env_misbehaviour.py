@@ -1,6 +1,9 @@
 """An env file's misbehaviour costs one call and is counted: results of its own classes, a gym env that
 raises, a huge tool result, a leaking function, daemons it starts, and a call that hangs in thread mode."""
 
+import os
+import signal
+import sys
 import time
 
 import pytest
@@ -143,3 +146,55 @@ def test_env_workers_are_recycled_after_max_calls(tmp_path):
         faults = env.fault_counts()
     assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4]
     assert faults["env_worker_recycles"] == 2 and not faults.get("env_worker_restarts")
+
+
+# A reward function that starts a daemon the classic way: fork, setsid, fork again, the middle one exits.
+DAEMON_ENV = """
+import os
+import os
+import signal
+import sys
+import time
+
+
+def reward_fn(messages, answer):
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        if os.fork() == 0:
+            with open(answer, "w") as note:
+                note.write(str(os.getpid()))
+            time.sleep(600)
+        os._exit(0)
+    os.waitpid(child, 0)
+    return 1.0
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper is Linux's")
+def test_a_daemon_a_reward_fn_started_dies_with_its_env(tmp_path):
+    path = write(tmp_path, "daemon_env.py", DAEMON_ENV)
+    note = tmp_path / "daemon.pid"
+    with Env(path, workers=1, timeout=20.0) as env:
+        assert env.rewards([reply("x")], [str(note)])[0].value == 1.0
+        deadline = time.monotonic() + 10
+        while not note.exists() or not note.read_text():
+            assert time.monotonic() < deadline, "the daemon did not start"
+            time.sleep(0.05)
+        daemon = int(note.read_text())
+        assert running(daemon)
+    deadline = time.monotonic() + 10
+    while running(daemon):
+        if time.monotonic() > deadline:
+            os.kill(daemon, signal.SIGKILL)
+            pytest.fail(f"the daemon pid {daemon} outlived its env")
+        time.sleep(0.05)

@@ -43,6 +43,7 @@ from rl2.tools.faults import FaultCounter
 logger = logging.getLogger("rl2.tools.worker_pool")
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 STDERR_LINES = 20  # how many of a worker's last stderr lines an error quotes
 
 
@@ -105,6 +106,53 @@ def child_python_environment() -> dict[str, str]:
     packages) as we do, even when we found them through changes to sys.path rather than an install."""
     paths = [os.path.abspath(path) for path in sys.path]  # "" (the working directory) included
     return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of `pid`'s descendants now (from /proc; none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])  # after "(name)": state, ppid
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(children.get(child, []))
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid`, its process group and every descendant (stopped first, so none forks a
+    new one meanwhile; a worker is its descendants' subreaper, so daemons stay in its tree)."""
+    stopped: set[int] = set()
+    while new := [p for p in [pid, *descendants(pid)] if p not in stopped]:
+        for process in new:
+            _signal(process, signal.SIGSTOP)
+        stopped.update(new)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for process in stopped:
+        _signal(process, signal.SIGKILL)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _wait_for(fd: int, events: int, deadline: float) -> None:
@@ -192,10 +240,7 @@ class _Worker:
         process, self.process, self.ready = self.process, None, None
         if process is None:
             return "not running"
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_tree(process.pid)
         returncode = process.wait()
         process.stdin.close()
         process.stdout.close()
@@ -309,10 +354,7 @@ class WorkerPool:
                 worker.kill()
             for worker in self._workers:  # the busy ones: their callers see them die, then stop them
                 if worker.pid is not None:
-                    try:
-                        os.killpg(worker.pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+                    kill_tree(worker.pid)
             self._idle = []
             self._lock.notify_all()
         self._spawner.shutdown(wait=False)
@@ -480,7 +522,10 @@ def serve(handle: Callable[[Any], Any], codec: Codec = JSON) -> None:
     the codec of its pool."""
     if sys.platform.startswith("linux"):
         # End with the parent even while busy (end of file on stdin only reaches an idle worker).
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # Adopt orphaned descendants (a double-forked daemon) so the pool finds them in our tree and kills them.
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     # Keep the protocol on private fds and point 0/1 elsewhere, so a stray print cannot corrupt a frame.
     requests, responses = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
