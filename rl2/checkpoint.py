@@ -4,8 +4,14 @@ Layout of `<save_dir>/step<N>/`:
 - `config.json`, `model.safetensors`, tokenizer files: the actor, loadable with `from_pretrained`
   (other models, e.g. a critic, in sub-folders named after them);
 - `dcp/`: model (fp32 master weights) and optimizer shards, written with torch.distributed.checkpoint;
-- `trainer_state.json`: step, data position, schedulers. Written last: its presence marks the
-  checkpoint complete, so a run killed mid-save never resumes from a half-written one.
+- `trainer_state.json`: step, data position, schedulers. The completeness marker: rank 0 writes it
+  last, once every rank has written its shards, atomically (a temporary file renamed into place), and a
+  re-save of a step removes it first, before any rank writes. A save cut short (a killed rank) leaves
+  the folder without it, and `trainer.load_ckpt_from=latest` takes the previous complete step.
+
+A folder is taken as complete when its `trainer_state.json` is a JSON object and every shard file its
+`dcp/.metadata` lists is there in full (`checkpoint_problem`): checkpoints written before the marker
+was written atomically resume as before, unless a save tore them.
 """
 
 import json
@@ -30,7 +36,7 @@ from rl2.lora import base_model, is_lora, lora_scalings, merged_state_dict, save
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "trainer_state.json"
+STATE_FILE = "trainer_state.json"  # the completeness marker, written last
 
 
 class CheckpointError(ValueError):
@@ -42,16 +48,57 @@ def checkpoint_dir(save_dir: str, step: int) -> str:
     return os.path.join(save_dir, f"step{step}")
 
 
+def checkpoint_problem(path: str) -> str | None:
+    """Why the folder `path` is not a complete checkpoint, in words (None when it is one): its
+    `trainer_state.json` missing or not a JSON object, or `dcp/` without its metadata or with a shard
+    file missing or shorter than the metadata says (a save torn by a killed rank)."""
+    text = ""
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            text = f.read()
+        state = json.loads(text)
+    except FileNotFoundError:
+        return f"{STATE_FILE}, written last when a save completes, is missing"
+    except (OSError, ValueError) as error:
+        what = "is empty" if not text.strip() else f"cannot be read ({_first_line(error)})"
+        return f"{STATE_FILE} {what}: a save was cut short"
+    if not isinstance(state, dict) or "step" not in state:
+        return f"{STATE_FILE} holds no step: a save was cut short"
+    dcp_dir = os.path.join(path, "dcp")
+    try:
+        storage = dcp.FileSystemReader(dcp_dir).read_metadata().storage_data
+    except Exception as error:  # a missing, empty or truncated .metadata: pickle's errors vary
+        return f"dcp/.metadata cannot be read ({_first_line(error)})"
+    lengths: dict[str, int] = {}  # each shard file's least size: its last item's end
+    for info in storage.values():
+        lengths[info.relative_path] = max(lengths.get(info.relative_path, 0), info.offset + info.length)
+    for name, length in sorted(lengths.items()):
+        size = os.path.getsize(os.path.join(dcp_dir, name)) if os.path.isfile(os.path.join(dcp_dir, name)) else None
+        if size is None or size < length:
+            found = "missing" if size is None else f"{size} of its {length} bytes"
+            return f"the shard dcp/{name} is {found}: a save was cut short"
+    return None
+
+
 def find_latest_checkpoint(save_dir: str) -> str | None:
-    """The complete checkpoint with the highest step under `save_dir`, or None."""
+    """The complete checkpoint (`checkpoint_problem`) with the highest step under `save_dir`, or None.
+    Rank 0 warns of the incomplete `step<N>/` folders above it, naming them, why, and the one picked."""
     if not os.path.isdir(save_dir):
         return None
-    steps = [
-        int(match.group(1))
-        for name in os.listdir(save_dir)
-        if (match := re.fullmatch(r"step(\d+)", name)) and os.path.exists(os.path.join(save_dir, name, STATE_FILE))
-    ]
-    return checkpoint_dir(save_dir, max(steps)) if steps else None
+    steps = sorted((int(match.group(1)) for name in os.listdir(save_dir) if (match := re.fullmatch(r"step(\d+)", name))
+                    and os.path.isdir(os.path.join(save_dir, name))), reverse=True)
+    skipped = []
+    for step in steps:
+        path = checkpoint_dir(save_dir, step)
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if skipped and is_rank0():
+                logger.warning(f"skipping incomplete checkpoints ({'; '.join(skipped)}): the latest complete one is {path}")
+            return path
+        skipped.append(f"{path}: {problem}")
+    if skipped and is_rank0():
+        logger.warning(f"skipping incomplete checkpoints ({'; '.join(skipped)}): no complete one under {save_dir}")
+    return None
 
 
 def resolve_checkpoint(load_ckpt_from: str | None, save_dir: str) -> str | None:
@@ -60,13 +107,13 @@ def resolve_checkpoint(load_ckpt_from: str | None, save_dir: str) -> str | None:
         return None
     if load_ckpt_from == "latest":
         return find_latest_checkpoint(save_dir)
-    if not os.path.exists(os.path.join(load_ckpt_from, STATE_FILE)):
+    problem = checkpoint_problem(load_ckpt_from)
+    if problem is not None:
         if not os.path.isdir(load_ckpt_from):
             raise CheckpointError(f"trainer.load_ckpt_from={load_ckpt_from}: no such folder")
         complete = find_latest_checkpoint(load_ckpt_from)
         hint = f" (it holds checkpoints: the last complete one is {complete})" if complete else ""
-        raise CheckpointError(f"trainer.load_ckpt_from={load_ckpt_from} is not a complete checkpoint: {STATE_FILE}, "
-                              f"written last when a save completes, is missing{hint}")
+        raise CheckpointError(f"trainer.load_ckpt_from={load_ckpt_from} is not a complete checkpoint: {problem}{hint}")
     return load_ckpt_from
 
 
@@ -94,12 +141,28 @@ def save_hf_model(model: nn.Module, path: str, dtype: str, tokenizer=None, merge
         tokenizer.save_pretrained(path)
 
 
+def start_checkpoint(path: str) -> None:
+    """Before any rank writes the checkpoint folder `path` (all ranks call this): rank 0 removes the
+    completeness marker of an earlier save of that step, so that a re-save cut short leaves the folder
+    incomplete rather than an old marker beside new, partial shards."""
+    if is_rank0():
+        os.makedirs(path, exist_ok=True)
+        marker = os.path.join(path, STATE_FILE)
+        if os.path.lexists(marker):
+            os.remove(marker)
+            _fsync_dir(path)
+            logger.info(f"saving step folder {path} again: its earlier checkpoint is replaced")
+    barrier()
+
+
 def save_checkpoint(
     path: str,
     models: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]],
     trainer_state: dict,
 ) -> None:
-    """Write the sharded state of `models` ({name: (model, optimizer or None)}) and `trainer_state`."""
+    """Write the sharded state of `models` ({name: (model, optimizer or None)}), then, once every rank has
+    written its shards, `trainer_state` on rank 0: the completeness marker, written atomically.
+    Call `start_checkpoint(path)` before anything is written to `path`."""
     state = {}
     for name, (model, optimizer) in models.items():
         state[f"{name}.model"] = get_model_state_dict(model)
@@ -108,10 +171,24 @@ def save_checkpoint(
     dcp.save(state, checkpoint_id=os.path.join(path, "dcp"))
     barrier()
     if is_rank0():
-        with open(os.path.join(path, STATE_FILE), "w") as f:
+        temporary = os.path.join(path, f"{STATE_FILE}.tmp")
+        with open(temporary, "w") as f:
             json.dump(trainer_state, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, os.path.join(path, STATE_FILE))
+        _fsync_dir(path)
     barrier()
     logger.info(f"checkpoint saved to {path}")
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a file's creation, rename or removal in the folder `path` durable."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def load_checkpoint(path: str, models: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]]) -> dict:

@@ -21,6 +21,7 @@ from rl2.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
     save_hf_model,
+    start_checkpoint,
 )
 from rl2.config import Config, ConfigError, ModelConfig, config_to_dict, load_config
 from rl2.config.check import CHECK_FLAG, run_check
@@ -258,8 +259,10 @@ class Trainer:
         )
 
     def save(self, step: int) -> str:
-        """Write the checkpoint of `step`: HF folders for users, sharded state to resume from."""
+        """Write the checkpoint of `step`: HF folders for users, sharded state to resume from, and last
+        the completeness marker (a re-save of a step removes its marker first: `start_checkpoint`)."""
         path = checkpoint_dir(self.main_config.save_dir, step)
+        start_checkpoint(path)
         models = self.checkpointed_models()
         for name, (model, _) in models.items():
             model_path = path if name == self.main_section else os.path.join(path, name)
