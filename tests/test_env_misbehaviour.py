@@ -3,6 +3,7 @@ raises, a huge tool result, a leaking function, daemons it starts, and a call th
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -153,6 +154,7 @@ DAEMON_ENV = """
 import os
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -198,3 +200,40 @@ def test_a_daemon_a_reward_fn_started_dies_with_its_env(tmp_path):
             os.kill(daemon, signal.SIGKILL)
             pytest.fail(f"the daemon pid {daemon} outlived its env")
         time.sleep(0.05)
+
+
+HANGING_ENV = """
+import ctypes
+
+
+def reward_fn(messages, answer):
+    ctypes.CDLL(None).sleep(1000)  # hung in C: no Python code runs, nothing but a kill stops it
+    return 1.0
+"""
+
+THREAD_MODE_SCRIPT = """
+import sys
+from rl2.config import RolloutConfig
+from rl2.rollout.env import Env
+
+env = Env.from_config(RolloutConfig(env_path=sys.argv[1], env_workers=0, env_timeout=1.0))
+(result,) = env.rewards([[{"role": "assistant", "content": "x"}]], ["a"])
+print("error:", result.error, flush=True)
+{close}
+"""
+
+
+@pytest.mark.parametrize("closed", [True, False], ids=["closed", "not closed"])
+def test_thread_mode_exits_despite_a_call_hung_in_c(tmp_path, closed):
+    """In thread mode a hung call cannot be stopped (start-up says so) but it no longer holds the process at exit."""
+    path = write(tmp_path, "hanging_env.py", HANGING_ENV)
+    script = write(tmp_path, "run.py", THREAD_MODE_SCRIPT.replace("{close}", "env.close()" if closed else ""))
+    start = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, script, path], capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process did not exit 30 s after its call hung")
+    assert done.returncode == 0, done.stderr
+    assert "error: reward_fn timed out after 1.0s" in done.stdout and time.monotonic() - start < 30
+    assert "cannot be stopped there" in done.stderr  # the start-up warning

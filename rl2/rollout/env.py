@@ -22,7 +22,7 @@ Where the functions run:
   libraries work (math-verify's `parse` / `verify`), CPU-heavy functions use the cores, and a crash,
   a hang past the timeout (its worker is killed and replaced) or a memory blow-up costs one call;
 - sync functions with `workers=0`, in threads of the trainer process (shared in-process state; a
-  timed-out call cannot be stopped there and keeps its thread);
+  timed-out call cannot be stopped there and keeps its thread, a daemon one, so it never holds the exit);
 - async functions on an event loop in the trainer process.
 
 At run time a call that raises, times out, crashes its worker or returns the wrong type does not stop
@@ -58,6 +58,7 @@ from typing import Any, Callable, Iterator
 from rl2.chat.tools import Tool, ToolUnavailable, argument_problem, environment_tools, tools_from_entries
 from rl2.config import RolloutConfig
 from rl2.coroutines import run_coroutine
+from rl2.rollout.daemon_threads import DaemonThreadExecutor
 from rl2.rollout.gym_env import GymCallFailed, GymEpisode
 from rl2.rollout.env_file import (  # noqa: F401  (EnvArgs, EnvError: env files and callers import them from here)
     EnvArgs,
@@ -215,7 +216,7 @@ class Env:
         self.parse_tool_calls = env_function(module, self.path, "parse_tool_calls", ("text",), required=False)
         self._roc_penalty = env_function(module, self.path, "roc_penalty", ("messages",), required=False)
         self.has_roc_penalty = self._roc_penalty is not None
-        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="rl2-env")
+        self._threads = DaemonThreadExecutor(concurrency, thread_name_prefix="rl2-env")  # a hung call never holds the exit
         self._closed = False
         self._module = module
         self._worker_pool: WorkerPool | None = None
@@ -227,6 +228,10 @@ class Env:
     def from_config(cls, rollout: RolloutConfig, need_interact: bool = False, step_discount: float = 1.0) -> "Env":
         """The env file of `rollout.env_path` with the run's env settings (`step_discount`: a gym-style
         environment's step rewards discounted by it, `adv.gamma`)."""
+        if rollout.env_workers == 0 and os.environ.get("RANK", "0") == "0":
+            logger.warning("env %s: rollout.env_workers=0 runs its sync functions in threads of this process: a call "
+                           "that hangs (in C) cannot be stopped there, only abandoned at its timeout, and a crash or "
+                           "a memory blow-up ends the run; env workers (the default) contain them", rollout.env_path)
         return cls(rollout.env_path, timeout=rollout.env_timeout, concurrency=rollout.env_concurrency,
                    need_interact=need_interact, args=rollout.env_args, workers=rollout.env_workers,
                    memory_mb=rollout.env_worker_memory_mb, tool_timeout=rollout.tool_timeout,
