@@ -1,5 +1,5 @@
-"""An env file's misbehaviour costs one call and is counted: results of its own classes, a gym env that
-raises, a huge tool result, a leaking function, daemons it starts, and a call that hangs in thread mode."""
+"""An env file's misbehaviour costs one call and is counted: results of its own classes, a huge tool result,
+a leaking function, daemons it starts, and a call that hangs in thread mode (a failing gym env: test_gym_env)."""
 
 import os
 import signal
@@ -9,7 +9,13 @@ import time
 
 import pytest
 
+from rl2.chat.tool_parsers import get_tool_parser
+from rl2.data.chat_template import render_chat
+from rl2.engines import SamplingParams
 from rl2.rollout.env import Env
+from rl2.rollout.multi_turn import ToolCalling, observation_tokens, rollout
+from rl2.testing.tiny import build_tiny_tokenizer
+from scripted_engine import ScriptedEngine
 
 
 def reply(text: str) -> list[dict]:
@@ -83,13 +89,6 @@ HUGE_CALL = '<tool_call>\n{"name": "dump", "arguments": {"what": "all"}}\n</tool
 
 @pytest.mark.parametrize("by", ["tools", "interact"])
 def test_a_huge_tool_result_is_cut_to_the_room_left_before_it_is_tokenised(tmp_path, by):
-    from rl2.chat.tool_parsers import get_tool_parser
-    from rl2.data.chat_template import render_chat
-    from rl2.engines import SamplingParams
-    from rl2.rollout.multi_turn import ToolCalling, observation_tokens, rollout
-    from rl2.testing.tiny import build_tiny_tokenizer
-    from scripted_engine import ScriptedEngine
-
     tokenizer = build_tiny_tokenizer()
     source = HUGE_RESULT_ENV if by == "tools" else HUGE_RESULT_ENV.replace("TOOLS = [dump]", "")
     messages = [{"role": "user", "content": "What do the logs say?"}]
