@@ -30,6 +30,8 @@ def handle(request):
         os._exit(request["exit"])
     if "fail" in request:
         raise ValueError(request["fail"])
+    if "retire" in request:
+        return {"pid": os.getpid(), "retire": request["retire"]}
     while not os.path.exists(request.get("wait_for", "/")):
         time.sleep(0.01)
     return {"echo": request.get("echo"), "pid": os.getpid()}
@@ -38,8 +40,9 @@ serve(handle)
 """
 
 
-def make_pool(workers: int = 1, retries: int = 2, start_delay: float = 0.0) -> WorkerPool:
-    return WorkerPool("test", [[sys.executable, "-c", WORKER, str(start_delay)]] * workers, retries=retries, env=ENV)
+def make_pool(workers: int = 1, retries: int = 2, start_delay: float = 0.0, max_calls: int = 0) -> WorkerPool:
+    return WorkerPool("test", [[sys.executable, "-c", WORKER, str(start_delay)]] * workers, retries=retries, env=ENV,
+                      max_calls=max_calls)
 
 
 def is_gone(pid: int) -> bool:
@@ -204,3 +207,14 @@ def test_workers_end_with_their_parent(tmp_path):
     pids = [int(pid) for pid in out.stdout.split()]
     assert len(pids) == 2
     assert wait_gone(pids)
+
+
+def test_a_worker_is_replaced_when_it_asks_and_after_max_calls():
+    """A response with "retire" (a worker out of memory) replaces its worker, counted as a restart; the
+    `max_calls`-th call of a worker replaces it too, counted as a recycle."""
+    with make_pool(max_calls=3) as pool:
+        first = pool.call({"retire": "out of memory"}, timeout=10)["pid"]
+        pids = [pool.call({"echo": i}, timeout=10)["pid"] for i in range(4)]
+        faults = pool.faults.counts()
+    assert first not in pids and pids[0] == pids[1] == pids[2] != pids[3]
+    assert faults == {"test_restarts": 1, "test_recycles": 1}
