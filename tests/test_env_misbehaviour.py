@@ -113,6 +113,24 @@ def test_a_huge_tool_result_is_cut_to_the_room_left_before_it_is_tokenised(tmp_p
     assert trajectory.token_ids[assistant_end:] == expected[: 600 - assistant_end]
 
 
+def test_a_huge_tool_result_per_turn_is_cut_before_the_conversation_is_rendered(tmp_path):
+    """Per turn, the next turn's sequence renders the whole conversation: the result is cut before, and the
+    sequence, which has no room left, is not begun."""
+    tokenizer = build_tiny_tokenizer()
+    messages = [{"role": "user", "content": "What do the logs say?"}]
+    prompt_ids = tokenizer(render_chat(messages, tokenizer, True), add_special_tokens=False)["input_ids"]
+    source = HUGE_RESULT_ENV.replace("TOOLS = [dump]", "")
+    with Env(write(tmp_path, "huge_env.py", source), workers=1, timeout=30.0) as env:
+        start = time.monotonic()
+        (trajectory,) = rollout(ScriptedEngine(tokenizer, lambda text: HUGE_CALL), env, tokenizer,
+                                [{"prompt_ids": prompt_ids, "messages": messages, "answer": ""}], 1,
+                                SamplingParams(max_new_tokens=64), max_turns=3, max_length=600, per_turn=True)
+        seconds = time.monotonic() - start
+    assert seconds < 5.0, f"the rollout took {seconds:.1f} s"
+    assert trajectory.truncated and trajectory.done and not trajectory.errors and trajectory.turns == 1
+    assert len(trajectory.messages[-1]["content"]) <= 600 * 32
+
+
 # A reward function that leaks: each call keeps 40 MB for good.
 LEAKING_ENV = """
 import os
