@@ -181,11 +181,16 @@ def reward_fn(messages, answer):
     if child == 0:
         os.setsid()
         if os.fork() == 0:
-            with open(answer, "w") as note:
+            with open(answer + ".part", "w") as note:
                 note.write(str(os.getpid()))
+            os.rename(answer + ".part", answer)
             time.sleep(600)
+            os._exit(0)
         os._exit(0)
     os.waitpid(child, 0)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(answer) and time.monotonic() < deadline:  # the daemon has started
+        time.sleep(0.01)
     return 1.0
 """
 
@@ -205,10 +210,6 @@ def test_a_daemon_a_reward_fn_started_dies_with_its_env(tmp_path):
     note = tmp_path / "daemon.pid"
     with Env(path, workers=1, timeout=20.0) as env:
         assert env.rewards([reply("x")], [str(note)])[0].value == 1.0
-        deadline = time.monotonic() + 10
-        while not note.exists() or not note.read_text():
-            assert time.monotonic() < deadline, "the daemon did not start"
-            time.sleep(0.05)
         daemon = int(note.read_text())
         assert running(daemon)
     deadline = time.monotonic() + 10
@@ -254,3 +255,20 @@ def test_thread_mode_exits_despite_a_call_hung_in_c(tmp_path, closed):
     assert done.returncode == 0, done.stderr
     assert "error: reward_fn timed out after 1.0s" in done.stdout and time.monotonic() - start < 30
     assert "cannot be stopped there" in done.stderr  # the start-up warning
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper is Linux's")
+def test_a_daemon_dies_with_a_worker_that_exits_on_its_own(tmp_path):
+    """A reward_fn that starts a daemon and then exits its worker (sys.exit): the worker takes the daemon with it."""
+    path = write(tmp_path, "daemon_env.py", DAEMON_ENV.replace("    return 1.0", "    raise SystemExit(3)"))
+    note = tmp_path / "daemon.pid"
+    with Env(path, workers=1, timeout=20.0) as env:
+        (result,) = env.rewards([reply("x")], [str(note)])
+        assert "crashed its env worker process" in result.error and "exited with code 3" in result.error
+        daemon = int(note.read_text())
+        deadline = time.monotonic() + 10
+        while running(daemon):
+            if time.monotonic() > deadline:
+                os.kill(daemon, signal.SIGKILL)
+                pytest.fail(f"the daemon pid {daemon} outlived its worker")
+            time.sleep(0.05)

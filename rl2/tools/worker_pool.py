@@ -132,18 +132,20 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL process `pid`, its process group and every descendant (stopped first, so none forks a
-    new one meanwhile; a worker is its descendants' subreaper, so daemons stay in its tree)."""
+def kill_tree(pid: int, itself: bool = True) -> None:
+    """SIGKILL every descendant of process `pid` (stopped first, so none forks a new one meanwhile; a
+    worker is its descendants' subreaper, so daemons stay in its tree) and, with `itself`, `pid` and its
+    process group."""
     stopped: set[int] = set()
-    while new := [p for p in [pid, *descendants(pid)] if p not in stopped]:
+    while new := [p for p in [*([pid] if itself else []), *descendants(pid)] if p not in stopped]:
         for process in new:
             _signal(process, signal.SIGSTOP)
         stopped.update(new)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    if itself:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     for process in stopped:
         _signal(process, signal.SIGKILL)
 
@@ -531,9 +533,12 @@ def serve(handle: Callable[[Any], Any], codec: Codec = JSON) -> None:
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)
     write_frame(responses, {"ready": True, "pid": os.getpid()}, codec)
-    while (request := read_frame(requests, codec)) is not None:
-        try:
-            response = handle(request)
-        except Exception as error:
-            response = {"error": f"{type(error).__name__}: {error}"}
-        write_frame(responses, response, codec)
+    try:
+        while (request := read_frame(requests, codec)) is not None:
+            try:
+                response = handle(request)
+            except Exception as error:
+                response = {"error": f"{type(error).__name__}: {error}"}
+            write_frame(responses, response, codec)
+    finally:  # stdin closed, or the handler exited (sys.exit): what we started ends with us
+        kill_tree(os.getpid(), itself=False)
