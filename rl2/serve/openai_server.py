@@ -48,6 +48,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "presence_penalty", 
 # A request body longer than this is parsed (and its prompt rendered) in a worker thread, off the event loop
 # that serves every session of the rank.
 OFF_LOOP_BYTES = 64 * 1024
+BODY_BYTES = "rl2_body_bytes"  # where `_body` notes a request's body length (aiohttp's request is a mapping)
 
 
 @dataclass
@@ -234,6 +235,7 @@ class OpenAIServer:
         except web.HTTPRequestEntityTooLarge:
             raise _Refused(413, "request_too_large", f"the request body is larger than "
                            f"{self.max_request_bytes / 2**20:g} MB (rollout.agent_max_request_mb)") from None
+        request[BODY_BYTES] = len(raw)
         try:
             if len(raw) > OFF_LOOP_BYTES:
                 body = await asyncio.get_running_loop().run_in_executor(None, json.loads, raw)
@@ -320,7 +322,7 @@ class OpenAIServer:
             tools = _tools(body)
             n, max_tokens = _count(body, "n", 1), _max_tokens(body)
             _count_ignored(rollout, body)
-            large = (request.content_length or 0) > OFF_LOOP_BYTES
+            large = request.get(BODY_BYTES, 0) > OFF_LOOP_BYTES
             choices, prompt_ids = [], []
             self._reserve(rollout, slot, session, n, "key" in request.match_info)
             for index in range(n):
@@ -418,7 +420,7 @@ class OpenAIServer:
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                ids = await self._encode(prompt, (request.content_length or 0) > OFF_LOOP_BYTES)
+                ids = await self._encode(prompt, request.get(BODY_BYTES, 0) > OFF_LOOP_BYTES)
             elif isinstance(prompt, list):
                 ids = self._token_ids(prompt, "prompt")
             else:
@@ -487,7 +489,7 @@ class OpenAIServer:
             body = await self._body(request)
             ids = body.get("input_ids")
             if ids is None and isinstance(body.get("text"), str):
-                ids = await self._encode(body["text"], (request.content_length or 0) > OFF_LOOP_BYTES)
+                ids = await self._encode(body["text"], request.get(BODY_BYTES, 0) > OFF_LOOP_BYTES)
             if not isinstance(ids, list) or not ids:
                 raise RequestError("'input_ids' must be a non-empty list of token ids (or give 'text')")
             ids = self._token_ids(ids, "input_ids")
@@ -546,7 +548,7 @@ class OpenAIServer:
         try:
             self._session(request)  # it costs work: a trajectory's key only
             body = await self._body(request)
-            large = (request.content_length or 0) > OFF_LOOP_BYTES
+            large = request.get(BODY_BYTES, 0) > OFF_LOOP_BYTES
             if "messages" in body:
                 from rl2.data.chat_template import render_chat
 
