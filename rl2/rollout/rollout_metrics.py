@@ -133,5 +133,5 @@ def unscored_report(trajectories: list[Trajectory], env_path: str) -> str | None
     error = first.errors[-1] if first.errors else "no reward"
     last = first.messages[-1].get("content", "") if first.messages else ""
     return (f"no trajectory could be scored with env file {env_path} ({len(trajectories)} of {len(trajectories)} "
-            f"failed in reward_fn or before it); first error: {error}; its sample: "
+            f"unscored: reward_fn, the environment or the agent failed); first error: {error}; its sample: "
             f"answer={shorten(repr(first.answer))}, last message {shorten(repr(last))}")

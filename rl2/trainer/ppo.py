@@ -665,7 +665,7 @@ def env_error_summary(rows: list[dict]) -> str:
             if key.startswith("faults/") and value:
                 faults[key[len("faults/"):]] = faults.get(key[len("faults/"):], 0.0) + value
     line = (f"env errors: {errors:.0f} in {sum(row['env_errors'] > 0 for row in steps)} of {len(steps)} steps "
-            f"({reward_errors:.0f} reward_fn calls failed), {test_errors:.0f} in evaluations")
+            f"({reward_errors:.0f} trajectories left unscored), {test_errors:.0f} in evaluations")
     if faults:
         line += "; recovered faults: " + ", ".join(f"{name} {count:.0f}" for name, count in sorted(faults.items()))
     return line
