@@ -109,8 +109,9 @@ def test_an_engine_that_fails_fails_the_requests_waiting_on_it(server, tokenizer
     deadline = time.monotonic() + 10
     while len(answers) < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
-    failed = [body for status, body in answers if status == 500]
-    assert len(answers) == 4 and failed and all("the engine broke" in body["error"]["message"] for body in failed)
+    failed = [body["error"] for status, body in answers if status == 500]
+    assert len(answers) == 4 and all(error["code"] == "engine_error" for error in failed)
+    assert any("the engine broke" in error["message"] for error in failed)  # the rest: 401 once the rollout ended
 
 
 def test_a_non_finite_reward_is_the_trajectorys_env_error(server, tokenizer, tmp_path):
@@ -227,3 +228,32 @@ def test_a_body_past_the_limit_is_refused_and_endpoints_need_the_key(server, tok
     assert answers["tokenize keyed"][0] == 200 and answers["parse keyed"] == (200, {"normal_text": "hi", "calls": []})
     assert answers["half"][0] == 200 and answers["half"][1]["count"] >= 150_000
     assert answers["models during"][0] == 200
+
+
+def test_drop_undoes_what_a_request_kept(tokenizer):
+    """`AgentSession.drop`: a request's kept generations (a continuation of a sequence, a new sequence) are
+    undone, leaving the session as it was before the request."""
+    from rl2.engines import Generation
+
+    session = AgentSession(tokenizer, get_tool_parser("hermes"))
+    fine = tokenizer("fine", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    def keep(messages, kept=None):
+        plan = session.plan(messages, None)
+        message, _ = session.record(plan, Generation(fine, [-0.5] * len(fine), "stop"), [0] * len(fine),
+                                    {tokenizer.eos_token_id}, kept)
+        return message
+
+    reply = keep(HELLO)
+    before = (list(session.sequences[0].token_ids), session.sequences[0].messages, session.requests,
+              session.reused_tokens, session.rendered_tokens)
+    kept = []
+    keep(HELLO + [reply, {"role": "user", "content": "again"}], kept)  # continues the sequence
+    keep([{"role": "user", "content": "other"}], kept)  # a sequence of its own
+    assert len(session.sequences) == 2 and len(session.sequences[0].token_ids) > len(before[0])
+    session.drop(kept)
+    sequence = session.sequences[0]
+    assert len(session.sequences) == 1 and kept == []
+    assert (sequence.token_ids, sequence.messages, session.requests, session.reused_tokens,
+            session.rendered_tokens) == before
+    assert len(sequence.action_mask) == len(sequence.logprobs) == len(sequence.versions) == len(before[0])

@@ -110,7 +110,9 @@ class EngineSlots:
         result.set_running_or_notify_cancel()  # a request whose client gave up is still generated: never cancelled
         start = None
         with self._lock:
-            slot = self._slots[slot_id]
+            slot = self._slots.get(slot_id)
+            if slot is None:
+                raise RuntimeError(f"slot {slot_id} is gone: its rollout ended")
             if slot.closed:
                 raise RuntimeError(f"slot {slot_id} is closed: its agent is done")
             if self._failed is not None:  # no engine will generate it

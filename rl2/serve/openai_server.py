@@ -48,7 +48,8 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "stop", "presence_penalty", 
 # A request body longer than this is parsed (and its prompt rendered) in a worker thread, off the event loop
 # that serves every session of the rank.
 OFF_LOOP_BYTES = 64 * 1024
-BODY_BYTES = "rl2_body_bytes"  # where `_body` notes a request's body length (aiohttp's request is a mapping)
+# Where `_body` notes a request's body length (aiohttp's request is a mapping; typed keys since aiohttp 3.12).
+BODY_BYTES = web.RequestKey("rl2_body_bytes", int) if hasattr(web, "RequestKey") else "rl2_body_bytes"
 
 
 @dataclass
