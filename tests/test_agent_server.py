@@ -176,13 +176,16 @@ def test_sessions_never_mix_and_unknown_keys_are_refused(server, tokenizer, tmp_
     """Concurrent trajectories each see only their own conversation; a key the server did not give out (or
     one of a rollout that ended) is answered 401 in OpenAI's error shape."""
     engine = ScriptedEngine(tokenizer, lambda text: "echo " + text.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0])
-    agent = agent_file(tmp_path, '''
-        async def run(row, client):
+    keys = tmp_path / "keys.txt"
+    agent = agent_file(tmp_path, f'''
+        async def run(row, client, api_key):
+            with open({str(keys)!r}, "a") as keys:
+                keys.write(api_key + "\\n")
             messages = list(row["messages"])
             for turn in range(3):
                 reply = await client.chat.completions.create(model="rl2", messages=messages)
                 messages += [reply.choices[0].message.model_dump(exclude_none=True),
-                             {"role": "user", "content": f"{row['messages'][0]['content']} again {turn}"}]
+                             {{"role": "user", "content": f"{{row['messages'][0]['content']}} again {{turn}}"}}]
             return 1.0
     ''')
     questions = [f"question {i}" for i in range(6)]
@@ -193,13 +196,16 @@ def test_sessions_never_mix_and_unknown_keys_are_refused(server, tokenizer, tmp_
         own = f"question {i // 2}"
         assert all(f"question {j}" not in text for j in range(6) if f"question {j}" != own), text
         assert text.count("echo " + own) == 3 and trajectory.agent_stats["sequences"] == 1
-    request = urllib.request.Request(server.base_url + "/chat/completions", method="POST",
-                                     data=json.dumps({"model": "rl2", "messages": [{"role": "user", "content": "hi"}]}).encode(),
-                                     headers={"Authorization": "Bearer rl2-not-a-key", "Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(request, timeout=10)
-    assert refused.value.code == 401
-    assert json.loads(refused.value.read())["error"]["code"] == "invalid_api_key"
+    ended = keys.read_text().split()
+    assert len(set(ended)) == 12
+    for key in ("rl2-not-a-key", ended[0], ended[-1]):  # never given out; given to a rollout that ended
+        request = urllib.request.Request(server.base_url + "/chat/completions", method="POST",
+                                         data=json.dumps({"model": "rl2", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+                                         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 401, key
+        assert json.loads(refused.value.read())["error"]["code"] == "invalid_api_key"
 
 
 def test_a_failing_agent_scores_nothing_and_says_why(server, tokenizer, tmp_path):
