@@ -28,12 +28,12 @@ demo-dpo: install
 	NPROC=$(NPROC) bash recipes/dpo_tiny.sh
 
 # bubblewrap gives the code sandbox its namespaces; without it (or without root to install it)
-# the sandbox and its tests use the fallback isolation, and the bwrap tests say they were skipped.
+# the sandbox refuses to start unless the weaker isolation is asked for (RL2_SANDBOX_FALLBACK=1).
 sandbox-tools:
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  { apt-get install -y -qq bubblewrap >/dev/null 2>&1 || \
 	    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }; }; } || \
-	  echo "bubblewrap not installed: the sandbox uses its fallback isolation"
+	  echo "bubblewrap not installed: the sandbox refuses to start (RL2_SANDBOX_FALLBACK=1 accepts the weaker isolation)"
 
 # Three pytest workers on 2 cores, one torch thread per process: much of the suite waits on process
 # start-up (torch and transformers imports), services and timeouts, which the workers overlap (three

@@ -667,9 +667,9 @@ def test_bind_back_arguments_for_closed_directories(monkeypatch):
     ]
     with pytest.raises(ValueError, match="not inside"):
         bind_back_args("/root", ["/root"])
-    monkeypatch.setattr("rl2.tools.sandbox.python_paths", lambda: ["/srv/checkout", "/srv/checkout/lib", "/usr/lib"])
+    monkeypatch.setattr("rl2.tools.sandbox.python_paths", lambda: ["/opt/checkout", "/opt/checkout/lib", "/usr/lib"])
     monkeypatch.setattr("rl2.tools.sandbox.closed_ancestor",
-                        lambda path: "/srv/checkout" if path.startswith("/srv/checkout") else None)
+                        lambda path: "/opt/checkout" if path.startswith("/opt/checkout") else None)
     assert expose_python_args() == [
-        "--perms", "0755", "--tmpfs", "/srv/checkout", "--ro-bind", "/srv/checkout/lib", "/srv/checkout/lib",
+        "--perms", "0755", "--tmpfs", "/opt/checkout", "--ro-bind", "/opt/checkout/lib", "/opt/checkout/lib",
     ]

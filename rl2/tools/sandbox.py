@@ -9,18 +9,24 @@ then is killed (reason "timeout"), and what was written after the deadline is no
 Python program ends as under `python solution.py`: its non-daemon threads are joined and its atexit
 handlers run, and `os._exit` keeps what it printed.
 C++ is compiled with g++ (`-O2`, as code-judge does; within `compile_timeout`) and then run the same way.
-Isolation, strongest first (`isolation="auto"` picks the first that works):
+Isolation (`isolation="auto"`, the default, is "bwrap"; the weaker modes only when asked for:
+`allow_fallback=True`, an explicit isolation, or RL2_SANDBOX_FALLBACK=1; else SandboxError):
 
 - "bwrap": the workers run inside bubblewrap with new mount, pid, network, ipc and uts namespaces,
-  a read-only root and a private size-limited /tmp, so a program cannot reach the network or write
-  anywhere but its temporary directory; as root each worker's programs also run under a uid of
-  their own, so they cannot signal the worker or other programs.
+  a read-only system (/usr, /etc, /opt, ...), private size-limited /tmp and /dev/shm, and every other
+  top-level directory (/home, /root, /run, /var, /work, ...) an empty read-only tmpfs with only the
+  interpreter's paths bound back: a program cannot reach the network, the host's unix sockets, its
+  processes, the checkout or other runs' files, or write anywhere but its temporary directories; as
+  root each worker's programs also run under a uid of their own, so they cannot signal the worker
+  or other programs.
 - "uid" (root without bubblewrap): programs run under a per-worker unprivileged uid (so the
-  process limit applies), in a new network namespace when the kernel allows it; they can still
-  write to world-writable directories such as /tmp, and if the interpreter lives in a directory
-  other users cannot enter (pyenv under /root) they can import only the modules preloaded in the
-  workers (`preload`).
-- "none" (neither): resource limits, sessions and the timeout only. Logged as a warning.
+  process limit applies), in a new network namespace when the kernel allows it. It does not contain
+  them (`UID_GAPS`, logged as a warning): they read what other users may read, see every process's
+  command line, reach unix sockets, and write to world-writable directories (what their uid left at
+  the top of /tmp, /var/tmp, /dev/shm, /run/lock is deleted after each run). If the interpreter
+  lives in a directory other users cannot enter (pyenv under /root) they can import only the
+  modules preloaded in the workers (`preload`).
+- "none": resource limits, sessions and the timeout only. Logged as a warning.
 
 As root (bwrap or uid) every worker's uid is its own on the whole machine: a sandbox claims free uids
 from `uid_base` on (a lock file each under /run/rl2-sandbox-uids, held while it runs), so two
@@ -115,6 +121,49 @@ def python_paths() -> list[str]:
     return sorted({os.path.realpath(p) for p in paths})
 
 
+def interpreter_paths() -> list[str]:
+    """What the workers' interpreter needs (they run under `python -I`): its prefixes, its executable's
+    directory and the sys.path entries inside those. Other sys.path entries (a checkout on PYTHONPATH,
+    an editable install's source) are left out, so the sandbox does not show them to programs."""
+    prefixes = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    paths = prefixes + [os.path.dirname(os.path.realpath(sys.executable))]
+    for entry in sys.path:
+        real = os.path.realpath(entry) if entry else ""
+        if real and os.path.isdir(real) and any(real == p or real.startswith(p + "/") for p in prefixes):
+            paths.append(real)
+    return sorted(set(paths))
+
+
+# What a bubblewrap sandbox shows of the root directory: the system (read-only) and its own /dev, /proc
+# and /tmp. Every other top-level directory (/home, /root, /run, /var, /srv, /mnt, a /work or /data of
+# checkouts and datasets) is an empty read-only tmpfs there, with only the interpreter's paths bound back.
+SYSTEM_DIRS = frozenset({"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt", "dev", "proc",
+                         "sys", "tmp"})
+
+
+def hidden_dirs() -> list[str]:
+    """The top-level directories a bubblewrap sandbox hides (see SYSTEM_DIRS)."""
+    hidden = []
+    for name in sorted(os.listdir("/")):
+        path = "/" + name
+        if name not in SYSTEM_DIRS and not os.path.islink(path) and os.path.isdir(path):
+            hidden.append(path)
+    return hidden
+
+
+def hide_args(interpreter: list[str]) -> list[str]:
+    """bubblewrap arguments that put an empty read-only tmpfs over each of `hidden_dirs()`, with the
+    interpreter's paths inside bound back (read-only); a directory that is itself one of those paths
+    (an interpreter in /venv) stays as it is."""
+    args = []
+    for path in hidden_dirs():
+        if path in interpreter:
+            continue
+        inside = [p for p in interpreter if p.startswith(path + "/")]
+        args += ["--perms", "0755", "--tmpfs", path, *bind_back_args(path, inside), "--remount-ro", path]
+    return args
+
+
 def closed_ancestor(path: str) -> str | None:
     """The outermost directory above or at `path` that other users cannot enter (e.g. /root, 0700)."""
     current = "/"
@@ -130,9 +179,10 @@ def expose_python_args() -> list[str]:
     closed directory (pyenv in /root): hide that directory behind an empty tmpfs and bind only the
     interpreter's paths back, read-only. The rest of the closed directory stays invisible."""
     hidden: dict[str, list[str]] = {}
+    tops = set(hidden_dirs())  # hidden whole, the interpreter bound back traversable (hide_args)
     for path in python_paths():
         ancestor = closed_ancestor(path)
-        if ancestor is not None:
+        if ancestor is not None and "/" + ancestor.split("/")[1] not in tops:
             hidden.setdefault(ancestor, []).append(path)
     args = []
     for ancestor, paths in sorted(hidden.items()):
@@ -166,7 +216,24 @@ def bind_back_args(mount: str, paths: list[str]) -> list[str]:
     return args
 
 
-def resolve_isolation(isolation: str) -> str:
+FALLBACK_ENV = "RL2_SANDBOX_FALLBACK"  # "1": let isolation="auto" fall back to "uid"/"none" without bubblewrap
+UID_GAPS = ("programs can read every file other users may read (the checkout, datasets and their answers, other "
+            "runs' files) and every process's command line in /proc, connect to unix sockets other users may "
+            "open, write to world-writable directories (/tmp, /var/tmp, /dev/shm and /run/lock: what their uid "
+            "left at the top of these is deleted after each run) and fill /dev/shm (RLIMIT_FSIZE caps each file, "
+            "not their number)")
+
+
+def fallback_allowed(allow_fallback: bool | None) -> bool:
+    if allow_fallback is not None:
+        return bool(allow_fallback)
+    return os.environ.get(FALLBACK_ENV, "").strip().lower() in ("1", "true", "yes", "uid", "none")
+
+
+def resolve_isolation(isolation: str, allow_fallback: bool | None = None) -> str:
+    """The isolation to use. "auto" is bubblewrap; without it (missing, or no namespaces here) it falls
+    back to "uid" (root) or "none" only when asked to (`allow_fallback`, or RL2_SANDBOX_FALLBACK=1),
+    else refuses: those modes do not contain a hostile program (UID_GAPS)."""
     if isolation not in ISOLATIONS:
         raise ValueError(f"sandbox isolation must be one of {ISOLATIONS}, got {isolation!r}")
     if isolation == "bwrap" and not bwrap_works():
@@ -178,14 +245,23 @@ def resolve_isolation(isolation: str) -> str:
         return isolation
     if bwrap_works():
         return "bwrap"
-    return "uid" if os.geteuid() == 0 else "none"
+    weaker = "uid" if os.geteuid() == 0 else "none"
+    if not fallback_allowed(allow_fallback):
+        raise SandboxError(
+            f"the sandbox needs bubblewrap (`bwrap`), which is missing or cannot create namespaces here: install it "
+            f"(`make sandbox-tools`; Debian/Ubuntu: apt-get install bubblewrap), or accept the weaker {weaker!r} "
+            f"isolation explicitly: Sandbox(allow_fallback=True) or isolation={weaker!r}, or {FALLBACK_ENV}=1 in the "
+            f"environment (code_server.py: --isolation {weaker}). In the {weaker!r} mode "
+            + (UID_GAPS if weaker == "uid" else "programs are not isolated at all: resource limits and timeouts only"))
+    return weaker
 
 
 def worker_command(isolation: str, uid: int | None, base_dir: str | None, tmpfs_mb: int,
                    preload: list[str]) -> list[str]:
     """The command line of one sandbox worker: `sandbox_worker.py`, wrapped in bubblewrap for "bwrap"."""
     # An interpreter (a venv, an editable install) under /tmp must stay visible over the private /tmp.
-    under_tmp = [p for p in python_paths() if p.startswith("/tmp/")]
+    interpreter = interpreter_paths()
+    under_tmp = [p for p in interpreter if p.startswith("/tmp/")]
     settings = {
         "keep": [path.split("/")[2] for path in under_tmp] if isolation == "bwrap" else [],
         "uid": uid,
@@ -202,7 +278,7 @@ def worker_command(isolation: str, uid: int | None, base_dir: str | None, tmpfs_
         "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
         "--perms", "1777", "--size", str(tmpfs_mb * 1024 * 1024), "--tmpfs", "/tmp",
         "--perms", "1777", "--size", str(tmpfs_mb * 1024 * 1024), "--tmpfs", "/dev/shm",
-        *bind_back_args("/tmp", under_tmp),
+        *bind_back_args("/tmp", under_tmp), *hide_args(interpreter),
         "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         *_user_namespace_args(), "--die-with-parent", "--new-session", "--chdir", "/tmp",
     ]
@@ -320,6 +396,7 @@ class Sandbox:
         uid_base: int = 600000,
         compile_timeout: float = 10.0,
         preload: list[str] | tuple[str, ...] = DEFAULT_PRELOAD,
+        allow_fallback: bool | None = None,
     ):
         if workers < 1:
             raise ValueError(f"sandbox workers must be at least 1, got {workers}")
@@ -329,7 +406,7 @@ class Sandbox:
         self.workers = workers
         self.timeout, self.memory_mb, self.output_limit = float(timeout), int(memory_mb), int(output_limit)
         self.file_size_mb, self.max_processes = int(file_size_mb), int(max_processes)
-        kind = resolve_isolation(isolation)
+        kind = resolve_isolation(isolation, allow_fallback)
         privileged = os.geteuid() == 0 and kind != "none"
         self._closed = False
         self._claims = UidClaims(uid_base, workers) if privileged else None
@@ -362,6 +439,10 @@ class Sandbox:
         # configured (a notebook, an env worker process, whose stderr reaches the run's).
         log = logger.info if kind == "bwrap" else logger.warning
         log("sandbox: %d workers, isolation: %s", workers, self.isolation)
+        if kind == "uid":
+            logger.warning("sandbox: the uid isolation (no bubblewrap) does not contain a hostile program: %s. "
+                           "Install bubblewrap (`make sandbox-tools`) for the isolation meant for RL rollouts",
+                           UID_GAPS)
         closed = sorted({a for a in map(closed_ancestor, python_paths()) if a})
         if kind == "uid" and closed:
             logger.warning("sandbox: the interpreter is under %s, which uid %d cannot read: programs can import only "

@@ -255,7 +255,7 @@ def clear_scratch(dirs: list[str], keep: set[str]) -> None:
                     pass
 
 
-SHARED_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # world-writable on the host
+SHARED_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")  # world-writable on the host
 
 
 def modification_times(dirs: tuple[str, ...]) -> dict[str, int]:
