@@ -322,6 +322,8 @@ class OpenAIServer:
             messages = openai_messages(body.get("messages"))
             tools = _tools(body)
             n, max_tokens = _count(body, "n", 1), _max_tokens(body)
+            if not isinstance(body.get("stream_options") or {}, dict):  # read once the stream has begun
+                raise RequestError("'stream_options' must be an object")
             _count_ignored(rollout, body)
             large = request.get(BODY_BYTES, 0) > OFF_LOOP_BYTES
             choices, prompt_ids = [], []
@@ -495,6 +497,11 @@ class OpenAIServer:
                 raise RequestError("'input_ids' must be a non-empty list of token ids (or give 'text')")
             ids = self._token_ids(ids, "input_ids")
             sampling = body.get("sampling_params") or {}
+            if not isinstance(sampling, dict):
+                raise RequestError("'sampling_params' must be an object")
+            skip_special = True if sampling.get("skip_special_tokens") is None else sampling["skip_special_tokens"]
+            if not isinstance(skip_special, bool):
+                raise RequestError("'sampling_params.skip_special_tokens' must be true or false")
             differing = {name: value for name, value in sampling.items()
                          if name in ("temperature", "top_p", "top_k") and value != getattr(rollout.params, name)}
             _count_ignored(rollout, differing)
@@ -518,7 +525,7 @@ class OpenAIServer:
                 "completion_tokens": len(tokens)}
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[logprob, token, None] for logprob, token in zip(logprobs, tokens)]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=sampling.get("skip_special_tokens", True))
+        text = self.tokenizer.decode(tokens, skip_special_tokens=skip_special)
         return web.json_response({"text": text, "output_ids": tokens, "meta_info": meta})
 
     async def parse_function_call(self, request: web.Request) -> web.Response:
@@ -529,12 +536,17 @@ class OpenAIServer:
         try:
             self._session(request)
             body = await self._body(request)
-            name = SGLANG_PARSERS.get(body.get("tool_call_parser"), body.get("tool_call_parser"))
+            name = body.get("tool_call_parser")
+            if not isinstance(name, str):
+                raise RequestError("'tool_call_parser' must be a string: the name of a tool-call parser")
             try:
-                parser = get_tool_parser(name)
+                parser = get_tool_parser(SGLANG_PARSERS.get(name, name))
             except ValueError as error:
                 raise RequestError(str(error)) from None
-            tools = [{"type": "function", "function": t.get("function", t)} for t in body.get("tools") or []] or None
+            given = body.get("tools") or []
+            if not isinstance(given, list) or not all(isinstance(t, dict) for t in given):
+                raise RequestError("'tools' must be a list of tool objects")
+            tools = [{"type": "function", "function": t.get("function", t)} for t in given] or None
             parsed = parser.parse(str(body.get("text", "")), tools)
         except _Refused as refused:
             return refused.response()
