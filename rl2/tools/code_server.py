@@ -326,7 +326,8 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"characters of stdout and of stderr in a result (default {OUTPUT_LIMIT}, as code-judge); "
                              f"stdout is compared with expected_output before the cut")
     parser.add_argument("--isolation", default="auto", choices=("auto", "bwrap", "uid", "none"),
-                        help="sandbox isolation (default auto: the strongest that works here)")
+                        help="sandbox isolation (default auto: bubblewrap, refused without it; uid or none "
+                             "accept a weaker isolation explicitly)")
     parser.add_argument("--queue-timeout", type=float, default=QUEUE_TIMEOUT,
                         help=f"seconds /run and /run/batch let a submission wait for a worker (default {QUEUE_TIMEOUT})")
     parser.add_argument("--max-request-mb", type=int, default=64, help="largest request body accepted (default 64)")
