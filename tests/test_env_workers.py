@@ -32,6 +32,8 @@ import ctypes
 import os
 import signal
 
+HELD = []  # what "allocate" took: it stays held by the worker after its MemoryError (a leak)
+
 
 def reward_fn(messages, answer):
     if answer == "segfault":
@@ -39,9 +41,9 @@ def reward_fn(messages, answer):
     if answer == "hang in C":
         ctypes.CDLL(None).sleep(1000)  # no Python code runs: nothing but a kill stops it
     if answer == "allocate":
-        blocks = []
         while True:
-            blocks.append(bytearray(64 * 1024 * 1024))
+            HELD.append(bytearray(64 * 1024 * 1024))
+    bytearray(160 * 1024 * 1024)  # room a call needs: a worker still holding the leak has none
     return 1.0
 """
 
@@ -87,8 +89,8 @@ def test_a_crash_a_hang_in_c_and_a_memory_blow_up_each_cost_one_call(tmp_path):
         assert allocate.startswith("reward_fn raised MemoryError: past the env worker's memory limit (512 MB")
         faults = env.fault_counts()
         assert faults["env_worker_restarts"] == 3 and faults["env_worker_timeouts"] == 1  # the crash, the hang, the memory
-        # The replaced workers serve the next calls.
-        assert [r.value for r in env.rewards([reply("x")] * 4, ["ok"] * 4)] == [1.0] * 4
+        # The replaced workers serve the next calls: none is the one that still held the leak.
+        assert [r.value for r in env.rewards([reply("x")] * 8, ["ok"] * 8)] == [1.0] * 8
     assert elapsed < 30
 
 
