@@ -381,10 +381,17 @@ def test_background_processes_count_and_are_killed(contained):
 
 
 def test_nothing_carries_over_between_programs(box):
-    box.run("open('/tmp/planted.py', 'w').write('x = 1')\nopen('here.txt', 'w').write('x')")
+    """What a program leaves in its directory or in any world-writable one (/tmp, /var/tmp, /dev/shm,
+    /run/lock: a private tmpfs, read-only, or cleaned after the run, by mode) is gone for the next."""
+    planted = [f"{directory}/rl2-planted-{os.getpid()}.py" for directory in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")]
+    wrote = box.run(f"for path in {planted!r}:\n    try:\n        open(path, 'w').write('x = 1')\n        print(path)\n"
+                    "    except OSError:\n        pass\nopen('here.txt', 'w').write('x')").stdout.split()
+    # bwrap: its /tmp and /dev/shm are private and writable, /var/tmp and /run/lock read-only; uid: the host's
+    assert wrote == (planted[::2] if box.mode == "bwrap" else planted)
     for _ in range(WORKERS):
-        listing = box.run("import os\nprint(os.path.exists('/tmp/planted.py'), os.listdir('.'))").stdout
-        assert listing == "False ['solution.py']\n"  # only the program's own source
+        listing = box.run(f"import os\nprint([os.path.exists(p) for p in {planted!r}], os.listdir('.'))").stdout
+        assert listing == "[False, False, False, False] ['solution.py']\n"  # only the program's own source
+    assert not [path for path in planted if os.path.exists(path)]  # nor on the host
 
 
 def test_runs_concurrently_up_to_the_pool_size(box):
