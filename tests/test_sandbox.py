@@ -352,6 +352,48 @@ def test_no_network_to_the_host(contained):
     assert result.stdout.startswith("blocked")
 
 
+def test_no_udp_to_the_host_and_in_bwrap_no_unix_socket(contained, tmp_path):
+    """Both modes isolate the network: a datagram to the host's loopback never arrives. bubblewrap also
+    hides the host's unix sockets, by path (its own /tmp) and abstract (its own network namespace); the
+    uid mode does not claim that (`UID_GAPS`), so it is not asserted there."""
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.settimeout(0.5)
+    listeners = []
+    if contained.mode == "bwrap":
+        os.chmod(tmp_path, 0o777)  # as reachable as a host socket can be: only the namespaces stand between
+        for address in (str(tmp_path / "host.sock"), f"\0rl2-sandbox-test-{os.getpid()}"):
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(address)
+            listener.listen()
+            listener.settimeout(0.5)
+            if not address.startswith("\0"):
+                os.chmod(address, 0o777)
+            listeners.append((address, listener))
+    program = (
+        f"import socket\ntry:\n    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        f"    s.sendto(b'leak', ('127.0.0.1', {udp.getsockname()[1]}))\n    print('sent')\n"
+        "except OSError as error:\n    print('blocked', error)\n"
+        f"for address in {[address for address, _ in listeners]!r}:\n    try:\n"
+        "        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n        s.settimeout(1)\n        s.connect(address)\n"
+        "        s.sendall(b'leak')\n        print('connected', repr(address))\n"
+        "    except OSError as error:\n        print('blocked', error)"
+    )
+    try:
+        result = contained.run(program)
+        assert result.reason == "ok", result
+        with pytest.raises(socket.timeout):
+            udp.recvfrom(16)
+        for address, listener in listeners:
+            with pytest.raises(socket.timeout):
+                listener.accept()
+        assert "connected" not in result.stdout, result.stdout
+    finally:
+        udp.close()
+        for _, listener in listeners:
+            listener.close()
+
+
 def test_huge_output_is_cut(contained):
     start = time.monotonic()
     flood = contained.run("while True:\n    print('x' * 1000)")
