@@ -132,10 +132,11 @@ def scripted(family, tokenizer, turns: list) -> ScriptedEngine:
     return ScriptedEngine(tokenizer, lambda text: replies[min(text.count(TOOL_RESULT[family]), len(replies) - 1)])
 
 
-def run(family, tokenizer, env, turns, max_turns=3, max_calls=8, answer="3"):
+def run(family, tokenizer, env, turns, max_turns=3, max_calls=8, answer="3", max_new_tokens=512):
     engine = scripted(family, tokenizer, turns)
     calling = ToolCalling(get_tool_parser(PARSER[family]), max_calls)
-    (trajectory,) = rollout(engine, env, tokenizer, [prompt(tokenizer, env, answer=answer)], 1, SamplingParams(),
+    (trajectory,) = rollout(engine, env, tokenizer, [prompt(tokenizer, env, answer=answer)], 1,
+                            SamplingParams(max_new_tokens=max_new_tokens),
                             max_turns=max_turns, tool_calling=calling)
     return trajectory, engine
 
@@ -211,13 +212,26 @@ def test_what_the_model_got_wrong_is_a_tool_message(env, calls, message, name):
     assert metrics[f"tools/{name}/calls"] == 1.0 and metrics[f"tools/{name}/errors"] == 1.0
 
 
-def test_a_call_that_does_not_parse_is_answered_and_its_text_kept(env):
+UNREADABLE_CALLS = [
+    ('{"box": "red"}', 'Error: the call to "lookup" is not valid JSON'),  # a brace missing
+    ('{"box": ' + "7" * 5000 + "}}", 'Error: the call to "lookup" is not valid JSON: Exceeds the limit (4300 digits)'),
+    ('{"box": ' + "[" * 1100 + "]" * 1100 + "}}", 'Error: the call to "lookup" is not valid JSON: it is nested too deeply'),
+    ('{"box": ' + "[" * 200 + "]" * 200 + "}}", 'Error: the arguments of the call to "lookup" cannot be used: they are '
+                                                'nested deeper than 100 levels'),
+]
+
+
+@pytest.mark.parametrize("arguments,message", UNREADABLE_CALLS, ids=["json", "huge-integer", "deep-nesting", "too-deep"])
+def test_a_call_that_does_not_parse_is_answered_and_its_text_kept(env, arguments, message):
+    """Not JSON, an integer past Python's int-string limit, nesting past the recursion limit or past what a tool
+    takes: each is a tool message saying so (the model's mistake), the episode goes on, the text is kept."""
     tokenizer = build_tiny_tokenizer(template="qwen2.5")
-    broken = 'I will look.\n<tool_call>\n{"name": "lookup", "arguments": {"box": "red"}\n</tool_call>'
-    trajectory, _ = run("qwen2.5", tokenizer, env, [broken, "The code is 3"])
+    broken = f'I will look.\n<tool_call>\n{{"name": "lookup", "arguments": {arguments}\n</tool_call>'
+    trajectory, _ = run("qwen2.5", tokenizer, env, [broken, "The code is 3"], max_new_tokens=8192)
     assistant, tool = trajectory.messages[1:3]
     assert "tool_calls" not in assistant and assistant["content"] == broken
-    assert tool["content"].startswith('Error: the call to "lookup" is not valid JSON')
+    assert tool["role"] == "tool" and tool["content"].startswith(message), tool["content"][:300]
+    assert not trajectory.errors and trajectory.turns == 2
     assert rollout_metrics([trajectory])["tools/lookup/errors"] == 1.0
 
 
