@@ -503,7 +503,9 @@ def test_a_huge_integer_or_deep_nesting_is_a_tool_error():
     for text in (f'<tool_call>{{"name": "f", "arguments": {{"x": {HUGE_INT}}}}}</tool_call>',
                  f'<tool_call>{{"name": "f", "arguments": {{"x": {DEEP}}}}}</tool_call>'):
         (call,) = get_tool_parser("hermes").parse(text, FUZZ_TOOLS).calls
-        assert call.name == "f" and call.arguments is None and "not valid JSON" in call.error
+        # past the recursion limit json refuses the text; where a library raised the limit, the depth is refused
+        assert call.name == "f" and call.arguments is None
+        assert "not valid JSON" in call.error or f"deeper than {MAX_DEPTH}" in call.error
     (call,) = get_tool_parser("mistral").parse(f'[TOOL_CALLS]f[ARGS]{{"x": {HUGE_INT}}}').calls
     assert call.name == "f" and "4300" in call.error
     deep = '{"name": "f", "arguments": {"x": ' + "[" * 500 + "]" * 500 + "}}"
