@@ -21,3 +21,15 @@ def test_step_times_are_over_the_steps_that_updated():
     summary = run_summary([{"step": 1, **UPDATED}, {"step": 2, **UPDATED}])
     assert "mean step time 1.000s: rollout 0.200s (20%), reward 0.100s (10%), logps 0.100s (10%), update 0.500s " \
            "(50%), sync 0.100s (10%)" in summary
+
+
+def test_recycled_env_workers_are_not_reported_as_faults():
+    """Workers replaced after rollout.env_worker_max_calls are planned: said apart from the faults recovered."""
+    from rl2.trainer.ppo import env_error_summary
+
+    rows = [{"step": 1, "env_errors": 0.0, "faults/env_worker_recycles": 2.0, "faults/env_worker_restarts": 1.0},
+            {"step": 2, "env_errors": 0.0, "faults/env_worker_recycles": 1.0}]
+    line = env_error_summary(rows)
+    assert "recovered faults: env_worker_restarts 1;" in line and "recycles" not in line
+    assert line.endswith("env workers recycled 3 times (rollout.env_worker_max_calls)")
+    assert "recovered faults" not in env_error_summary([{"step": 1, "env_errors": 0.0, "faults/env_worker_recycles": 4.0}])

@@ -666,8 +666,11 @@ def env_error_summary(rows: list[dict]) -> str:
                 faults[key[len("faults/"):]] = faults.get(key[len("faults/"):], 0.0) + value
     line = (f"env errors: {errors:.0f} in {sum(row['env_errors'] > 0 for row in steps)} of {len(steps)} steps "
             f"({reward_errors:.0f} trajectories left unscored), {test_errors:.0f} in evaluations")
+    recycled = faults.pop("env_worker_recycles", 0.0)  # planned (rollout.env_worker_max_calls), not a fault
     if faults:
         line += "; recovered faults: " + ", ".join(f"{name} {count:.0f}" for name, count in sorted(faults.items()))
+    if recycled:
+        line += f"; env workers recycled {recycled:.0f} times (rollout.env_worker_max_calls)"
     return line
 
 
