@@ -16,16 +16,9 @@ from rl2.rollout.env import Env
 from rl2.rollout.multi_turn import ToolCalling, observation_tokens, rollout
 from rl2.testing.tiny import build_tiny_tokenizer
 from scripted_engine import ScriptedEngine
+from test_env_workers import reply, write  # the same conversation and file helpers
 
 
-def reply(text: str) -> list[dict]:
-    return [{"role": "user", "content": "question"}, {"role": "assistant", "content": text}]
-
-
-def write(folder, name: str, source: str) -> str:
-    path = folder / name
-    path.write_text(source)
-    return str(path)
 
 
 # Results of classes the env file defines: the trainer cannot import the module a worker loaded it as.
