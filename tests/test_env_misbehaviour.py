@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -161,7 +162,7 @@ def test_env_workers_are_recycled_after_max_calls(tmp_path):
 
 # A reward function that starts a daemon the classic way: fork, setsid, fork again, the middle one exits.
 DAEMON_ENV = """
-import os
+import ctypes
 import os
 import signal
 import subprocess
@@ -264,4 +265,41 @@ def test_a_daemon_dies_with_a_worker_that_exits_on_its_own(tmp_path):
             if time.monotonic() > deadline:
                 os.kill(daemon, signal.SIGKILL)
                 pytest.fail(f"the daemon pid {daemon} outlived its worker")
+            time.sleep(0.05)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper is Linux's")
+@pytest.mark.parametrize("death", ["os._exit(3)", "os.kill(os.getpid(), signal.SIGKILL)", "ctypes.string_at(0)",
+                                   "killed from outside"])
+def test_a_daemon_dies_with_a_worker_that_dies_abruptly(tmp_path, death):
+    """A worker that dies without running its own clean-up (os._exit, SIGKILL, a segfault, the OOM killer's kill)
+    cannot kill its daemons itself: its guard, their subreaper, does, and the pool hears how the worker ended."""
+    if death == "killed from outside":
+        body = "    time.sleep(600)\n    return 1.0"
+    else:
+        body = f"    {death}\n    return 1.0"
+    source = DAEMON_ENV.replace("    return 1.0", body)
+    path = write(tmp_path, "daemon_env.py", source)
+    note = tmp_path / "daemon.pid"
+    with Env(path, workers=1, timeout=60.0) as env, ThreadPoolExecutor(max_workers=1) as thread:
+        call = thread.submit(env.rewards, [reply("x")], [str(note)])
+        deadline = time.monotonic() + 30
+        while not note.exists():
+            assert time.monotonic() < deadline and not call.done(), "the daemon did not start"
+            time.sleep(0.01)
+        daemon = int(note.read_text())
+        if death == "killed from outside":
+            [worker] = env._worker_pool.busy_pids()
+            with open(f"/proc/{worker}/cmdline") as cmdline:
+                assert "rl2.rollout.env_worker" in cmdline.read()  # the worker itself, not its guard
+            os.kill(worker, signal.SIGKILL)
+        (result,) = call.result(timeout=60)
+        ended = {"os._exit(3)": "exited with code 3", "ctypes.string_at(0)": "killed by signal 11 (SIGSEGV)"}
+        assert "crashed its env worker process" in result.error
+        assert ended.get(death, "killed by signal 9 (SIGKILL)") in result.error
+        deadline = time.monotonic() + 10
+        while running(daemon):
+            if time.monotonic() > deadline:
+                os.kill(daemon, signal.SIGKILL)
+                pytest.fail(f"the daemon pid {daemon} outlived its worker ({death})")
             time.sleep(0.05)

@@ -18,14 +18,32 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": REPO}
 
 # A test worker: waits `argv[1]` seconds before its ready frame; answers {"echo": x} with x and its
-# pid, after waiting for the file {"wait_for": path} to exist; {"exit": code} exits; {"fail": m} raises.
+# pid, after waiting for the file {"wait_for": path} to exist; {"exit": code} exits; {"fail": m} raises;
+# {"daemon": path} starts a daemon (fork, setsid, fork) that writes its pid to `path` and sleeps.
 WORKER = """
 import os, sys, time
 from rl2.tools.worker_pool import serve
 
 time.sleep(float(sys.argv[1]))
 
+def start_daemon(path):
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        if os.fork() == 0:
+            with open(path + ".part", "w") as note:
+                note.write(str(os.getpid()))
+            os.rename(path + ".part", path)
+            time.sleep(600)
+        os._exit(0)
+    os.waitpid(child, 0)
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    return {"daemon": int(open(path).read()), "pid": os.getpid()}
+
 def handle(request):
+    if "daemon" in request:
+        return start_daemon(request["daemon"])
     if "exit" in request:
         os._exit(request["exit"])
     if "fail" in request:
@@ -207,6 +225,34 @@ def test_workers_end_with_their_parent(tmp_path):
     pids = [int(pid) for pid in out.stdout.split()]
     assert len(pids) == 2
     assert wait_gone(pids)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper is Linux's")
+@pytest.mark.parametrize("end", ["os._exit(0)", "os.kill(os.getpid(), signal.SIGKILL)"])
+def test_a_workers_daemon_ends_when_the_pools_process_dies(tmp_path, end):
+    """The pool's process dies abruptly: each worker's guard (parent-death signal SIGTERM) kills the
+    worker and the daemon it started, which had left the worker's process group and been orphaned."""
+    parent = (
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from test_worker_pool import make_pool\n"
+        "pool = make_pool()\n"
+        f"started = pool.call({{'daemon': {str(tmp_path / 'daemon.pid')!r}}}, 60.0)\n"
+        "print(started['daemon'], started['pid'], flush=True)\n"
+        f"{end}\n"
+    )
+    with open(tmp_path / "stderr", "w+") as stderr:  # a file: surviving processes would hold a pipe open
+        out = subprocess.run([sys.executable, "-c", parent], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                             timeout=120, env=ENV)
+        stderr.seek(0)
+        assert out.returncode in (0, -signal.SIGKILL), stderr.read()
+    daemon, worker = (int(pid) for pid in out.stdout.split())
+    try:
+        assert wait_gone([worker, daemon]), f"left running: {[pid for pid in (worker, daemon) if not is_gone(pid)]}"
+    finally:
+        for pid in (worker, daemon):
+            if not is_gone(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_worker_is_replaced_when_it_asks_and_after_max_calls():

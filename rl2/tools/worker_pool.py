@@ -23,7 +23,6 @@ worker that did not start or died quotes them (the missing module, the crash).
 
 import asyncio
 import collections
-import ctypes
 import json
 import logging
 import os
@@ -39,11 +38,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol
 
 from rl2.tools.faults import FaultCounter
+from rl2.tools import process_tree
+from rl2.tools.process_tree import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill_tree
 
 logger = logging.getLogger("rl2.tools.worker_pool")
 
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
+# The guard needs the standard library alone: run isolated (-I) and without site (-S), it starts in ~15 ms
+# and whatever the workers' environment (PYTHONPATH, the working directory) holds.
+GUARD_COMMAND = [sys.executable, "-I", "-S", process_tree.__file__]
+GUARD_GRACE = 2.0  # seconds a guard may take to clean up after its worker died and exit as it did
 STDERR_LINES = 20  # how many of a worker's last stderr lines an error quotes
 
 
@@ -108,55 +111,6 @@ def child_python_environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
-def descendants(pid: int) -> list[int]:
-    """The pids of `pid`'s descendants now (from /proc; none where there is no /proc)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])  # after "(name)": state, ppid
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    found, todo = [], list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        found.append(child)
-        todo.extend(children.get(child, []))
-    return found
-
-
-def kill_tree(pid: int, itself: bool = True) -> None:
-    """SIGKILL every descendant of process `pid` (stopped first, so none forks a new one meanwhile; a
-    worker is its descendants' subreaper, so daemons stay in its tree) and, with `itself`, `pid` and its
-    process group."""
-    stopped: set[int] = set()
-    while new := [p for p in [*([pid] if itself else []), *descendants(pid)] if p not in stopped]:
-        for process in new:
-            _signal(process, signal.SIGSTOP)
-        stopped.update(new)
-    if itself:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for process in stopped:
-        _signal(process, signal.SIGKILL)
-
-
-def _signal(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _wait_for(fd: int, events: int, deadline: float) -> None:
     """Wait until `fd` is ready for `events` (poll, not select: fds above 1024 are fine)."""
     poller = select.poll()
@@ -168,10 +122,12 @@ def _wait_for(fd: int, events: int, deadline: float) -> None:
 class _Worker:
     """One worker process of a pool and its end of the protocol."""
 
-    def __init__(self, command: list[str], codec: Codec):
+    def __init__(self, command: list[str], codec: Codec, guarded: bool = False):
         self.command = command
         self.codec = codec
         self.process: subprocess.Popen | None = None
+        self.guarded = guarded  # `process` is the worker's guard, the worker its child
+        self.worker_pid: int | None = None  # a guarded worker's own pid, once it has started
         self.ready: dict | None = None  # the worker's {"ready": ...} frame, once read
         self.busy = False  # a request has been (or is being) sent and not yet answered
         self.calls = 0  # calls this process has answered
@@ -180,15 +136,17 @@ class _Worker:
 
     @property
     def pid(self) -> int | None:
+        """The worker's pid (its guard's until it has started)."""
         process = self.process
-        return None if process is None else process.pid
+        return None if process is None else self.worker_pid or process.pid
 
     def alive(self) -> bool:
-        process = self.process
-        return process is not None and process.poll() is None
+        process, worker_pid = self.process, self.worker_pid
+        return (process is not None and process.poll() is None
+                and (worker_pid is None or process_tree.running(worker_pid)))
 
     def start(self, spawn: Callable[[list[str]], subprocess.Popen]) -> None:
-        self.process, self.ready, self.calls = spawn(self.command), None, 0
+        self.process, self.ready, self.calls, self.worker_pid = spawn(self.command), None, 0, None
         os.set_blocking(self.process.stdin.fileno(), False)  # so a write can give up at its deadline
         self.stderr_tail = collections.deque(maxlen=STDERR_LINES)  # a fresh process, a fresh tail
         self._stderr_reader = threading.Thread(target=_pass_on_stderr, args=(self.process.stderr, self.stderr_tail),
@@ -220,6 +178,8 @@ class _Worker:
         if not isinstance(hello, dict) or not hello.get("ready"):
             raise _WorkerDied("did not start" if hello is None else f"did not start: sent {hello!r}")
         self.ready = hello
+        if self.guarded:
+            self.worker_pid = next(iter(process_tree.children_by_parent().get(self.process.pid, [])), None)
 
     def exchange(self, request: dict, timeout: float) -> dict:
         """Send `request` and read the response, at most `timeout` seconds in all."""
@@ -237,21 +197,32 @@ class _Worker:
             raise _WorkerDied("died during the call")
         return response
 
-    def kill(self) -> str:
-        """Kill the worker's process group, reap it and close its pipes; how it ended."""
-        process, self.process, self.ready = self.process, None, None
+    def kill(self, died: bool = False) -> str:
+        """Kill the worker's process group (and its guard), reap it and close its pipes; how it ended.
+        `died`: the worker is known to have died (its guard is given a moment to end as the worker did)."""
+        process, worker_pid = self.process, self.worker_pid
+        self.process, self.ready, self.worker_pid = None, None, None
         if process is None:
             return "not running"
+        if died and self.guarded:
+            try:
+                process.wait(timeout=GUARD_GRACE)
+            except subprocess.TimeoutExpired:
+                pass
         kill_tree(process.pid)
         returncode = process.wait()
+        if worker_pid is not None:  # not our child, so not waited for: killed, it may still be freeing its memory
+            deadline = time.monotonic() + 10.0
+            while process_tree.running(worker_pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
         process.stdin.close()
         process.stdout.close()
         return exit_description(returncode)
 
     def kill_reading_stderr(self) -> tuple[str, list[str]]:
-        """`kill()`; how the worker ended and its last stderr lines."""
+        """`kill()` of a worker that died; how it ended and its last stderr lines."""
         lines = self.stderr_lines()
-        return self.kill(), lines()
+        return self.kill(died=True), lines()
 
     def _write(self, data: bytes, deadline: float) -> None:
         fd = self.process.stdin.fileno()
@@ -288,10 +259,12 @@ class WorkerPool:
     ours). `start_timeout`: seconds a worker may take to send its ready frame; start-up never counts
     against a call's timeout. `codec`: how requests and responses are encoded (the workers' `serve`
     must use the same). `max_calls`: calls a worker answers before it is replaced (0: no limit).
-    Workers end when the pool closes or this process dies."""
+    `guarded`: each worker runs under a `rl2.tools.process_tree` guard, its parent, which kills what
+    the worker left however it ended (pids are the workers' own). Workers end when the pool closes or
+    this process dies."""
 
     def __init__(self, name: str, commands: list[list[str]], retries: int = 2, env: dict[str, str] | None = None,
-                 start_timeout: float = 60.0, codec: Codec = JSON, max_calls: int = 0):
+                 start_timeout: float = 60.0, codec: Codec = JSON, max_calls: int = 0, guarded: bool = True):
         if not commands:
             raise ValueError(f"{name} worker pool needs at least one worker")
         if retries < 0:
@@ -301,7 +274,8 @@ class WorkerPool:
         self.name, self.retries, self.env, self.start_timeout = name, retries, env, float(start_timeout)
         self.max_calls = max_calls
         self.faults = FaultCounter()
-        self._workers = [_Worker(list(command), codec) for command in commands]
+        guard = GUARD_COMMAND if guarded and sys.platform.startswith("linux") else []
+        self._workers = [_Worker([*guard, *command], codec, bool(guard)) for command in commands]
         self._idle = list(self._workers)
         self._closed = False
         self._lock = threading.Condition()  # guards _idle, _closed and every start and kill of a worker
@@ -355,8 +329,8 @@ class WorkerPool:
             for worker in self._idle:
                 worker.kill()
             for worker in self._workers:  # the busy ones: their callers see them die, then stop them
-                if worker.pid is not None:
-                    kill_tree(worker.pid)
+                if (process := worker.process) is not None:
+                    kill_tree(process.pid)
             self._idle = []
             self._lock.notify_all()
         self._spawner.shutdown(wait=False)
@@ -374,7 +348,7 @@ class WorkerPool:
                 self.faults.add(f"{self.name}_retries")
             try:
                 if not worker.alive():
-                    pid, (ended, _) = worker.pid, self._restart(worker)
+                    pid, (ended, _) = worker.pid, self._restart(worker, died=True)
                     logger.warning("%s worker pid %s was found dead (%s); restarted it", self.name, pid, ended)
                 worker.wait_ready(self.start_timeout)
                 return worker.exchange(request, timeout)
@@ -388,7 +362,7 @@ class WorkerPool:
                                     "(killed and replaced)") from None
             except _WorkerDied as died:
                 pid = worker.pid
-                ended, stderr_tail = self._restart(worker, read_stderr=True)
+                ended, stderr_tail = self._restart(worker, died=True)
                 how = f"{died} ({ended})"
                 failure = f"worker pid {pid} {died} ({ended}{_quote(stderr_tail)})"
                 failures.append(failure)
@@ -428,15 +402,15 @@ class WorkerPool:
                     ended, stderr_tail = worker.kill_reading_stderr()
                     raise WorkerFailed(f"{self.name} worker pool: worker pid {pid} {error} ({ended}{_quote(stderr_tail)})",
                                        f"{error} ({ended})", stderr_tail) from None
-                ended, stderr_tail = self._restart(worker, read_stderr=True)
+                ended, stderr_tail = self._restart(worker, died=True)
                 logger.warning("%s worker pid %s %s (%s%s); restarted it", self.name, pid, error, ended, _quote(stderr_tail))
 
-    def _restart(self, worker: _Worker, read_stderr: bool = False, counted: str = "restarts") -> tuple[str, list[str]]:
+    def _restart(self, worker: _Worker, died: bool = False, counted: str = "restarts") -> tuple[str, list[str]]:
         """Replace `worker`'s process with a fresh one (its ready frame is read later), counted in
-        `<name>_<counted>`; how the old one ended, and (with `read_stderr`) its last stderr lines."""
+        `<name>_<counted>`; how the old one ended, and (when it `died`) its last stderr lines."""
         with self._lock:
             lines = worker.stderr_lines()
-            ended = worker.kill()
+            ended = worker.kill(died)
             if self._closed:
                 raise WorkerFailed(f"{self.name} worker pool is closed")
             try:
@@ -444,7 +418,7 @@ class WorkerPool:
             except (OSError, RuntimeError) as error:  # RuntimeError: the interpreter is shutting down
                 raise WorkerFailed(f"{self.name} worker pool: cannot start a worker: {error}") from None
             self.faults.add(f"{self.name}_{counted}")
-        return ended, lines() if read_stderr else []
+        return ended, lines() if died else []
 
     def _spawn(self, command: list[str]) -> subprocess.Popen:
         return self._spawner.submit(
@@ -522,12 +496,11 @@ def serve(handle: Callable[[Any], Any], codec: Codec = JSON) -> None:
     """Run a worker: send the ready frame, then answer each request with `handle(request)` (or
     `{"error": "..."}` when it raises) until stdin closes. Call it in the worker's main thread, with
     the codec of its pool."""
-    if sys.platform.startswith("linux"):
-        # End with the parent even while busy (end of file on stdin only reaches an idle worker).
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        # Adopt orphaned descendants (a double-forked daemon) so the pool finds them in our tree and kills them.
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    # End with the parent even while busy (end of file on stdin only reaches an idle worker).
+    process_tree.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # Adopt orphaned descendants (a double-forked daemon) so the pool finds them in our tree and kills them
+    # (when we die abruptly, our guard adopts them).
+    process_tree.prctl(PR_SET_CHILD_SUBREAPER, 1)
     # Keep the protocol on private fds and point 0/1 elsewhere, so a stray print cannot corrupt a frame.
     requests, responses = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
