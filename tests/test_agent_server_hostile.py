@@ -1,5 +1,5 @@
 """What one agent's requests cannot do to a rank's OpenAI-compatible server (issue 65): token ids outside the
-vocabulary are refused before the engine sees them, an engine that fails fails the requests waiting on it
+vocabulary are refused before the engine sees them, a request the engine refuses fails alone, an engine that fails fails the requests waiting on it
 (none hangs), a non-finite reward is the trajectory's env error, `n` past the request limit generates
 nothing, a reply its client never received is not trained, a body past the size limit is refused with 413,
 and every endpoint that costs work needs the trajectory's key."""
@@ -15,7 +15,7 @@ import pytest
 
 from rl2.chat.tool_parsers import get_tool_parser
 from rl2.data.chat_template import render_chat
-from rl2.engines import SamplingParams
+from rl2.engines import Generation, SamplingParams
 from rl2.rollout.rollout_metrics import rollout_metrics
 from rl2.serve.agent_rollout import AgentFile, agent_rollout
 from rl2.serve.openai_server import OpenAIServer
@@ -112,6 +112,37 @@ def test_an_engine_that_fails_fails_the_requests_waiting_on_it(server, tokenizer
     failed = [body["error"] for status, body in answers if status == 500]
     assert len(answers) == 4 and all(error["code"] == "engine_error" for error in failed)
     assert any("the engine broke" in error["message"] for error in failed)  # the rest: 401 once the rollout ended
+
+
+class RefusingEngine(ScriptedEngine):
+    """A scripted engine that refuses, as the hf engine does a request it cannot generate, any prompt saying
+    "boom", and generates the others of the same call."""
+
+    def generate(self, prompts, params):
+        out = super().generate(prompts, params)
+        for i, prompt in enumerate(prompts):
+            if "boom" in self.tokenizer.decode(prompt):
+                out[i] = Generation.refused(f"request {i}: token id 99 is outside the vocabulary")
+        return out
+
+
+def test_a_request_the_engine_refuses_fails_alone(server, tokenizer):
+    """An engine refusing one request of a batch: that request gets 400 with the engine's reason, its
+    session goes on, the other sessions' requests of the same engine calls are answered, the rollout
+    returns (nothing raises)."""
+    answers = {}
+
+    async def episode(i: int, key: str) -> None:
+        for turn in range(2):
+            message = "boom" if (i, turn) == (0, 0) else f"hello {i} {turn}"
+            answers[i, turn] = await post(f"{server.base_url}/chat/completions",
+                                          {"messages": [{"role": "user", "content": message}]}, key)
+
+    engine = RefusingEngine(tokenizer, lambda text: "fine")
+    serve(server, engine, tokenizer, episode, count=3)
+    status, body = answers.pop((0, 0))
+    assert status == 400 and "refused by the engine: request" in body["error"]["message"], body
+    assert len(answers) == 5 and all(code == 200 for code, _ in answers.values()), answers
 
 
 def test_a_non_finite_reward_is_the_trajectorys_env_error(server, tokenizer, tmp_path):

@@ -628,3 +628,25 @@ def test_shutdown_frees_the_model_the_kv_cache_and_the_decode_step(model_dir, to
     engine.shutdown()
     gc.collect()
     assert [ref() is None for ref in alive] == [True, True, True]
+
+
+def test_a_request_the_engine_cannot_generate_is_refused_alone(engine, prompts):
+    """An empty prompt, an id past the embedding or below 0, a turn with no room: each is answered with
+    `Generation.refused` naming it, and the call's other requests are generated as they would be alone
+    (the same random streams), the engine usable after."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    vocabulary = engine.model.get_input_embeddings().num_embeddings
+    alone = [generation.token_ids for generation in engine.generate(prompts[:2], params)]
+    bad = [[], [1, vocabulary], [-3, 4]]
+    out = engine.generate([prompts[0], *bad, prompts[1]], params)
+    assert [out[0].token_ids, out[4].token_ids] == alone
+    for generation in out[1:4]:
+        assert generation.was_refused and generation.token_ids == [] and generation.finish_reason == "abort"
+    assert "at least one token" in out[1].error
+    assert f"token id {vocabulary} is outside the vocabulary (0 to {vocabulary - 1})" in out[2].error
+    assert "token id -3" in out[3].error
+    assert engine.stats["refused"] >= 3
+    received = {}
+    engine.generate_turns([Turn(prompts[0], 0), Turn(prompts[1], 8)], params, lambda i, g: received.update({i: g}), 1)
+    assert received[0].was_refused and "max_new_tokens >= 1" in received[0].error
+    assert received[1].token_ids == alone[1]

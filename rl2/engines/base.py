@@ -71,6 +71,19 @@ class Generation:
     error: str | None = None
     stream: tuple[int, int] | None = None  # the random stream it drew from, where the engine has one (`Turn.stream`)
 
+    @staticmethod
+    def refused(why: str) -> "Generation":
+        """What an engine answers for one request it cannot generate (an empty prompt, an id outside the
+        vocabulary), while the others of its call go on: no tokens, "abort", and why."""
+        return Generation([], [], "abort", REFUSED + why)
+
+    @property
+    def was_refused(self) -> bool:
+        return self.finish_reason == "abort" and not self.token_ids and (self.error or "").startswith(REFUSED)
+
+
+REFUSED = "refused by the engine: "
+
 
 @dataclass
 class Turn:

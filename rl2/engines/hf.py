@@ -35,6 +35,10 @@ from rl2.rollout.weight_sync import engine_named_tensors
 logger = logging.getLogger(__name__)
 
 
+class _Refusal(ValueError):
+    """A turn the engine cannot generate (`Generation.refused`): the message says why."""
+
+
 @dataclass
 class _Request:
     index: int  # in the `generate` call
@@ -179,18 +183,18 @@ class HFEngine(Engine):
         waiting: deque[_Request] = deque()
         running: list[_Request] = []
         tools: list[tuple[_Request, concurrent.futures.Future]] = []  # requests waiting for their next turn
-        for i, turn in enumerate(turns):
-            if isinstance(turn, concurrent.futures.Future):  # its first turn comes when its tool answers
-                tools.append((_Request(i, -1, [], 0, call_key, 0), turn))
-            else:
-                waiting.append(self._request(i, 0, turn, params, len(turns), call_key))
-        self._reserve(max((len(r.prompt) for r in waiting), default=1) + min(params.max_new_tokens, 256))
 
         def finished(request: _Request, generation: Generation) -> None:
             future = on_generation(request.index, generation)
             if future is not None:
                 tools.append((request, future))
 
+        for i, turn in enumerate(turns):
+            if isinstance(turn, concurrent.futures.Future):  # its first turn comes when its tool answers
+                tools.append((_Request(i, -1, [], 0, call_key, 0), turn))
+            else:
+                self._enqueue(waiting, i, 0, turn, params, len(turns), call_key, finished)
+        self._reserve(max((len(r.prompt) for r in waiting), default=1) + min(params.max_new_tokens, 256))
         try:
             while waiting or running or tools:
                 if self.aborting.is_set():
@@ -201,7 +205,7 @@ class HFEngine(Engine):
                         finished(request, Generation([], [], "abort", "aborted", (request.call_key, request.sample_key)))
                     tools.clear()  # not waited for: their tools may never answer
                     continue
-                self._collect_turns(tools, waiting, params, len(turns), max_turns, call_key,
+                self._collect_turns(tools, waiting, params, len(turns), max_turns, call_key, finished,
                                     block=not (waiting or running))
                 while waiting and self.slots.free_slots():
                     running += self._admit(waiting, state, params)
@@ -212,13 +216,16 @@ class HFEngine(Engine):
         finally:
             self.slots.drop_active()  # after an error: their caches are incomplete
 
-    @staticmethod
-    def _request(index: int, turn_number: int, turn: Turn, params: SamplingParams, requests: int,
+    def _request(self, index: int, turn_number: int, turn: Turn, params: SamplingParams, requests: int,
                  call_key: int) -> _Request:
         if len(turn.prompt) == 0:
-            raise ValueError("every prompt needs at least one token")
+            raise _Refusal(f"request {index}: every prompt needs at least one token")
         if turn.max_new_tokens < 1:
-            raise ValueError(f"a turn needs max_new_tokens >= 1, got {turn.max_new_tokens} (request {index})")
+            raise _Refusal(f"request {index}: a turn needs max_new_tokens >= 1, got {turn.max_new_tokens}")
+        embedded = self.model.get_input_embeddings().num_embeddings
+        outside = next((t for t in turn.prompt if not 0 <= t < embedded), None)
+        if outside is not None:  # an embedding lookup would raise in the middle of the batch
+            raise _Refusal(f"request {index}: token id {outside} is outside the vocabulary (0 to {embedded - 1})")
         max_new = min(turn.max_new_tokens, params.max_new_tokens)
         if turn.stream is not None:
             call_key, sample_key = turn.stream
@@ -227,7 +234,7 @@ class HFEngine(Engine):
         return _Request(index, turn_number, list(turn.prompt), max_new, call_key, sample_key, turn.offset)
 
     def _collect_turns(self, tools: list, waiting: deque, params: SamplingParams, requests: int, max_turns: int,
-                       call_key: int, block: bool) -> None:
+                       call_key: int, finished: Callable[[_Request, Generation], None], block: bool) -> None:
         """Move the requests whose next turn is ready from `tools` to `waiting` (in the order they
         were handed out); with `block`, wait until at least one future is done (or `abort`). A future
         that fails raises here; a turn past `max_turns` is dropped."""
@@ -243,9 +250,18 @@ class HFEngine(Engine):
                 continue
             turn = future.result()
             if turn is not None and request.turn + 1 < max_turns:
-                waiting.append(self._request(request.index, request.turn + 1, turn, params, requests, call_key))
+                self._enqueue(waiting, request.index, request.turn + 1, turn, params, requests, call_key, finished)
                 self.stats["next_turns"] += 1
         tools[:] = still
+
+    def _enqueue(self, waiting: deque, index: int, turn_number: int, turn: Turn, params: SamplingParams, requests: int,
+                 call_key: int, finished: Callable[[_Request, Generation], None]) -> None:
+        """Queue a turn, or answer it at once with `Generation.refused` (the call's other requests go on)."""
+        try:
+            waiting.append(self._request(index, turn_number, turn, params, requests, call_key))
+        except _Refusal as why:
+            self.stats["refused"] += 1
+            finished(_Request(index, turn_number, [], 0, call_key, 0), Generation.refused(str(why)))
 
     def _admit(self, waiting: deque, state: _DeviceState, params: SamplingParams) -> list[_Request]:
         """Prefill as many waiting requests as there are free slots (and prefill budget) in one

@@ -290,9 +290,12 @@ class OpenAIServer:
             session.truncated = True
             return None
         try:
-            return await asyncio.wrap_future(rollout.slots.submit(slot, Turn(plan.prompt_ids, room)))
+            served = await asyncio.wrap_future(rollout.slots.submit(slot, Turn(plan.prompt_ids, room)))
         except Exception as error:  # noqa: BLE001 - the engine call failed (`EngineSlots.fail`)
             raise _Refused(500, "engine_error", f"the engine failed: {type(error).__name__}: {error}"[:500]) from None
+        if served.generation.was_refused:  # this request alone: the engine went on with the others
+            raise _Refused(400, "invalid_request_error", served.generation.error[:500])
+        return served
 
     async def _plan(self, session: AgentSession, messages: list[dict], tools: list[dict] | None, large: bool) -> Plan:
         """`session.plan`, rendered and tokenised off the event loop for a large request."""
