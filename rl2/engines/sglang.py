@@ -84,7 +84,10 @@ class SGLangAPI:
 
 
 def load_sglang() -> SGLangAPI:
-    """Import SGLang; without it, an error that says how to install the supported version."""
+    """Import SGLang; without it, an error that says how to install the supported version. Without CUDA,
+    SGLang's CPU engine is chosen first (`SGLANG_USE_CPU_ENGINE=1`: SGLang reads it at import)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     try:
         import sglang
         from sglang.srt.utils import MultiprocessingSerializer, init_custom_process_group
@@ -140,21 +143,30 @@ def check_server_args(server_args: dict) -> None:
                          "(the actor's weights are pushed as its config ties them)")
 
 
+# SGLang's CPU engine (the pure-torch paths, on a CPU without AMX): what it needs that its defaults are not,
+# as defaults under the user's `rollout.server_args`. Its KV cache is sized in tokens (the GPU's
+# `mem_fraction_static` would take a fraction of the machine's memory).
+CPU_SERVER_ARGS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
+                   "max_total_tokens": 32768}
+
+
 def engine_args(
     model_path: str, layout: TPGroupLayout, dtype: str, memory_fraction: float, seed: int, nccl_port: int,
-    server_args: dict | None = None,
+    server_args: dict | None = None, device: str = "cuda",
 ) -> dict:
-    """`sglang.Engine` keyword arguments for the engine of `layout`'s group; `server_args` are the
-    user's further SGLang arguments (`rollout.server_args`), none of them one that rl2 sets."""
+    """`sglang.Engine` keyword arguments for the engine of `layout`'s group on `device` ("cuda" or "cpu");
+    `server_args` are the user's further SGLang arguments (`rollout.server_args`), none of them one that
+    rl2 sets."""
     check_server_args(server_args or {})
     return {
         "log_level": "error",
+        **(CPU_SERVER_ARGS if device == "cpu" else {}),
         **(server_args or {}),
         "model_path": model_path,
         "tp_size": layout.tp_size,
         "dtype": dtype,
         "mem_fraction_static": memory_fraction,
-        "enable_memory_saver": True,
+        "enable_memory_saver": device != "cpu",  # torch_memory_saver needs libcuda
         "base_gpu_id": layout.base_gpu_id,
         "gpu_id_step": 1,
         # Engines on one node need their own ports; their base GPUs differ.
@@ -165,6 +177,20 @@ def engine_args(
         "nnodes": 1,
         "node_rank": 0,
     }
+
+
+def cpu_threads_binding(tp_size: int, cpus: list[int] | None = None) -> str:
+    """`SGLANG_CPU_OMP_THREADS_BIND` for `tp_size` CPU ranks: this process's cores in `tp_size` contiguous
+    shares ("0|1", "0-3|4-7"); SGLang's own default binds one rank per NUMA node."""
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(cpus) < tp_size:
+        raise ValueError(f"rollout.tp_size={tp_size} SGLang CPU ranks need a core each; this process has {len(cpus)}")
+    share, shares = len(cpus) // tp_size, []
+    for rank in range(tp_size):
+        own = cpus[rank * share: (rank + 1) * share]
+        contiguous = own[-1] - own[0] == len(own) - 1
+        shares.append(str(own[0]) if len(own) == 1 else f"{own[0]}-{own[-1]}" if contiguous else ",".join(map(str, own)))
+    return "|".join(shares)
 
 
 def sampling_params_dict(params: SamplingParams, stop_token_ids: Iterable[int]) -> dict:
@@ -336,15 +362,18 @@ class SGLangEngine(Engine):
         self.verified = False
         self.engine = None
 
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
         def start() -> None:
+            if self.device == "cpu" and tp_size > 1:  # else SGLang wants a NUMA node per TP rank
+                os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_binding(tp_size))
             with sglang_process_state():
-                self.engine = self.api.Engine(
-                    **engine_args(model_path, self.layout, dtype, memory_fraction, seed, _free_port(), server_args)
-                )
-            logger.info(
-                f"SGLang {self.api.version} engine {self.layout.group_index}: TP {tp_size} on GPUs "
-                f"{self.layout.base_gpu_id}..{self.layout.base_gpu_id + tp_size - 1}, ranks {list(self.layout.ranks)}"
-            )
+                self.engine = self.api.Engine(**engine_args(model_path, self.layout, dtype, memory_fraction, seed,
+                                                            _free_port(), server_args, self.device))
+            where = (f"GPUs {self.layout.base_gpu_id}..{self.layout.base_gpu_id + tp_size - 1}" if self.device == "cuda"
+                     else "the CPU (SGLang's CPU engine)")
+            logger.info(f"SGLang {self.api.version} engine {self.layout.group_index}: TP {tp_size} on {where}, "
+                        f"ranks {list(self.layout.ranks)}")
 
         self._on_leader(start, "engine start")
 
@@ -476,7 +505,8 @@ class SGLangEngine(Engine):
             self._before_resume()
 
         self._on_leader(self._begin_update, "weight update")
-        self.api.monkey_patch_torch_reductions()
+        if self.device == "cuda":  # CUDA IPC handles that name the GPU by UUID; it fails on CPU tensors
+            self.api.monkey_patch_torch_reductions()
         samples: dict[str, torch.Tensor] = {}  # what was sent of the 1-D parameters, for the read-back
         # A fused group (q/k/v, gate/up) may be split between buckets: SGLang loads each bucket on its own
         # (model_runner_components/weight_updater.py, _update_weights_from_flattened_bucket -> model.load_weights)

@@ -1,0 +1,126 @@
+"""Shims that let the real SGLang run on a CPU machine without CUDA, in `make test-sglang`'s virtual environment
+only (its .pth file imports this module at start-up and calls `install()`; nothing of rl2's imports it).
+
+- `sgl_kernel`: SGLang's kernel package is built for CUDA alone (its wheels fail to import without libcuda.so.1).
+  On a CPU without AMX SGLang takes its pure-torch paths and only *imports* kernel names at module load. This is
+  an import-only stand-in: every `sgl_kernel.*` module imports, every name in it is a function that raises
+  `KernelCalled` if it is ever called, so a path that would need a real kernel fails loudly, naming it.
+- `torchvision`: the registry's build is CUDA's, whose operators do not load beside torch+cpu; its meta
+  registrations then fail on import (`operator torchvision::nms does not exist`), and SGLang and transformers'
+  image processors import it. Before torchvision loads, its operators' schemas are defined here (none is run:
+  a text model's engine never calls them).
+"""
+
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+KERNEL_PACKAGE = "sgl_kernel"
+
+# torchvision's operators (torchvision/csrc/ops/*.cpp), as its meta registrations look them up.
+TORCHVISION_SCHEMAS = [
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
+    "int sampling_ratio, bool aligned) -> Tensor",
+    "_roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
+    "SymInt batch_size, SymInt channels, SymInt height, SymInt width, int sampling_ratio, bool aligned) -> Tensor",
+    "ps_roi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
+    "int sampling_ratio) -> (Tensor, Tensor)",
+    "_ps_roi_align_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, "
+    "SymInt pooled_height, SymInt pooled_width, int sampling_ratio, SymInt batch_size, SymInt channels, "
+    "SymInt height, SymInt width) -> Tensor",
+    "roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width) "
+    "-> (Tensor, Tensor)",
+    "_roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, float spatial_scale, SymInt pooled_height, "
+    "SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width) -> Tensor",
+    "ps_roi_pool(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width) "
+    "-> (Tensor, Tensor)",
+    "_ps_roi_pool_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, "
+    "SymInt pooled_height, SymInt pooled_width, SymInt batch_size, SymInt channels, SymInt height, SymInt width) "
+    "-> Tensor",
+    "deform_conv2d(Tensor input, Tensor weight, Tensor offset, Tensor mask, Tensor bias, SymInt stride_h, "
+    "SymInt stride_w, SymInt pad_h, SymInt pad_w, SymInt dilation_h, SymInt dilation_w, SymInt groups, "
+    "SymInt offset_groups, bool use_mask) -> Tensor",
+    "_deform_conv2d_backward(Tensor grad, Tensor input, Tensor weight, Tensor offset, Tensor mask, Tensor bias, "
+    "SymInt stride_h, SymInt stride_w, SymInt pad_h, SymInt pad_w, SymInt dilation_h, SymInt dilation_w, "
+    "SymInt groups, SymInt offset_groups, bool use_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qroi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
+    "int sampling_ratio, bool aligned) -> Tensor",
+]
+
+
+class KernelCalled(RuntimeError):
+    """A function of the import-only `sgl_kernel` stand-in was called: this SGLang path needs the real kernels."""
+
+
+class _Kernel:
+    """A name of the stand-in: calling it raises `KernelCalled`; its attributes are names too
+    (`scalar_types.uint4b8` at SGLang's module level)."""
+
+    def __init__(self, qualified_name: str):
+        self._qualified_name = qualified_name
+
+    def __call__(self, *args, **kwargs):
+        raise KernelCalled(f"{self._qualified_name} was called, but sgl_kernel here is rl2's import-only stand-in "
+                           "(tests/sglang_cpu): this SGLang path needs CUDA kernels")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Kernel(f"{self._qualified_name}.{name}")
+
+    def __repr__(self) -> str:
+        return f"<import-only stand-in {self._qualified_name}>"
+
+
+class _KernelModule(types.ModuleType):
+    """A stand-in `sgl_kernel` module: any attribute is a `_Kernel`."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _Kernel(f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
+class _ShimFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Creates the `sgl_kernel` stand-in's modules, and defines torchvision's schemas before it loads."""
+
+    def __init__(self):
+        self.torchvision_library = None
+
+    def find_spec(self, name, path=None, target=None):
+        if name == KERNEL_PACKAGE or name.startswith(KERNEL_PACKAGE + "."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        if name == "torchvision" and self.torchvision_library is None:
+            self.torchvision_library = define_torchvision_schemas()  # kept: the schemas live as long as it does
+        return None  # torchvision itself: the normal finders
+
+    def create_module(self, spec):
+        module = _KernelModule(spec.name)
+        module.__path__ = []  # a package: its submodules import too
+        module.__version__ = "0.0.0+rl2-import-only-stand-in"
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def define_torchvision_schemas():
+    """torchvision's operator schemas, in a torch library fragment (returned: they last as long as it does)."""
+    import torch
+
+    library = torch.library.Library("torchvision", "FRAGMENT")
+    for schema in TORCHVISION_SCHEMAS:
+        if not hasattr(torch.ops.torchvision, schema.split("(", 1)[0]):
+            library.define(schema)
+    return library
+
+
+def install() -> None:
+    """Put the finder first on `sys.meta_path` (once)."""
+    if not any(isinstance(finder, _ShimFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _ShimFinder())
