@@ -424,8 +424,8 @@ class Sandbox:
             uid = self.uids[i] if privileged else None
             commands.append(worker_command(kind, uid, base_dir, tmpfs_mb, list(preload)))
         try:
-            # Unguarded: a sandbox worker runs no user code in its own process, and what its programs start is
-            # contained by their pid namespace (bwrap) or killed by their uid.
+            # Unguarded: a sandbox worker runs no user code in its own process and is its programs' subreaper;
+            # what they start is contained by their pid namespace (bwrap) or killed by their uid (uid mode).
             self._pool = WorkerPool("sandbox", commands, retries=RETRIES, env=_worker_environment(), guarded=False)
         except WorkerFailed as error:
             self.close()
