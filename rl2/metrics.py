@@ -1,4 +1,5 @@
-"""Metrics to `<save_dir>/metrics.jsonl` (always) and to wandb (online, offline or disabled), on rank 0."""
+"""Metrics to `<save_dir>/metrics.jsonl` (always) and to wandb (online, offline or disabled), on rank 0; and the
+summary a PPO run logs at its end, read back from metrics.jsonl (`run_summary`)."""
 
 import contextlib
 import json
@@ -151,3 +152,55 @@ def curve_summary(rows: list[dict], key: str, buckets: int = 10) -> str:
         span = f"{first}" if first == last else f"{first}-{last}"
         lines.append(f"  steps {span:>9}  {mean:7.3f}  {'#' * round(min(max(mean, 0.0), 1.0) * 40)}")
     return "\n".join(lines)
+
+
+def run_summary(rows: list[dict]) -> str:
+    """The reward curve, test results and where the time of a step went, from metrics.jsonl rows."""
+    lines = [curve_summary([row for row in rows if row["step"] > 0], "reward/mean")]
+    tests = [row for row in rows if "test/reward_errors" in row or "test/reward_mean" in row]
+    if tests:
+        lines.append("test reward: " + ", ".join(
+            f"step {row['step']}: {row['test/reward_mean']:.3f}" if "test/reward_mean" in row
+            else f"step {row['step']}: none ({row['test/reward_errors']:.0f} reward_fn errors)" for row in tests
+        ))
+    lines.append(env_error_summary(rows))
+    lines.append(step_time_summary(rows))
+    return "\n".join(lines)
+
+
+def step_time_summary(rows: list[dict]) -> str:
+    """Where the time of an updating step went, over the steps that updated (a step with no trajectory left
+    to train on logs no `time/step`), and how many did not."""
+    phases = ["rollout", "reward", "logps", "update", "sync"]
+    ran = [row for row in rows if row["step"] > 0 and any(key.startswith("time/") for key in row)]
+    steps = [row for row in ran if "time/step" in row]
+    if not steps:
+        return (f"no step updated the policy (none of the {len(ran)} steps had a trajectory left to train on: "
+                "equal rewards in every group, see dynamic_filter/dropped_ratio, or env errors)")
+    means = {p: sum(row.get(f"time/{p}", 0.0) for row in steps) / len(steps) for p in phases}
+    step_time = sum(row["time/step"] for row in steps) / len(steps)
+    return (f"mean step time {step_time:.3f}s"
+            + (f" (of the {len(steps)} of {len(ran)} steps that updated)" if len(steps) < len(ran) else "")
+            + ": " + ", ".join(f"{p} {means[p]:.3f}s ({100 * means[p] / max(step_time, 1e-9):.0f}%)" for p in phases))
+
+
+def env_error_summary(rows: list[dict]) -> str:
+    """How many env calls failed over a run (training steps and evaluations), and the faults its
+    pools recovered from, from metrics.jsonl rows."""
+    steps = [row for row in rows if row["step"] > 0 and "env_errors" in row]
+    errors = sum(row["env_errors"] for row in steps)
+    reward_errors = sum(row.get("reward_errors", 0.0) for row in steps)
+    test_errors = sum(row.get("test/env_errors", 0.0) for row in rows)
+    faults: dict[str, float] = {}
+    for row in steps:
+        for key, value in row.items():
+            if key.startswith("faults/") and value:
+                faults[key[len("faults/"):]] = faults.get(key[len("faults/"):], 0.0) + value
+    line = (f"env errors: {errors:.0f} in {sum(row['env_errors'] > 0 for row in steps)} of {len(steps)} steps "
+            f"({reward_errors:.0f} trajectories left unscored), {test_errors:.0f} in evaluations")
+    recycled = faults.pop("env_worker_recycles", 0.0)  # planned (rollout.env_worker_max_calls), not a fault
+    if faults:
+        line += "; recovered faults: " + ", ".join(f"{name} {count:.0f}" for name, count in sorted(faults.items()))
+    if recycled:
+        line += f"; env workers recycled {recycled:.0f} times (rollout.env_worker_max_calls)"
+    return line

@@ -602,14 +602,13 @@ def test_clamped_k3_is_verls_low_var_kl():
 def test_turn_discount_scales_each_sequence_by_its_distance_from_the_last():
     """adv.turn_discount: in a trajectory of K sequences the k-th trains on the trajectory's advantage times
     discount^(K-1-k); a one-sequence trajectory, and the trainer without the key, are unchanged; GAE refuses it."""
-    from types import SimpleNamespace
-
     from rl2.algorithms.advantages import turn_discounts
     from rl2.algorithms.sequences import turn_start_mask
     from rl2.config import ConfigError, load_config
     from rl2.config_checks import check_rl_config
     from rl2.rollout.trajectory import Trajectory
-    from rl2.trainer.ppo import PPOTrainer
+    from rl2.trainer.ppo_stages import add_advantages
+    from rl2.trainer.step_plan import StepPlan
 
     starts = turn_start_mask([0, 3, 7], 10)
     assert turn_discounts(starts, 0.5).tolist() == [0.25] * 3 + [0.5] * 4 + [1.0] * 3
@@ -617,12 +616,12 @@ def test_turn_discount_scales_each_sequence_by_its_distance_from_the_last():
 
     def advantages(discount: float) -> list[torch.Tensor]:
         config = load_config(["adv.estimator=reinforce", "data.responses_per_prompt=2", f"adv.turn_discount={discount}"])
-        trainer = SimpleNamespace(config=config, reference=None, critic=None, teacher=None)
+        plan = StepPlan.from_config(config, train_max_new_tokens=8)
         masks = [torch.tensor([0, 1, 1, 0, 1, 1, 0, 1, 1, 1.0]), torch.tensor([0, 1, 1, 1.0])]
         sequences = [{"loss_mask": masks[0], "turn_starts": starts}, {"loss_mask": masks[1]}]
         trajectories = [Trajectory(messages=[], answer=None, group=0, token_ids=[], action_mask=[], logprobs=[], reward=r)
                         for r in (1.0, 0.0)]
-        PPOTrainer.add_advantages(trainer, sequences, trajectories)
+        add_advantages(sequences, trajectories, plan, step=1)
         return [s["advantages"] for s in sequences]
 
     plain, discounted = advantages(1.0), advantages(0.5)

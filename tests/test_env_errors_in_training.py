@@ -76,18 +76,6 @@ def test_unscored_answers_count_neither_right_nor_wrong():
     assert metrics["reward/mean"] == 1 / 3 and metrics["excluded"] == 1 and metrics["env_errors"] == 1
 
 
-def _trainer_stub(**config):
-    from types import SimpleNamespace
-
-    sections = {
-        "data": SimpleNamespace(responses_per_prompt=config.get("responses_per_prompt", 4)),
-        "adv": SimpleNamespace(roc_mode="topk", roc_min_each=1),
-        "trainer": SimpleNamespace(seed=0),
-    }
-    rollout = SimpleNamespace(roc_penalties=lambda trajectories: [roc_penalty(t.messages) for t in trajectories])
-    return SimpleNamespace(config=SimpleNamespace(**sections), rollout=rollout, step=1)
-
-
 def test_dynamic_filtering_counts_only_scored_rewards():
     groups = [
         [_trajectory(1.0), _trajectory(0.0), _trajectory(None, ["down"]), _trajectory(None, ["down"])],  # signal
@@ -106,11 +94,16 @@ def test_dynamic_filtering_keeps_everything_with_one_response_per_prompt():
 
 
 def test_resample_on_correct_draws_from_scored_trajectories_only():
-    from rl2.trainer.ppo import PPOTrainer
+    from rl2.config import load_config
+    from rl2.trainer.ppo_stages import resample_on_correct
+    from rl2.trainer.step_plan import StepPlan
 
+    config = load_config(["data.responses_per_prompt=4", "adv.resample_on_correct=true", "rollout.oversample=6",
+                          "adv.roc_mode=topk", "adv.roc_min_each=1", "trainer.seed=0"])
+    plan = StepPlan.from_config(config, train_max_new_tokens=8)
     failed = [_trajectory(None, ["down"]) for _ in range(3)]
     group = [_trajectory(1.0), failed[0], _trajectory(0.0), failed[1], _trajectory(1.0), failed[2]]
-    kept, metrics = PPOTrainer.resample_on_correct(_trainer_stub(responses_per_prompt=4), group, 6)
+    kept, metrics = resample_on_correct(group, plan, 1, [roc_penalty(t.messages) for t in group])
     # 3 usable ones, all kept; one excluded trajectory fills the group to 4 (it carries no loss)
     assert len(kept) == 4 and sum(t.excluded for t in kept) == 1
     assert [t for t in kept if not t.excluded] == [group[0], group[2], group[4]]

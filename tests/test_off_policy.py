@@ -227,11 +227,10 @@ def test_overlong_penalty_is_dapos(length, expected):
 def test_the_defaults_give_todays_loss_bit_for_bit():
     """rollout_correction=none, policy_loss=ppo and no entropy bonus: the actor's loss is PPO's clipped
     surrogate weighted per token, as before these keys existed, to the bit; no importance weights are made."""
-    from types import SimpleNamespace
-
     from rl2.config import load_config
     from rl2.algorithms.off_policy import rollout_correction
-    from rl2.trainer.ppo import PPOTrainer
+    from rl2.trainer.ppo_stages import actor_loss
+    from rl2.trainer.step_plan import StepPlan
 
     config = load_config([])
     assert rollout_correction(config) == Correction("none", 2.0, 0.5, 5.0)  # auto: none without partial rollout
@@ -240,8 +239,7 @@ def test_the_defaults_give_todays_loss_bit_for_bit():
     batch = {"old_logps": to32(old), "advantages": to32(advantages), "loss_mask": to32(mask),
              "loss_weight": to32(mask / mask.sum()), "metric_weight": to32(mask / mask.sum()), "cu_seqlens": cu_seqlens.int(), "engine_logps": to32(old)}
     outputs = {"logps": to32(current).requires_grad_(True), "entropy": torch.rand(1, 12)}
-    trainer = SimpleNamespace(config=config, reference=None, teacher=None)
-    loss, _ = PPOTrainer.actor_loss(trainer, outputs, batch)
+    loss, _ = actor_loss(StepPlan.from_config(config, train_max_new_tokens=8), outputs, batch)
     per_token, _ = policy_loss(outputs["logps"], batch["old_logps"], batch["advantages"], 0.2, None)
     assert torch.equal(loss, (per_token * batch["loss_weight"]).sum())
     proximal, behaviour, m = sequences()[0]

@@ -107,23 +107,25 @@ def test_demo_learns_on_every_seed(tmp_path, seed, demo_model, demo_warmup):
 
 
 def _prepared_advantages(overrides: list[str], rewards: list[float | None]) -> list[float]:
-    """The advantage that the PPO trainer's `prepare` (scoring, then `add_advantages`) gives each trajectory
+    """The advantage that the PPO step's stages (`compute_logps`, then `add_advantages`) give each trajectory
     of a batch with these rewards (None: its reward_fn failed, so it is excluded), under the config
     `overrides`. No model is needed: with recompute_logprobs=false the engine's log-probs are the old ones."""
     from rl2.config import load_config
     from rl2.rollout.trajectory import Trajectory
-    from rl2.trainer.ppo import PPOTrainer
+    from rl2.trainer.ppo_stages import StepModels, add_advantages, compute_logps, sequences_of
+    from rl2.trainer.step_plan import StepPlan
 
     config = load_config(["actor.recompute_logprobs=false", *overrides])
-    trainer = object.__new__(PPOTrainer)  # the trainer's own methods, without its models and engine
-    trainer.config, trainer.actor, trainer.reference, trainer.critic, trainer.teacher = config, None, None, None, None
+    plan = StepPlan.from_config(config, train_max_new_tokens=8)
     group_size = config.data.responses_per_prompt
     trajectories = [
         Trajectory(messages=[], answer=None, group=i // group_size, token_ids=[5, 6, 7], action_mask=[0, 1, 1],
                    logprobs=[0.0, -0.5, -0.5], reward=reward)
         for i, reward in enumerate(rewards)
     ]
-    sequences, _ = trainer.prepare(trajectories)
+    sequences = sequences_of(trajectories, plan)
+    compute_logps(sequences, plan, StepModels(actor=None), step=1)
+    add_advantages(sequences, trajectories, plan, step=1)
     assert all(seq["advantages"][0] == 0 and seq["advantages"][1] == seq["advantages"][2] for seq in sequences)
     return [seq["advantages"][-1].item() for seq in sequences]
 
@@ -439,6 +441,7 @@ from rl2.algorithms.losses import with_loss_weights
 from rl2.algorithms.sequences import per_turn_sequences
 from rl2.engines import SamplingParams
 from rl2.rollout.multi_turn import rollout
+from rl2.trainer.ppo_stages import actor_loss, add_advantages, compute_logps, sequences_of
 from scripted_engine import ScriptedEngine
 
 trainer = PPOTrainer(load_config(sys.argv[1:]))
@@ -452,9 +455,11 @@ for per_turn in (False, True):
     for i, trajectory in enumerate(trajectories):
         trajectory.reward = float(i % 3 == 0)
     assert all(t.turns == 2 for t in trajectories) and (trajectories[0].turn_starts is not None) == per_turn
-    sequences, metrics = trainer.prepare(trajectories)
+    sequences = sequences_of(trajectories, trainer.plan)
+    metrics = compute_logps(sequences, trainer.plan, trainer.models, trainer.step)
+    metrics.update(add_advantages(sequences, trajectories, trainer.plan, trainer.step))
     trained = per_turn_sequences(with_loss_weights(sequences))
-    loss = trainer.actor.accumulate_gradients(trained, trainer.actor_loss)["loss"]
+    loss = trainer.actor.accumulate_gradients(trained, lambda o, b: actor_loss(trainer.plan, o, b))["loss"]
     grads = [p.grad.to_local().clone() for p in trainer.actor.model.parameters()]
     trainer.actor.optimizer.zero_grad(set_to_none=True)
     at_actions = {key: [s[key][s["loss_mask"].bool()] for s in sequences]

@@ -1,7 +1,7 @@
-"""The summary a PPO run logs at its end (`rl2.trainer.ppo.run_summary`) says what happened: step times over the
+"""The summary a PPO run logs at its end (`rl2.metrics.run_summary`) says what happened: step times over the
 steps that updated the policy, and that none did when none did (not a mean step time of 0 s)."""
 
-from rl2.trainer.ppo import run_summary
+from rl2.metrics import run_summary
 
 UPDATED = {"reward/mean": 0.5, "env_errors": 0.0, "time/rollout": 0.2, "time/reward": 0.1, "time/logps": 0.1,
            "time/update": 0.5, "time/sync": 0.1, "time/step": 1.0}
@@ -25,7 +25,7 @@ def test_step_times_are_over_the_steps_that_updated():
 
 def test_recycled_env_workers_are_not_reported_as_faults():
     """Workers replaced after rollout.env_worker_max_calls are planned: said apart from the faults recovered."""
-    from rl2.trainer.ppo import env_error_summary
+    from rl2.metrics import env_error_summary
 
     rows = [{"step": 1, "env_errors": 0.0, "faults/env_worker_recycles": 2.0, "faults/env_worker_restarts": 1.0},
             {"step": 2, "env_errors": 0.0, "faults/env_worker_recycles": 1.0}]

@@ -30,7 +30,8 @@ from rl2.distributed.process_group import barrier, broadcast_from_rank0, is_rank
 from rl2.engines import SamplingParams
 from rl2.metrics import PhaseTimer
 from rl2.rollout.env import EnvArgs, env_tools, load_env_file
-from rl2.rollout.partial import partial_extra_prompts, partial_rollout
+from rl2.rollout.interface import Draw
+from rl2.rollout.partial import partial_extra_prompts
 from rl2.rollout.service import RolloutRecords, RolloutService
 from rl2.rollout.trajectory import Trajectory
 from rl2.lora import is_lora
@@ -73,7 +74,7 @@ class RolloutServer:
         tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer_name or config.actor.model_name)
         self.service = RolloutService(config, tokenizer)
         # With partial rollout the rollout ranks keep the unfinished groups, and the prompts not started yet.
-        self.partial = partial_rollout(config, self.service)
+        self.partial = self.service.partial
         self.waiting: list[dict] = []
 
     def serve(self) -> None:
@@ -243,7 +244,14 @@ class RemoteRollout(RolloutRecords):
             self.in_flight.append(Batch(step, self.version, self._request(request)))
             step += 1
 
-    def next_batch(self, timer: PhaseTimer | None = None) -> Batch:
+    def next_batch(self, step: int, draw: Draw, responses: int, timer: PhaseTimer) -> tuple[list[Trajectory], dict]:
+        """Step `step`'s batch: the one the rollout ranks generated `rollout.max_staleness` versions ago (the
+        pipeline filled up to step + max_staleness first, prompts `draw`n in step order), and its metrics."""
+        self.fill(step, draw, responses, self.config.trainer.seed)
+        batch = self.oldest_batch(timer)
+        return batch.trajectories, self.pipeline_metrics(batch, step - 1)
+
+    def oldest_batch(self, timer: PhaseTimer | None = None) -> Batch:
         """The oldest batch in flight, once it has come back (scored, every trainer holds it)."""
         timer = timer or PhaseTimer()
         batch = self.in_flight.pop(0)
@@ -355,11 +363,14 @@ class RemoteRollout(RolloutRecords):
         for batch in self.in_flight:
             self._receive_batch(batch)
         server = self._reply(self._request({"kind": "state"}))  # after the batches in flight: what it holds then
-        return {"version": self.version, "server": server, "in_flight": [
+        return {"rollout_pipeline": {"version": self.version, "server": server, "in_flight": [
             {"step": b.step, "version": b.version, "trajectories": [t.state() for t in b.trajectories],
-             "faults": b.faults, "metrics": b.metrics} for b in self.in_flight]}
+             "faults": b.faults, "metrics": b.metrics} for b in self.in_flight]}}
 
     def load_state_dict(self, state: dict) -> None:
+        if "rollout_pipeline" not in state:
+            return
+        state = state["rollout_pipeline"]
         self.version = state["version"]
         self.requested_prompts = True
         self._request({"kind": "load_state", **state["server"]})

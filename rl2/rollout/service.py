@@ -1,7 +1,7 @@
 """The rollout side of an RL run: the inference engine and the env file, and what is done with them.
 
 Training (`rl2.trainer.ppo`), evaluation-only runs (`trainer.eval_only`) and the difficulty filter
-(`rl2.trainer.difficulty_filter`) each hold one `RolloutService`.
+(`rl2.trainer.difficulty_filter`) each hold one `RolloutService` (`rl2.rollout.interface.Rollout`).
 """
 
 import json
@@ -16,7 +16,9 @@ from rl2.engines import SamplingParams, build_engine_from_config, check_sglang
 from rl2.metrics import PhaseTimer
 from rl2.rollout.env import Env, EnvError
 from rl2.rollout.env_file import rl2_sample_interface
+from rl2.rollout.interface import Draw
 from rl2.rollout.multi_turn import ToolCalling, assign_rewards, rollout
+from rl2.rollout.partial import partial_rollout
 from rl2.rollout.rollout_metrics import eval_metrics, unscored_report
 from rl2.rollout.trajectory import Trajectory
 from rl2.lora import is_lora
@@ -104,6 +106,28 @@ class RolloutService(RolloutRecords):
 
             self.server = OpenAIServer(tokenizer, config.actor.model_name, config.rollout.agent_max_request_mb)
         self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
+        # With partial rollout (a training run): the unfinished groups this rank carries from step to step.
+        self.partial = partial_rollout(config, self) if not config.trainer.eval_only else None
+
+    def next_batch(self, step: int, draw: Draw, responses: int, timer: PhaseTimer) -> tuple[list[Trajectory], dict]:
+        """Step `step`'s trajectories, scored, on every rank: its prompts' (`draw`n, a step's worth); with partial
+        rollout the groups that finished first among those carried over and new prompts."""
+        seed, release = self.config.trainer.seed + step, self.config.rollout.sleep
+        if self.partial is None:
+            prompts = draw(self.config.data.prompts_per_rollout or self.config.data.batch_size)
+            return self.generate(prompts, self.train_params, responses, seed, timer, release_after=release), {}
+        version = step - 1  # the updates the policy has had
+        trajectories = self.partial.generate(draw(self.partial.prompts_wanted()), self.train_params, seed, version,
+                                             timer, release_after=release)
+        return trajectories, self.partial.metrics(trajectories, version)
+
+    def state_dict(self) -> dict:
+        """The carried-over groups of partial rollout (resumed exactly); nothing otherwise."""
+        return {"partial_rollout": self.partial.state_dict()} if self.partial is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.partial is not None and "partial_rollout" in state:
+            self.partial.load_state_dict(state["partial_rollout"])
 
     def generate(
         self,

@@ -17,6 +17,7 @@ from rl2.distributed.process_group import exit_process, is_rank0
 from rl2.distributed.fsdp import gather_full_state_dict
 from rl2.rollout.trajectory import Trajectory
 from rl2.trainer.ppo import PPOTrainer
+from rl2.trainer.ppo_stages import add_advantages, compute_logps, sequences_of, update
 
 
 def main() -> None:
@@ -44,8 +45,10 @@ def main() -> None:
     optimizer.register_step_pre_hook(capture_gradients)
     # cloned: on one CPU rank the full state dict shares memory with the parameters
     before = {name: tensor.clone() for name, tensor in gather_full_state_dict(model).items()}
-    sequences, prepared = trainer.prepare(trajectories)
-    updated = trainer.update(sequences, step=1)
+    sequences = sequences_of(trajectories, trainer.plan)
+    prepared = compute_logps(sequences, trainer.plan, trainer.models, step=1)
+    prepared.update(add_advantages(sequences, trajectories, trainer.plan, step=1))
+    updated = update(sequences, trainer.plan, trainer.models, step=1)
     after = gather_full_state_dict(model)
     if is_rank0():
         torch.save({"before": before, "after": after, **captured, "metrics": {**prepared, **updated}}, out_file)

@@ -26,6 +26,7 @@ from rl2.config import load_config
 from rl2.distributed.fsdp import gather_full_state_dict
 from rl2.distributed.process_group import exit_process, is_rank0, world_size
 from rl2.rollout.trajectory import Trajectory
+from rl2.trainer import ppo_stages
 from rl2.trainer.ppo import PPOTrainer
 
 
@@ -81,14 +82,14 @@ def main() -> None:
     generated: list[Trajectory] = []
     trainer.rollout.generate = lambda *args, **kwargs: generated.extend(copy.deepcopy(trajectories)) or generated
     kept: list[int] = []  # GRPO-RoC: the indices of the trajectories it kept
-    resample = trainer.resample_on_correct
+    resample = ppo_stages.resample_on_correct
 
-    def recording_resample(batch: list[Trajectory], group_size: int):
-        chosen, roc_metrics = resample(batch, group_size)
+    def recording_resample(batch: list[Trajectory], *args):
+        chosen, roc_metrics = resample(batch, *args)
         kept.extend(next(i for i, t in enumerate(batch) if t is c) for c in chosen)
         return chosen, roc_metrics
 
-    trainer.resample_on_correct = recording_resample
+    ppo_stages.resample_on_correct = recording_resample  # the step's stages look it up in their module
     compute_calls = []  # the actor's separate forward passes (the proximal pass, unless taken from the update)
     compute = trainer.actor.compute
     trainer.actor.compute = lambda *args, **kwargs: compute_calls.append(1) or compute(*args, **kwargs)

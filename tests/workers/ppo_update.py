@@ -30,6 +30,7 @@ from rl2.distributed.process_group import all_gather_objects, exit_process, is_r
 from rl2.distributed.fsdp import gather_full_state_dict
 from rl2.rollout.trajectory import Trajectory
 from rl2.trainer.ppo import PPOTrainer
+from rl2.trainer.ppo_stages import add_advantages, compute_logps, sequences_of, update
 from step_capture import capture_steps, use_sgd
 
 ESTIMATORS = {
@@ -103,8 +104,10 @@ def main() -> None:
         for t, logps in zip(rollout, actual):
             noise = (2 * torch.rand(len(logps), generator=generator) - 1) * 0.3
             t.logprobs = ((logps + noise) * torch.tensor(t.action_mask)).tolist()
-    sequences, prepared = trainer.prepare(rollout)
-    updated = trainer.update(sequences, step=1)
+    sequences = sequences_of(rollout, trainer.plan)
+    prepared = compute_logps(sequences, trainer.plan, trainer.models, step=1)
+    prepared.update(add_advantages(sequences, rollout, trainer.plan, step=1))
+    updated = update(sequences, trainer.plan, trainer.models, step=1)
 
     trainer.rollout.sync_weights(trainer.actor.model)
     prompts = [[5, 17, 300 + i, 42] for i in range(3)]
