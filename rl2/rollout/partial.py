@@ -104,7 +104,8 @@ class PartialRollout:
                                  service.config.data.apply_chat_template, version, target.done, pause,
                                  service.tool_calling)
         if release_after:
-            service.engine.sleep()
+            with timer("sync"):  # the engine hands its memory back: part of the sync
+                service.engine.sleep()
         trained_ids = target.finished[:target.target] + [g for g in target.finished[target.target:] if g in must_finish]
         trained = [t for g in trained_ids for t in mine[g]]
         kept = [group for g, group in enumerate(mine) if g not in set(trained_ids)]

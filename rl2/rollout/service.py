@@ -170,7 +170,8 @@ class RolloutService(RolloutRecords):
                 per_turn=self.config.rollout.trajectory_format == "per_turn",
             )
         if release_after:
-            self.engine.sleep()
+            with timer("sync"):  # the engine hands its memory back: part of the sync (a release on SGLang)
+                self.engine.sleep()
         with timer("reward"):
             assign_rewards(self.env, trajectories)
         return all_gather_objects(trajectories)
@@ -190,7 +191,8 @@ class RolloutService(RolloutRecords):
                 version, merge=rollout_config.agent_sequences == "merge", timeout=rollout_config.agent_timeout,
             )
         if release_after:
-            self.engine.sleep()
+            with timer("sync"):  # the engine hands its memory back: part of the sync (a release on SGLang)
+                self.engine.sleep()
         with timer("reward"):  # with an env file too, its reward_fn scores the ones whose run gave no reward
             score_unrewarded(self.env, trajectories)
         return all_gather_objects(trajectories)
@@ -209,7 +211,8 @@ class RolloutService(RolloutRecords):
                 rollout_config.max_turns, self.max_length, first_group, version, timeout=rollout_config.agent_timeout,
             )
         if release_after:
-            self.engine.sleep()
+            with timer("sync"):  # the engine hands its memory back: part of the sync (a release on SGLang)
+                self.engine.sleep()
         return all_gather_objects(trajectories)
 
     def evaluate(self, prompts: list[dict], seed: int, name: str, require_scores: bool = False) -> dict[str, float]:
