@@ -1,6 +1,6 @@
 """What the OpenAI-compatible server (`rl2/serve`) costs a multi-turn rollout: the same 2-turn conversations
 generated directly (`rl2.rollout.multi_turn.rollout` with an env file) and through the server by an agent
-file (`rl2.serve.agent_rollout`: the `openai` package's AsyncOpenAI over HTTP, one API key a trajectory).
+file (`rl2.rollout.agent_rollout`: the `openai` package's AsyncOpenAI over HTTP, one API key a trajectory).
 
 The task is the function-calling demo's (`recipes/ppo_tiny.sh` with TASK=tools): a tiny random model with
 the `chatml-tools` template (hidden size 128, 2 layers), questions "What is the code of the <colour>
@@ -48,7 +48,7 @@ from rl2.engines import Engine, Generation, HFEngine, SamplingParams
 from rl2.rollout.env import Env
 from rl2.rollout.multi_turn import ToolCalling, rollout
 from rl2.rollout.rollout_metrics import agent_metrics
-from rl2.serve.agent_rollout import AgentFile, agent_rollout
+from rl2.rollout.agent_rollout import AgentFile, agent_rollout
 from rl2.serve.openai_server import OpenAIServer
 from rl2.testing.tiny import save_tiny
 

@@ -100,20 +100,13 @@ class MetricsLogger:
             self.tensorboard.flush()
 
     def finish(self) -> None:
-        """Close the sinks and write the run's report (`rl2.report`: `<save_dir>/report.html`)."""
+        """Close the sinks (the run's report is written after: `rl2.report`)."""
         if self.run is not None:
             self.run.finish()
             self.run = None
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
-        if self.enabled:
-            from rl2.report import write_report
-
-            try:
-                logger.info(f"report: {write_report([self.save_dir])}")
-            except Exception as error:  # the run's outputs are written; a report that fails must not fail it
-                logger.warning(f"the report could not be written: {type(error).__name__}: {error}")
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Partial rollout with agent files (`rl2.serve.agent_partial`): the agents still at work when a step has its
+"""Partial rollout with agent files (`rl2.rollout.agent_partial`): the agents still at work when a step has its
 groups go on in the next step on the same server; a generation the pause cut keeps its tokens and goes on
 from the same random stream, each token with the version that drew it; requests made between steps wait
 and are answered under the new weights; groups train whole; a checkpoint restarts the groups in flight."""
@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 from conftest import counting_prompts as prompts
 from rl2.chat.tool_parsers import get_tool_parser
 from rl2.engines import HFEngine, SamplingParams
-from rl2.serve.agent_partial import AgentPartialRollout
-from rl2.serve.agent_rollout import AgentFile, agent_rollout
+from rl2.rollout.agent_partial import AgentPartialRollout
+from rl2.rollout.agent_rollout import AgentFile, agent_rollout
 from rl2.serve.openai_server import OpenAIServer
 
 pytest.importorskip("openai")

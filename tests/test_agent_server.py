@@ -14,7 +14,7 @@ from rl2.data.chat_template import render_chat
 from rl2.engines import Generation, SamplingParams
 from rl2.rollout.env import Env
 from rl2.rollout.rollout_metrics import rollout_metrics
-from rl2.serve.agent_rollout import AgentFile, agent_rollout, score_unrewarded
+from rl2.rollout.agent_rollout import AgentFile, agent_rollout, score_unrewarded
 from rl2.serve.openai_server import OpenAIServer
 from rl2.testing.tiny import build_tiny_tokenizer
 from scripted_engine import ScriptedEngine

@@ -45,7 +45,7 @@ MARKERS = {"gpu", "test", "config", "rows", "output"}
 # The blocks that tests run, by the name in their `<!-- test: NAME -->` marker, and the tests that run them.
 RUN_BY = {"quickstart": "test_docs.py", "notebook": "test_readme_notebook.py", "sandbox": "test_docs.py",
           "hermes-call": "test_docs.py", "countdown-port": "test_rl2_scripts.py", "agent": "test_agent_example.py"}
-OUTPUTS = {"rl2-notes", "layout"}
+OUTPUTS = {"rl2-notes", "layout", "ppo-step"}
 # Commands whose flags an argparse parser reads (`python -m M --flag ...`): parsed by that parser here.
 ARGPARSE_MODULES = {"rl2.tools.code_server", "rl2.tools.retrieval_server", "rl2.testing.tiny", "rl2.report",
                     "rl2.data.reasoning_gym"}
@@ -342,6 +342,29 @@ def test_the_layout_names_files_that_exist():
             assert os.path.exists(os.path.join(REPO, path)), path
 
 
+def test_the_step_diagram_names_the_stages_train_step_calls_in_order():
+    """docs/development.md's diagram of a PPO step: each name on its left is a stage of rl2.trainer.ppo_stages or a
+    method of the Rollout interface, called by `train_step` in that order."""
+    import inspect
+    import re
+
+    from rl2.rollout.interface import Rollout
+    from rl2.trainer import ppo_stages
+    from rl2.trainer.ppo import PPOTrainer
+
+    [block] = blocks_marked("output", "ppo-step")
+    names = [match.group(1) for line in block.text.splitlines()
+             if (match := re.match(r"  (?:Rollout\.)?([a-z_]+)\b", line))]  # a stage: two spaces in
+    assert len(names) >= 7, names
+    source, position = inspect.getsource(PPOTrainer.train_step), 0
+    for name in names:  # each called after the one before it
+        assert hasattr(ppo_stages, name) or hasattr(Rollout, name), name
+        call = rf"self\.rollout\.{name}\(" if hasattr(Rollout, name) else rf"(?<![.\w]){name}\("
+        found = re.compile(call).search(source, position)
+        assert found, f"train_step calls no {name} after the stages before it in the diagram"
+        position = found.end()
+
+
 # ---- the generated reference ----------------------------------------------------------------------
 
 
@@ -371,10 +394,10 @@ def test_the_rl2_keys_page_has_every_rl2_key():
 # ---- the metrics page -------------------------------------------------------------------------------
 
 # Where the trainers name their metrics: every string literal there that looks like a metric name.
-METRIC_SOURCES = ["rl2/trainer/ppo.py", "rl2/trainer/offline.py", "rl2/trainer/dpo.py", "rl2/trainer/rm.py",
+METRIC_SOURCES = ["rl2/trainer/ppo.py", "rl2/trainer/ppo_stages.py", "rl2/trainer/offline.py", "rl2/trainer/dpo.py", "rl2/trainer/rm.py",
                   "rl2/rollout/rollout_metrics.py", "rl2/rollout/partial.py", "rl2/rollout/remote.py",
                   "rl2/rollout/service.py", "rl2/algorithms/off_policy.py", "rl2/algorithms/preference.py",
-                  "rl2/serve/agent_partial.py", "rl2/workers/base.py"]
+                  "rl2/rollout/agent_partial.py", "rl2/workers/base.py"]
 
 
 def metric_literals() -> set[str]:

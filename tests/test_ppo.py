@@ -276,7 +276,7 @@ def test_notebook_run_in_one_process(tiny_model_dir, rl_data, tmp_path):
         "trainer.rollout.engine.sleep = lambda: sleeps.append(trainer.step) or engine_sleep()\n"
         "from rl2.metrics import PhaseTimer\n"
         "trainer.config.rollout.sleep = False\n"
-        "assert len(trainer.roll_out(PhaseTimer())[0]) == 16 and sleeps == [], sleeps\n"
+        "assert len(trainer.rollout.next_batch(0, trainer.next_prompts, 4, PhaseTimer())[0]) == 16 and sleeps == [], sleeps\n"
         "trainer.config.rollout.sleep = True\n"
         "trainer.train()\n"
         "assert sleeps == [1, 2, 3], sleeps\n"  # rollout.sleep (default): after each step's rollout

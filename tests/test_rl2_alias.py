@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO, run_torchrun
-from rl2.compat.rl2_head import rl2_modules
+from rl2.compat.rl2_head_api import rl2_modules
 from rl2.metrics import read_metrics
 from test_rl2_scripts import readme_countdown_port
 
@@ -50,8 +50,8 @@ def test_an_rl2_head_env_file_loads_beside_the_real_package(tmp_path):
     """With the real `RL2` imported (as under `-m RL2.trainer.ppo`), an RL2 HEAD env file loads (its imports at
     load time and one inside a function), and the real package is in place afterwards."""
     import RL2.trainer.ppo
-    from rl2.compat.rl2_head import Sample
-    from rl2.rollout.rl2_head import RL2HeadFile
+    from rl2.compat.rl2_head_api import Sample
+    from rl2.rollout.rl2_head_rollout import RL2HeadFile
 
     path = tmp_path / "head.py"
     path.write_text("from RL2.datasets import Sample, base_generate\n\n"
@@ -63,7 +63,7 @@ def test_an_rl2_head_env_file_loads_beside_the_real_package(tmp_path):
     assert sys.modules["RL2.trainer.ppo"] is RL2.trainer.ppo and sys.modules["RL2"].trainer is RL2.trainer
     import asyncio
 
-    from rl2.compat.rl2_head import async_request
+    from rl2.compat.rl2_head_api import async_request
 
     assert asyncio.run(env_file.module.generate(None, None, "", None)) is async_request
 

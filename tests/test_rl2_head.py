@@ -21,7 +21,7 @@ from rl2.engines import SamplingParams
 from rl2.metrics import read_metrics
 from rl2.rollout.env_file import EnvError
 from rl2.rollout import rl2_head_workers
-from rl2.rollout.rl2_head import RL2HeadFile, rl2_head_rollout, rl2_rollout_config
+from rl2.rollout.rl2_head_rollout import RL2HeadFile, rl2_head_rollout, rl2_rollout_config
 from rl2.serve.openai_server import OpenAIServer
 from rl2.testing.tiny import build_tiny_tokenizer
 from scripted_engine import ScriptedEngine

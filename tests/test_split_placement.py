@@ -115,15 +115,15 @@ from rl2.trainer.ppo import main
 
 LAST_STEP = os.environ["LAST_STEP_MARKER"]
 if os.environ["RANK"] == "0":
-    next_batch = remote.RemoteRollout.next_batch
+    oldest_batch = remote.RemoteRollout.oldest_batch
 
     def marking_the_last(self, timer=None):
-        batch = next_batch(self, timer)
+        batch = oldest_batch(self, timer)
         if batch.step == int(os.environ["STEPS"]):
             open(LAST_STEP, "w").close()
         return batch
 
-    remote.RemoteRollout.next_batch = marking_the_last
+    remote.RemoteRollout.oldest_batch = marking_the_last
 if os.environ["RANK"] == "2":
     receive = remote.broadcast_object
 

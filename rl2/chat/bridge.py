@@ -70,3 +70,26 @@ def _last_special_token(tokenizer, text: str) -> tuple[int, str | None]:
         if position > best or (position == best and found is not None and len(token) > len(found)):
             best, found = position, token
     return best, found if best >= 0 else None
+
+
+def observation_tokens(
+    tokenizer, token_ids: list[int], messages: list[dict], new_messages: list[dict], apply_chat_template: bool = True,
+    tools: list[dict] | None = None,
+) -> list[int]:
+    """Token ids to append after `token_ids` (the trajectory so far, ending with the assistant turn that is
+    `messages[-1]`) so that it continues with `new_messages` and the next generation prompt.
+
+    Through the chat template (rendered with `tools`), it is the bridge of `rl2.chat.bridge`: the end of the
+    assistant turn the model did not generate (e.g. the newline after `<|im_end|>`, or the whole end-of-turn
+    marker when a stop string ended the turn), the new messages and the next assistant header. With
+    `apply_chat_template=False` (raw prompts) it is the new messages' contents, concatenated as they are
+    (no roles, no separators: the env's text is what the model reads), tokenized without special tokens.
+    """
+    if not apply_chat_template:
+        text = "".join(message["content"] for message in new_messages)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    last = token_ids[-1] if token_ids else None
+    generated_end = (tokenizer.decode([last], skip_special_tokens=False)
+                     if last is not None and last in tokenizer.all_special_ids else None)
+    text = bridge_text(tokenizer, messages[-1], new_messages, tools, generated_end)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

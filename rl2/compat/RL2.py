@@ -1,6 +1,6 @@
 """RL2's package name, so RL2's command lines and env files run as written: `torchrun -m RL2.trainer.ppo ...`
 runs rl2's PPO trainer (RL2's keys translated, `rl2.config.rl2_keys`), and `from RL2.datasets import ...` /
-`from RL2.utils.communication import ...` give rl2's versions of RL2 HEAD's helpers (`rl2.compat.rl2_head`).
+`from RL2.utils.communication import ...` give rl2's versions of RL2 HEAD's helpers (`rl2.compat.rl2_head_api`).
 
 Installed as the top-level module `RL2` (setup.py's `py_modules`) whose submodules are in `rl2/compat/alias/`
 (its `__path__`): a folder `RL2/` beside `rl2/`, in a checkout or in site-packages, would be the same folder as

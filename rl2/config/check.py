@@ -79,7 +79,7 @@ def _check_files(config: Config, command: str) -> list[str]:
         return []
     lines = []
     if rollout.agent_path:
-        from rl2.serve.agent_rollout import AgentFile
+        from rl2.rollout.agent_rollout import AgentFile
 
         AgentFile(rollout.agent_path, rollout.env_args)
         lines.append(f"rollout.agent_path={rollout.agent_path}: loads, defines run(row, client)")
@@ -94,7 +94,7 @@ def _check_env_file(config: Config) -> str:
 
     rollout = config.rollout
     if rl2_sample_interface(rollout.env_path):
-        from rl2.rollout.rl2_head import RL2HeadFile
+        from rl2.rollout.rl2_head_rollout import RL2HeadFile
 
         RL2HeadFile(rollout.env_path, rollout.env_args)
         return "loads, written to RL2 HEAD's interface: its generate(config, tokenizer, router_url, sample) runs it"

@@ -80,7 +80,7 @@ class EnvArgs(Mapping):
 def load_env_file(path: str, args: EnvArgs | None = None, modules: dict[str, Any] | None = None) -> Any:
     """Execute the env file as a fresh module, with its folder importable (after the installed
     packages) while it loads and its settings as the global `env_args`. `modules` are importable under
-    their names while it loads (RL2 HEAD's `RL2.datasets` for its env files: `rl2.rollout.rl2_head`);
+    their names while it loads (RL2 HEAD's `RL2.datasets` for its env files: `rl2.rollout.rl2_head_rollout`);
     without them a file written to RL2 HEAD's interface is refused."""
     if not os.path.isfile(path):
         raise EnvError(f"env file not found: {path}")

@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rl2.chat.bridge import bridge_text
+from rl2.chat.bridge import observation_tokens
 from rl2.chat.tool_parsers import FunctionToolParser, ToolParser, get_tool_parser
 from rl2.config import RolloutConfig
 from rl2.data.chat_template import render_chat
@@ -434,29 +434,6 @@ def _start_turn_sequence(trajectory: Trajectory, new_messages: list[dict], token
     trajectory.logprobs += [0.0] * len(tokens)
     if len(trajectory.versions) == len(trajectory.token_ids) - len(tokens):
         trajectory.versions += [-1] * len(tokens)
-
-
-def observation_tokens(
-    tokenizer, token_ids: list[int], messages: list[dict], new_messages: list[dict], apply_chat_template: bool = True,
-    tools: list[dict] | None = None,
-) -> list[int]:
-    """Token ids to append after `token_ids` (the trajectory so far, ending with the assistant turn that is
-    `messages[-1]`) so that it continues with `new_messages` and the next generation prompt.
-
-    Through the chat template (rendered with `tools`), it is the bridge of `rl2.chat.bridge`: the end of the
-    assistant turn the model did not generate (e.g. the newline after `<|im_end|>`, or the whole end-of-turn
-    marker when a stop string ended the turn), the new messages and the next assistant header. With
-    `apply_chat_template=False` (raw prompts) it is the new messages' contents, concatenated as they are
-    (no roles, no separators: the env's text is what the model reads), tokenized without special tokens.
-    """
-    if not apply_chat_template:
-        text = "".join(message["content"] for message in new_messages)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    last = token_ids[-1] if token_ids else None
-    generated_end = (tokenizer.decode([last], skip_special_tokens=False)
-                     if last is not None and last in tokenizer.all_special_ids else None)
-    text = bridge_text(tokenizer, messages[-1], new_messages, tools, generated_end)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def assign_rewards(env: Env | None, trajectories: list[Trajectory]) -> None:

@@ -34,7 +34,7 @@ def partial_rollout(config, service) -> "PartialRollout | None":
     generated = config.rollout.oversample if config.adv.resample_on_correct else config.data.responses_per_prompt
     per_step = config.data.prompts_per_rollout or config.data.batch_size
     if getattr(service, "agent", None) is not None:  # agents go on where they run: each rank keeps its own
-        from rl2.serve.agent_partial import AgentPartialRollout
+        from rl2.rollout.agent_partial import AgentPartialRollout
 
         return AgentPartialRollout(service, per_step, partial_extra_prompts(config), config.rollout.partial_max_age,
                                    generated)

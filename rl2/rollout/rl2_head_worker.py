@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from rl2.compat.rl2_head import TRAJECTORY_URL, Sample, rl2_modules
+from rl2.compat.rl2_head_api import TRAJECTORY_URL, Sample, rl2_modules
 from rl2.rollout.env_file import EnvArgs, EnvError, describe_exception, load_env_file, where
 from rl2.rollout.env_worker import limit_memory
 from rl2.tools.worker_pool import PICKLE, serve

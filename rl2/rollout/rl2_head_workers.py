@@ -14,7 +14,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rl2.compat.rl2_head import Sample
+from rl2.compat.rl2_head_api import Sample
 from rl2.rollout.env_file import EnvError, describe_exception
 from rl2.rollout.env_worker import encode_args
 from rl2.tools.worker_pool import PICKLE, WorkerFailed, WorkerPool, WorkerTimeout, child_python_environment

@@ -86,12 +86,12 @@ class RolloutService(RolloutRecords):
         agent, env_path = config.rollout.agent_path, config.rollout.env_path
         self.agent = self.rl2_head = self.server = self.env = None
         if agent:  # aiohttp and openai: the agents extra, imported only for agent runs
-            from rl2.serve.agent_rollout import AgentFile
+            from rl2.rollout.agent_rollout import AgentFile
 
             self.agent = AgentFile(agent, config.rollout.env_args)
         if env_path and rl2_sample_interface(env_path):
             from rl2.rollout.env import default_env_workers
-            from rl2.rollout.rl2_head import RL2HeadFile
+            from rl2.rollout.rl2_head_rollout import RL2HeadFile
 
             workers = default_env_workers() if config.rollout.env_workers is None else config.rollout.env_workers
             self.rl2_head = RL2HeadFile(env_path, config.rollout.env_args, tokenizer, workers,
@@ -181,7 +181,7 @@ class RolloutService(RolloutRecords):
         """`generate` with the agent file: its runs give the trajectories and their rewards; with an env file
         too, its `reward_fn` scores the ones whose run gave none."""
         from rl2.chat.tool_parsers import get_tool_parser
-        from rl2.serve.agent_rollout import agent_rollout, score_unrewarded
+        from rl2.rollout.agent_rollout import agent_rollout, score_unrewarded
 
         rollout_config = self.config.rollout
         with timer("rollout"):
@@ -201,7 +201,7 @@ class RolloutService(RolloutRecords):
                                 first_group: int, timer: PhaseTimer, release_after: bool,
                                 version: int) -> list[Trajectory]:
         """`generate` with an RL2 HEAD env file: its `generate` gives the trajectories and their rewards."""
-        from rl2.rollout.rl2_head import rl2_head_rollout, rl2_rollout_config
+        from rl2.rollout.rl2_head_rollout import rl2_head_rollout, rl2_rollout_config
 
         rollout_config = self.config.rollout
         config = rl2_rollout_config(self.config, params, responses_per_prompt, train=params is not self.test_params)

@@ -38,6 +38,7 @@ from rl2.distributed.process_group import (
 )
 from rl2.launch import INTERRUPTED_EXIT, USER_ERROR_EXIT
 from rl2.metrics import MetricsLogger
+from rl2.report import write_report
 from rl2.rollout.env import EnvError
 from rl2.run_folder import check_run_folder, claim_run_folder
 
@@ -281,6 +282,11 @@ class Trainer:
         self.closed = True
         if self.metrics is not None:
             self.metrics.finish()
+            if self.metrics.enabled:  # rank 0
+                try:
+                    logger.info(f"report: {write_report([self.metrics.save_dir])}")
+                except Exception as error:  # the run's outputs are written; a report that fails must not fail it
+                    logger.warning(f"the report could not be written: {type(error).__name__}: {error}")
 
     def close_after_error(self) -> None:
         """End a run that failed: nothing more is written."""

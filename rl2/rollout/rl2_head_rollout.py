@@ -3,7 +3,7 @@
 file's own), against this rank's server (`rl2.serve.openai_server`: SGLang's `/generate`, and the
 `/v1/chat/completions`, `/v1/models`, `/list_workers`, `/parse_function_call` its files use) at a URL of
 the trajectory's own. The sample's sequences (`state_dicts`, token ids as sampled) become the trajectory's,
-its reward the sum of each sequence's last reward, as RL2 trains them (`rl2.compat.rl2_head`).
+its reward the sum of each sequence's last reward, as RL2 trains them (`rl2.compat.rl2_head_api`).
 
 As under RL2:
 - `generate` runs on an event loop in the main thread of a process that loaded the file once
@@ -13,7 +13,7 @@ As under RL2:
   `rollout.env_workers=0` it runs in this process on the server's loop thread instead (no signals there).
 - `config` is an OmegaConf section with the keys of RL2's `rollout.train` / `rollout.test`
   (`rl2_rollout_config`).
-- a request to any trajectory URL goes to the trajectory that makes it (`rl2.compat.rl2_head.routed`), so
+- a request to any trajectory URL goes to the trajectory that makes it (`rl2.compat.rl2_head_api.routed`), so
   a router URL kept in a global (deep_research.py) works; the file's own chat completions (a judge, a
   summariser) are served, not trained, and are no turns.
 - `rollout.max_turns` bounds the `/generate` calls: the one past it is answered as SGLang answers an
@@ -29,7 +29,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rl2.compat.rl2_head import Sample
+from rl2.compat.rl2_head_api import Sample
 from rl2.config import Config
 from rl2.engines import Engine, SamplingParams
 from rl2.rollout.env_file import EnvArgs

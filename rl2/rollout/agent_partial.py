@@ -29,7 +29,7 @@ from rl2.engines import SamplingParams
 from rl2.metrics import PhaseTimer
 from rl2.rollout.partial import partial_metrics
 from rl2.rollout.trajectory import Trajectory
-from rl2.serve.agent_rollout import agent_episodes, agent_trajectory, openai_client, score_unrewarded
+from rl2.rollout.agent_rollout import agent_episodes, agent_trajectory, openai_client, score_unrewarded
 from rl2.serve.session import AgentSession
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,81 @@
+"""rl2's packages import each other in one direction: a test over every import in the package (read with `ast`,
+imports inside functions included), not over what happens to load.
+
+Nodes are rl2's folders (rl2/rollout, rl2/serve, ...) and its top-level modules (rl2/metrics.py, ...). Two nodes
+that import each other are a circle. The circles left are listed in `CIRCLES_LEFT`, each to be removed (issue
+67); a new one fails here, and so does a listed one that is gone (take it off the list)."""
+
+import ast
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(REPO, "rl2")
+
+# Circles not removed yet, as sorted pairs of nodes.
+CIRCLES_LEFT = {
+    ("chat", "data"),  # data/chat_template.py (used by chat/) raises data.rows.DataError; data/conversations uses chat.tools
+    ("config", "data"),  # data/rows and data/sampler name config errors; config/check reads rows
+    ("config", "rollout"),  # config/__init__ and config/check read env files (rollout/env_file)
+    ("config", "config_checks"),
+    ("data", "rollout"),  # data/rows reads an env file's row columns (rollout/env_file)
+    ("engines", "rollout"),  # engines/hf.py and engines/sglang.py take the engine-side weight naming from rollout/weight_sync
+}
+
+# Layers that must never import upwards (earlier in the list = lower); engines/ joins them (below serve/) once the
+# engine-side weight naming has moved out of rollout/weight_sync.py.
+LAYERS = ["chat", "serve", "rollout", "trainer"]
+
+
+def node_of(module: str) -> str | None:
+    """`rl2.rollout.env` -> "rollout"; `rl2.metrics` -> "metrics"; None outside rl2."""
+    parts = module.split(".")
+    if parts[0] != "rl2" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def imports() -> dict[str, dict[str, list[str]]]:
+    """node -> imported node -> the files that import it."""
+    edges: dict[str, dict[str, list[str]]] = {}
+    for root, _, names in os.walk(PACKAGE):
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, REPO)
+            module = relative[:-3].replace(os.sep, ".").removesuffix(".__init__")
+            source = node_of(module)
+            if source is None or "compat" in module.split("."):  # RL2's module path: an alias layer of its own
+                continue
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    targets = [node.module]
+                elif isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                else:
+                    continue
+                for target in targets:
+                    imported = node_of(target)
+                    if imported is not None and imported != source:
+                        edges.setdefault(source, {}).setdefault(imported, []).append(relative)
+    return edges
+
+
+def test_no_new_import_circles_between_folders():
+    edges = imports()
+    circles = {tuple(sorted((a, b))) for a, targets in edges.items() for b in targets if a in edges.get(b, {})}
+    new = circles - CIRCLES_LEFT
+    assert not new, "import circles: " + "; ".join(
+        f"{a} -> {b} ({', '.join(sorted(set(edges[a][b])))}) and {b} -> {a} ({', '.join(sorted(set(edges[b][a])))})"
+        for a, b in sorted(new))
+    gone = CIRCLES_LEFT - circles
+    assert not gone, f"these circles are gone: take them off CIRCLES_LEFT: {sorted(gone)}"
+
+
+def test_serve_rollout_engines_and_chat_never_import_upwards():
+    edges = imports()
+    upward = [(low, high, sorted(set(edges[low][high])))
+              for i, low in enumerate(LAYERS) for high in LAYERS[i + 1:] if high in edges.get(low, {})]
+    assert not upward, upward
