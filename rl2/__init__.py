@@ -8,6 +8,7 @@ _EXPORTS = {
     "load_config": "rl2.config",
     "SFTTrainer": "rl2.trainer.sft",
     "PPOTrainer": "rl2.trainer.ppo",
+    "PPOEvaluator": "rl2.trainer.ppo_eval",
     "RMTrainer": "rl2.trainer.rm",
     "DPOTrainer": "rl2.trainer.dpo",
     "RewardScorer": "rl2.rollout.reward_scorer",

@@ -11,6 +11,7 @@ from conftest import REPO, run_python, run_torchrun
 from rl2 import PPOTrainer
 from rl2.config import ConfigError, load_config
 from rl2.trainer.difficulty_filter import DifficultyFilter
+from rl2.trainer.ppo_eval import PPOEvaluator
 
 # Each row's answer says how its responses score: "always" 1.0, "never" 0.0, "half" 1.0 for every
 # other response of that row (a per-row counter, so the share is exact whatever the order; the counter
@@ -85,13 +86,22 @@ def test_eval_only_reports_avg_and_pass_at_k(tiny_model_dir, problems, tmp_path)
     ],
 )
 def test_eval_only_config_errors(tiny_model_dir, problems, tmp_path, overrides, message):
-    """Raised before the process group or any model loads (in this process)."""
+    """Raised before the process group or any model loads (in this process), by the evaluator and by a
+    PPOTrainer given the same config."""
     env, rows = problems
-    with pytest.raises(ConfigError) as error:
-        PPOTrainer(load_config([*common(tiny_model_dir, env), "trainer.eval_only=true", f"data.test_path={rows}",
-                                f"actor.save_dir={tmp_path / 'eval'}", *overrides]))
-    assert message in str(error.value)
+    for command in (PPOEvaluator, PPOTrainer):
+        with pytest.raises(ConfigError) as error:
+            command(load_config([*common(tiny_model_dir, env), "trainer.eval_only=true", f"data.test_path={rows}",
+                                 f"actor.save_dir={tmp_path / 'eval'}", *overrides]))
+        assert message in str(error.value)
     assert not (tmp_path / "eval").exists()
+
+
+def test_a_ppo_trainer_given_eval_only_names_the_evaluator(tiny_model_dir, problems, tmp_path):
+    env, rows = problems
+    with pytest.raises(ConfigError, match=r"PPOEvaluator\(config\)\.train\(\) runs it"):
+        PPOTrainer(load_config([*common(tiny_model_dir, env), "trainer.eval_only=true", f"data.test_path={rows}",
+                                f"actor.save_dir={tmp_path / 'eval'}"]))
 
 
 def test_eval_only_config_error_on_the_command_line_is_one_line(tiny_model_dir, problems, tmp_path):

@@ -1,12 +1,11 @@
 """PPO / GRPO / Dr. GRPO: `torchrun --nproc_per_node=N -m rl2.trainer.ppo key=value ...`.
 
-One step: rollout and rewards (`RolloutService`, each rank its share of prompts) → which groups train
-(dynamic filtering, GRPO-RoC) → scoring: old / reference / teacher log-probs and values on packed
-micro-batches → advantages → `actor.update_per_rollout` minibatch updates → weight sync to the engine.
+One step (`PPOTrainer.train_step`): the rollout's batch (`rl2.rollout.interface.Rollout`), then the stages of
+`rl2.trainer.ppo_stages` over the run's `StepPlan` — rewards shaped, log-probs, advantages, the update — then
+the weight sync to the engine. `trainer.eval_only=true` runs `rl2.trainer.ppo_eval.PPOEvaluator` instead.
 """
 
 import dataclasses
-import json
 import logging
 import os
 
@@ -15,7 +14,6 @@ from tqdm import tqdm
 from rl2.config import Config, ConfigError, LoraConfig
 from rl2.config_checks import check_config
 from rl2.data.conversations import RLDataset
-from rl2.data.rows import Columns, write_json
 from rl2.data.sampler import BatchSampler
 from rl2.distributed.process_group import is_rank0
 from rl2.lora import AdaptersOff
@@ -27,6 +25,7 @@ from rl2.rollout.remote import RemoteRollout, RolloutServer
 from rl2.rollout.rollout_metrics import rollout_metrics
 from rl2.rollout.service import RolloutService
 from rl2.trainer.base import Trainer, run_main
+from rl2.trainer.ppo_eval import PPOEvaluator
 from rl2.trainer.ppo_stages import (
     StepModels,
     add_advantages,
@@ -52,7 +51,9 @@ class PPOTrainer(Trainer):
 
     def __init__(self, config: Config, placement: Placement | None = None):
         check_config(config, "ppo")
-        self.eval_only = config.trainer.eval_only
+        if config.trainer.eval_only:
+            raise ConfigError("trainer.eval_only=true is an evaluation, not a training run: "
+                              "rl2.trainer.ppo_eval.PPOEvaluator(config).train() runs it (as python -m rl2.trainer.ppo does)")
         super().__init__(config)
         if config.distill.coef > 0:
             check_teacher_tokenizer(self.tokenizer, config)  # before any model loads
@@ -62,29 +63,17 @@ class PPOTrainer(Trainer):
         self.rollout: Rollout = RemoteRollout(config, placement) if placement else RolloutService(config, self.tokenizer)
         prompts_per_rollout = config.data.prompts_per_rollout or config.data.batch_size
         max_length = self.rollout.max_length
-        if self.eval_only:  # the engine alone serves actor.model_name
-            self.train_data, self.sampler, self.total_steps = None, None, 0
-            self.test_data = RLDataset(config.data.test_path, self.tokenizer, max_length,
-                                       columns=Columns.for_run(config, "rl"), tools=self.rollout.tools)
-        else:
-            self.train_data, self.test_data = self.load_datasets(RLDataset, max_length, self.rollout.tools)
-            self.sampler = BatchSampler(
-                len(self.train_data), prompts_per_rollout, config.data.shuffle, config.trainer.seed,
-                key="data.prompts_per_rollout" if config.data.prompts_per_rollout else "data.batch_size",
-                source=f"training prompts of {config.data.path}",
-            )
-            self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
-        if config.rollout.partial_rollout and not self.eval_only:
+        self.train_data, self.test_data = self.load_datasets(RLDataset, max_length, self.rollout.tools)
+        self.sampler = BatchSampler(
+            len(self.train_data), prompts_per_rollout, config.data.shuffle, config.trainer.seed,
+            key="data.prompts_per_rollout" if config.data.prompts_per_rollout else "data.batch_size",
+            source=f"training prompts of {config.data.path}",
+        )
+        self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
+        if config.rollout.partial_rollout:
             self.check_partial_rollout(prompts_per_rollout)
         self.plan = StepPlan.from_config(config, self.rollout.train_params.max_new_tokens)
-        self.actor = self.reference = self.critic = self.teacher = None
-        self.models: StepModels | None = None
-        if self.eval_only:
-            logger.info(
-                f"evaluating {config.actor.model_name} on {len(self.test_data)} prompts of {config.data.test_path}, "
-                f"{config.rollout.test_responses_per_prompt} responses each, env={config.rollout.env_path}"
-            )
-            return
+        self.reference = self.critic = self.teacher = None
         temperature = self.rollout.train_params.temperature or 1.0
         optimizer_steps = self.total_steps * config.actor.update_per_rollout
         self.actor = Policy(config.actor, optimizer_steps, temperature)
@@ -183,46 +172,22 @@ class PPOTrainer(Trainer):
             "tokens_per_second": sum(len(t.token_ids) for t in trajectories) / total,
         }
 
-    def evaluate(self, name: str | None = None) -> dict[str, float]:
-        """The rollout's `test/` metrics of the current policy on the test set (an evaluation-only
-        run in which no test reward could be computed is an error)."""
+    def evaluate(self) -> dict[str, float]:
+        """The rollout's `test/` metrics of the current policy on the test set."""
         prompts = [self.test_data[i] for i in range(len(self.test_data))]
-        return self.rollout.evaluate(prompts, self.config.trainer.seed - 1 - self.step, name or f"test_step_{self.step}",
-                                     require_scores=self.eval_only)
-
-    def evaluate_only(self) -> dict[str, float]:
-        """`trainer.eval_only`: evaluate actor.model_name, write `<save_dir>/eval.json`, print it."""
-        config = self.config
-        results = self.evaluate("eval")
-        if is_rank0():
-            report = {
-                "model": config.actor.model_name,
-                "test_path": config.data.test_path,
-                "prompts": len(self.test_data),
-                "k": config.rollout.test_responses_per_prompt,
-                **results,
-            }
-            write_json(os.path.join(config.actor.save_dir, "eval.json"), report)
-            logger.info("evaluation: " + ", ".join(f"{key} {value:.4f}" for key, value in results.items()))
-            print(json.dumps(report), flush=True)
-        return results
+        return self.rollout.evaluate(prompts, self.config.trainer.seed - 1 - self.step, f"test_step_{self.step}")
 
     def train(self) -> None:
         """Train from the current step (0, or the resumed checkpoint's) to `trainer.total_steps`, calling
         `step_once()` for each step under a progress bar, then `close()`: the whole run, as
         `python -m rl2.trainer.ppo` does it. On an error the engine and the env's worker processes stop and
-        the error is raised. With `trainer.eval_only`: one evaluation of `actor.model_name` instead
-        (`<save_dir>/eval.json`)."""
+        the error is raised."""
         try:
-            if self.eval_only:
-                self.evaluate_only()
-            else:
-                with tqdm(total=self.total_steps, initial=self.step, desc="PPO", disable=not is_rank0()) as progress:
-                    while self.step < self.total_steps:
-                        metrics = self.step_once()
-                        progress.update(1)
-                        progress.set_postfix(
-                            reward=f"{metrics['reward/mean']:.3f}" if "reward/mean" in metrics else "none")
+            with tqdm(total=self.total_steps, initial=self.step, desc="PPO", disable=not is_rank0()) as progress:
+                while self.step < self.total_steps:
+                    metrics = self.step_once()
+                    progress.update(1)
+                    progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}" if "reward/mean" in metrics else "none")
         except BaseException:
             self.close_after_error()
             raise
@@ -237,8 +202,6 @@ class PPOTrainer(Trainer):
         Call `close()` when done (or use the trainer in a `with` block)."""
         if self.closed:
             raise RuntimeError("this trainer's run is closed (close() ended it): make a new trainer to train more")
-        if self.eval_only:
-            raise RuntimeError("trainer.eval_only=true trains no step: train() runs its evaluation")
         if self.step >= self.total_steps:
             raise RuntimeError(f"the run's {self.total_steps} steps are done (trainer.total_steps, or trainer.n_epochs "
                                f"of the data): call close() to end it")
@@ -264,7 +227,7 @@ class PPOTrainer(Trainer):
         finally:
             self.rollout.close()
         path = os.path.join(self.config.actor.save_dir, "metrics.jsonl")
-        if is_rank0() and not self.eval_only and os.path.exists(path):
+        if is_rank0() and os.path.exists(path):
             logger.info("\n" + run_summary(read_metrics(path)))
 
     def close_after_error(self) -> None:
@@ -296,6 +259,9 @@ def check_teacher_tokenizer(tokenizer, config: Config) -> None:
 
 def run(config: Config) -> None:
     """Train (or serve rollouts, on a split placement's rollout ranks)."""
+    if config.trainer.eval_only:
+        PPOEvaluator(config).train()
+        return
     if config.rollout.placement != "split":
         PPOTrainer(config).train()
         return
