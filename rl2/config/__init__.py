@@ -291,6 +291,22 @@ class Config:
     filter: FilterConfig = _section(FilterConfig, "difficulty filter between RL stages (rl2.trainer.difficulty_filter)")
     search: SearchConfig = _section(SearchConfig, "tree search with a policy and a process preference model (python -m rl2.search)")
 
+    # Values that span sections, computed here once (properties: no config keys of their own).
+    @property
+    def prompts_per_step(self) -> int:
+        """Prompts a step rolls out: data.prompts_per_rollout, else data.batch_size (RL2's)."""
+        return self.data.prompts_per_rollout or self.data.batch_size
+
+    @property
+    def generated_per_prompt(self) -> int:
+        """Responses generated per prompt: GRPO-RoC's rollout.oversample, else data.responses_per_prompt."""
+        return self.rollout.oversample if self.adv.resample_on_correct else self.data.responses_per_prompt
+
+    @property
+    def engine_dtype(self) -> str:
+        """The rollout engine's dtype: rollout.dtype, else actor.dtype."""
+        return self.rollout.dtype or self.actor.dtype
+
 
 def _type_name(tp: Any) -> str:
     if get_origin(tp) is Union:

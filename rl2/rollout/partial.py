@@ -23,16 +23,14 @@ Group = list[Trajectory]
 
 def partial_extra_prompts(config) -> int:
     """`rollout.partial_extra_prompts`, or a quarter of a step's prompts (at least 1)."""
-    per_step = config.data.prompts_per_rollout or config.data.batch_size
-    return config.rollout.partial_extra_prompts or max(1, per_step // 4)
+    return config.rollout.partial_extra_prompts or max(1, config.prompts_per_step // 4)
 
 
 def partial_rollout(config, service) -> "PartialRollout | None":
     """With `rollout.partial_rollout`: the `PartialRollout` of `service`'s engine, for a run's config."""
     if not config.rollout.partial_rollout:
         return None
-    generated = config.rollout.oversample if config.adv.resample_on_correct else config.data.responses_per_prompt
-    per_step = config.data.prompts_per_rollout or config.data.batch_size
+    generated, per_step = config.generated_per_prompt, config.prompts_per_step
     if getattr(service, "agent", None) is not None:  # agents go on where they run: each rank keeps its own
         from rl2.rollout.agent_partial import AgentPartialRollout
 

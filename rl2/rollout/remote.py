@@ -174,7 +174,7 @@ class RemoteRollout(RolloutRecords):
         self.version = 0  # of the weights the rollout ranks hold once the requests sent so far are served
         self.timing = {"trainer_idle": 0.0, "rollout_idle": 0.0, "push": 0.0, "push_gb": 0.0}
         self.sent = 0  # requests sent: the next one's id
-        self.prompts_per_step = config.data.prompts_per_rollout or config.data.batch_size
+        self.prompts_per_step = config.prompts_per_step
         self.partial_extra = partial_extra_prompts(config) if config.rollout.partial_rollout else 0
         self.requested_prompts = False  # whether prompts went to the rollout ranks already (in this run or the one resumed)
         self.arrived: dict[int, object] = {}  # replies taken from the queue before they were asked for
@@ -282,7 +282,7 @@ class RemoteRollout(RolloutRecords):
         (every trainer joins the gathers); they take them after the requests sent before."""
         start = time.perf_counter()
         config = self.config
-        dtype = config.rollout.dtype or config.actor.dtype
+        dtype = config.engine_dtype
         if config.rollout.engine == "sglang":
             self._sync_direct(model, dtype)
             self.version = version

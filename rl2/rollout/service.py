@@ -114,7 +114,7 @@ class RolloutService(RolloutRecords):
         rollout the groups that finished first among those carried over and new prompts."""
         seed, release = self.config.trainer.seed + step, self.config.rollout.sleep
         if self.partial is None:
-            prompts = draw(self.config.data.prompts_per_rollout or self.config.data.batch_size)
+            prompts = draw(self.config.prompts_per_step)
             return self.generate(prompts, self.train_params, responses, seed, timer, release_after=release), {}
         version = step - 1  # the updates the policy has had
         trajectories = self.partial.generate(draw(self.partial.prompts_wanted()), self.train_params, seed, version,
@@ -234,7 +234,7 @@ class RolloutService(RolloutRecords):
         weight memory is resumed, the weights pushed, and only then the KV cache resumed."""
         adapted_only = is_lora(model) and self.engine.keeps_weights_asleep  # LoRA: only what its adapters change
         self.engine.update_weights(
-            iter_full_weights(model, self.config.rollout.dtype or self.config.actor.dtype,
+            iter_full_weights(model, self.config.engine_dtype,
                               self.config.rollout.sync_bucket_mb, adapted_only),
             partial=adapted_only,
         )

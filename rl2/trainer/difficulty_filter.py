@@ -51,7 +51,7 @@ class DifficultyFilter:
     def run(self) -> dict[str, float]:
         """Sample, score and write the kept rows; returns counts and the mean pass rate."""
         config, dataset, n = self.config, self.dataset, self.config.filter.responses_per_prompt
-        chunk = config.data.prompts_per_rollout or config.data.batch_size
+        chunk = config.prompts_per_step
         pass_rates: list[float] = []  # NaN: none of the problem's answers could be scored
         progress = tqdm(total=len(dataset), desc="difficulty filter", disable=not is_rank0())
         for start in range(0, len(dataset), chunk):

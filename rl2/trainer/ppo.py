@@ -61,7 +61,7 @@ class PPOTrainer(Trainer):
         # GPU engine sizes its KV cache from the memory still free.
         # With split placement (`placement`: this rank trains) the rollout ranks serve the batches.
         self.rollout: Rollout = RemoteRollout(config, placement) if placement else RolloutService(config, self.tokenizer)
-        prompts_per_rollout = config.data.prompts_per_rollout or config.data.batch_size
+        prompts_per_rollout = config.prompts_per_step
         max_length = self.rollout.max_length
         self.train_data, self.test_data = self.load_datasets(RLDataset, max_length, self.rollout.tools)
         self.sampler = BatchSampler(

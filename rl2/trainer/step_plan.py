@@ -43,7 +43,7 @@ class StepPlan:
         return cls(
             seed=config.trainer.seed,
             group_size=group_size,
-            generated_per_prompt=config.rollout.oversample if config.adv.resample_on_correct else group_size,
+            generated_per_prompt=config.generated_per_prompt,
             train_max_new_tokens=train_max_new_tokens,
             scored_by_env=scored_by_env,
             teacher_rewards_only=distill is not None and not (distill.env_reward and scored_by_env),
