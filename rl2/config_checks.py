@@ -218,7 +218,7 @@ def check_off_policy_config(config: Config) -> None:
     from rl2.algorithms.off_policy import rollout_correction
 
     actor, rollout = config.actor, config.rollout
-    correcting = rollout_correction(config).mode != "none"
+    correcting = rollout_correction(config.actor, config.rollout).mode != "none"
     loss_names = {"token": "token_mean", "sequence": "seq_mean_token_mean"}
     for name in ("actor", "critic"):
         section = getattr(config, name)

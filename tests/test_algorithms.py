@@ -456,7 +456,7 @@ def test_rl2s_tis_coef_alone_means_token_tis():
 
     config = load_config(["actor.tis_coef=2.0"])
     check_off_policy_config(config)
-    correction = rollout_correction(config)
+    correction = rollout_correction(config.actor, config.rollout)
     assert (correction.mode, correction.threshold) == ("tis", 2.0)
     with pytest.raises(ConfigError, match="give one of them"):
         check_off_policy_config(load_config(["actor.tis_coef=2.0", "actor.rollout_correction=icepop"]))

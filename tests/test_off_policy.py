@@ -233,7 +233,7 @@ def test_the_defaults_give_todays_loss_bit_for_bit():
     from rl2.trainer.step_plan import StepPlan
 
     config = load_config([])
-    assert rollout_correction(config) == Correction("none", 2.0, 0.5, 5.0)  # auto: none without partial rollout
+    assert rollout_correction(config.actor, config.rollout) == Correction("none", 2.0, 0.5, 5.0)  # auto: none without partial rollout
     lengths, cu_seqlens, mask, old, current, advantages = packed_batch()
     to32 = lambda t: t.float()[None]  # noqa: E731  (a packed row [1, T], float32 as the trainer holds it)
     batch = {"old_logps": to32(old), "advantages": to32(advantages), "loss_mask": to32(mask),

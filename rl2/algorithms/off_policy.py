@@ -44,16 +44,15 @@ class Correction:
     high: float = 5.0
 
 
-def rollout_correction(config) -> Correction:
-    """The correction a run's `actor.rollout_correction` asks for: RL2's `actor.tis_coef` > 0 is token-level
+def rollout_correction(actor, rollout) -> Correction:
+    """The correction the `actor` section's `rollout_correction` asks for: RL2's `actor.tis_coef` > 0 is token-level
     TIS at that threshold; `auto` is token-level TIS under partial rollout or `rollout.max_staleness` > 0 (tokens
-    sampled by older weights) when the proximal log-probs are recomputed, else none."""
-    actor = config.actor
+    sampled by older weights; the `rollout` section) when the proximal log-probs are recomputed, else none."""
     if actor.tis_coef > 0:
         return Correction("tis", actor.tis_coef)
     mode = actor.rollout_correction
     if mode == "auto":
-        stale = config.rollout.partial_rollout or config.rollout.max_staleness > 0
+        stale = rollout.partial_rollout or rollout.max_staleness > 0
         mode = "tis" if stale and actor.recompute_logprobs else "none"
     return Correction(mode, actor.correction_threshold, actor.icepop_low, actor.icepop_high)
 

@@ -12,7 +12,6 @@ import socket
 
 import torch
 
-from rl2.config import Config
 
 GROUP_NAME = "rl2_weights"
 
@@ -20,8 +19,7 @@ GROUP_NAME = "rl2_weights"
 class DirectPush:
     """The trainer's side of the weight group."""
 
-    def __init__(self, config: Config):
-        self.config = config
+    def __init__(self):
         self.name = GROUP_NAME
         self.group = None
         self.requested = False

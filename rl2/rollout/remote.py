@@ -180,7 +180,7 @@ class RemoteRollout(RolloutRecords):
         self.arrived: dict[int, object] = {}  # replies taken from the queue before they were asked for
         # SGLang engines take the weights straight from the first trainer, over a group of their own
         # (`rl2.rollout.direct_push`); the hf engines over `link`.
-        self.direct = DirectPush(config) if config.rollout.engine == "sglang" and self.first else None
+        self.direct = DirectPush() if config.rollout.engine == "sglang" and self.first else None
         if self.first:
             self.requests: queue.Queue = queue.Queue()
             self.replies: queue.Queue = queue.Queue()

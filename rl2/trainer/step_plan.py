@@ -36,7 +36,7 @@ class StepPlan:
         """The plan of a PPO run; `train_max_new_tokens`: the rollout's training sampling params' limit."""
         kl = config.kl if config.kl.coef > 0 else None
         distill = config.distill if config.distill.coef > 0 else None
-        correction = rollout_correction(config)
+        correction = rollout_correction(config.actor, config.rollout)
         actor = config.actor
         scored_by_env = config.rollout.env_path is not None or config.rollout.agent_path is not None
         group_size = config.data.responses_per_prompt
