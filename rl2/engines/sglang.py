@@ -27,9 +27,15 @@ looked for in the returned tokens, which are cut after the token that completes 
 embedded engine does (the engine may have generated past a multi-token stop string: that
 costs time, not correctness).
 
-SGLang cannot be installed on CPU machines: `sglang` is imported only when this engine is
-built (`pip install -e ".[gpu]"`), and everything here around the SGLang calls is tested on
-CPU against a stand-in package that follows the API recorded from SGLang's source.
+Idle and refusals: SGLang flushes its prefix cache, and releases memory, only while its scheduler is idle, which it
+may not be yet right after the last output came back (its loop clears the last batch an iteration later); a release
+then fails an assertion in the scheduler, which ends the engine and this process. Each flush and release waits for
+idle (`_flush_when_idle`). SGLang refuses a whole `generate` call when one prompt does not fit the context, or its
+prompt plus max_new_tokens does not: such a prompt is refused alone and the others' max_new_tokens cut to their room.
+
+`sglang` is imported only when this engine is built (`pip install -e ".[gpu]"`). Tests run the adapter against a
+stand-in package that follows SGLang's API (its calls recorded) and, in `make test-sglang`'s venv, against SGLang's
+own CPU engine (`CPU_SERVER_ARGS`).
 """
 
 import gc
@@ -40,6 +46,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,6 +72,8 @@ SGLANG_INSTALL = 'pip install -e ".[gpu]"'
 # list before truncating it (an embedding matrix would be gigabytes of Python objects).
 VERIFIED_PARAMETER = "model.norm.weight"
 _SAMPLE_SIZE = 64
+# How long a flush of the prefix cache waits for SGLang's scheduler to be idle (`_flush_when_idle`).
+IDLE_TIMEOUT_S = 60.0
 # Environment variables SGLang sets in the calling process that the trainer's own NCCL and CUDA
 # use; restored after the engine starts (its processes keep SGLang's values).
 _TRAINER_ENV_PREFIXES = ("NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING", "TORCHELASTIC_USE_AGENT_STORE")
@@ -146,8 +155,9 @@ def check_server_args(server_args: dict) -> None:
 # SGLang's CPU engine (the pure-torch paths, on a CPU without AMX): what it needs that its defaults are not,
 # as defaults under the user's `rollout.server_args`. Its KV cache is sized in tokens (the GPU's
 # `mem_fraction_static` would take a fraction of the machine's memory).
+# `sleep_on_idle`: an idle scheduler otherwise polls its sockets in a busy loop, a whole core (the trainer's, on CPU).
 CPU_SERVER_ARGS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
-                   "max_total_tokens": 32768}
+                   "max_total_tokens": 32768, "sleep_on_idle": True}
 
 
 def engine_args(
@@ -360,6 +370,7 @@ class SGLangEngine(Engine):
         self.tied_embeddings = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
         self.released: set[str] = set()
         self.verified = False
+        self.update_open = False  # leader: SGLang's weight-update session is open (begin_weight_update)
         self.engine = None
 
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -431,17 +442,34 @@ class SGLangEngine(Engine):
     def _generate_batch(self, requests: list[tuple[list[int], SamplingParams, dict]]) -> list[Generation]:
         if self.released:
             raise RuntimeError(f"generate while SGLang's {sorted(self.released)} memory is released: call wake() first")
+        # SGLang refuses the whole batch (ValueError) when one prompt does not fit the model's context, or its
+        # prompt plus max_new_tokens does not (tokenizer_manager.py, _validate_one_request): a prompt that does
+        # not fit is refused alone, and the others' max_new_tokens are cut to the room they have (finish "length").
+        # The scheduler's own bound on a prompt is a few tokens below the context (tp_worker.py, max_req_input_len).
+        manager = getattr(self.engine, "tokenizer_manager", None)
+        context = getattr(manager, "context_len", None)
+        longest = getattr(manager, "max_req_input_len", None) or context
+        generations: list[Generation | None] = [None] * len(requests)
+        sent = []
+        for index, (prompt, _, sglang_params) in enumerate(requests):
+            if longest is not None and len(prompt) >= longest:
+                generations[index] = Generation.refused(
+                    f"a prompt of {len(prompt)} tokens does not fit the model's context length ({context} tokens; "
+                    f"SGLang takes prompts of fewer than {longest})")
+                continue
+            if context is not None and len(prompt) + sglang_params["max_new_tokens"] > context:
+                sglang_params = {**sglang_params, "max_new_tokens": context - len(prompt)}
+            sent.append((index, prompt, sglang_params))
         outputs = self.engine.generate(
-            input_ids=[prompt for prompt, _, _ in requests],
-            sampling_params=[sglang_params for _, _, sglang_params in requests],
+            input_ids=[prompt for _, prompt, _ in sent],
+            sampling_params=[sglang_params for _, _, sglang_params in sent],
             return_logprob=True,
-        )
-        if len(outputs) != len(requests):
-            raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(requests)} prompts")
-        return [
-            cut_at_stop_string(to_generation(output), params.stop, self.tokenizer)
-            for output, (_, params, _) in zip(outputs, requests)
-        ]
+        ) if sent else []
+        if len(outputs) != len(sent):
+            raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(sent)} prompts")
+        for output, (index, _, _) in zip(outputs, sent):
+            generations[index] = cut_at_stop_string(to_generation(output), requests[index][1].stop, self.tokenizer)
+        return generations
 
     def _sampling_params(self, params: SamplingParams) -> dict:
         stop_ids = single_token_stops(params.stop, self.tokenizer)
@@ -468,10 +496,28 @@ class SGLangEngine(Engine):
 
         def release() -> None:
             if not self.released:
+                # SGLang asserts in its scheduler that it is idle (and the failed assertion ends the engine and, by
+                # SIGQUIT, this process); right after the last output came back it may not be yet.
+                self._flush_when_idle()
                 check_result(self.engine.release_memory_occupation(), "release_memory_occupation")
                 self.released = {"weights", "kv_cache", "cuda_graph"}
 
         self._on_leader(release, "release memory")
+
+    def _flush_when_idle(self) -> None:
+        """Leader: flush SGLang's prefix cache, once its scheduler is idle. It flushes only when idle and else answers
+        success=False (Scheduler.flush_cache, is_fully_idle), also for an iteration or two of its loop after the
+        last output came back (its last batch not yet cleared) or after an abort: tried again until
+        `IDLE_TIMEOUT_S`, then an error."""
+        deadline = time.monotonic() + IDLE_TIMEOUT_S
+        while True:
+            try:
+                check_result(self.engine.flush_cache(), "flush_cache")
+                return
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.02)
 
     def _before_resume(self) -> None:
         """Every rank of the group empties its allocator before the leader resumes SGLang's memory."""
@@ -490,9 +536,8 @@ class SGLangEngine(Engine):
             if tags:
                 check_result(self.engine.resume_memory_occupation(tags=tags), "resume_memory_occupation")
                 self.released.clear()
-                # Releasing the KV cache flushed it (release_memory_occupation), and pushes since did not. SGLang
-                # flushes only when idle and else answers success=False (Scheduler.flush_cache), which fails here.
-                check_result(self.engine.flush_cache(), "flush_cache")
+                # Releasing the KV cache flushed it (release_memory_occupation), and pushes since did not.
+                self._flush_when_idle()
 
         self._on_leader(resume, "resume memory")
 
@@ -528,10 +573,14 @@ class SGLangEngine(Engine):
             def post() -> None:
                 # flush_cache=False: SGLang then leaves the radix cache as it is (scheduler_components/
                 # weight_updater.py, flush_cache_after_weight_update); `end` flushes once.
-                result = self.engine.update_weights_from_tensor(
-                    named_tensors=payloads, load_format="flattened_bucket", flush_cache=False
-                )
-                check_result(result, "update_weights_from_tensor")
+                try:
+                    result = self.engine.update_weights_from_tensor(
+                        named_tensors=payloads, load_format="flattened_bucket", flush_cache=False
+                    )
+                    check_result(result, "update_weights_from_tensor")
+                except Exception:
+                    self._abandon_update()
+                    raise
 
             self._on_leader(post, "weight update")  # collective: every rank's bucket is read when it returns
             del flattened  # read by the engine: the next bucket's copy may take its memory
@@ -539,7 +588,7 @@ class SGLangEngine(Engine):
         def end() -> None:
             self._end_update()
             if "kv_cache" not in self.released:
-                check_result(self.engine.flush_cache(), "flush_cache")
+                self._flush_when_idle()
             if not self.verified:
                 name = VERIFIED_PARAMETER if VERIFIED_PARAMETER in samples else next(iter(samples), None)
                 self._verify(name, samples.get(name))
@@ -566,9 +615,13 @@ class SGLangEngine(Engine):
 
         def receive() -> None:
             self._begin_update()
-            check_result(self.engine.update_weights_from_distributed(
-                names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
-                flush_cache="kv_cache" not in self.released), "update_weights_from_distributed")
+            try:
+                check_result(self.engine.update_weights_from_distributed(
+                    names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                    flush_cache="kv_cache" not in self.released), "update_weights_from_distributed")
+            except Exception:
+                self._abandon_update()
+                raise
             self._end_update()
 
         self._on_leader(receive, "weight update")
@@ -580,12 +633,23 @@ class SGLangEngine(Engine):
         if "weights" in self.released:
             check_result(self.engine.resume_memory_occupation(tags=["weights"]), "resume_memory_occupation")
             self.released.discard("weights")
+        if self.update_open:  # a failed update left its session open: SGLang refuses to open a second one
+            self._end_update()
         if hasattr(self.engine, "begin_weight_update"):  # SGLang >= 0.5.21
             check_result(self.engine.begin_weight_update(), "begin_weight_update")
+            self.update_open = True
 
     def _end_update(self) -> None:
-        if hasattr(self.engine, "end_weight_update"):
+        if self.update_open:
+            self.update_open = False
             check_result(self.engine.end_weight_update(), "end_weight_update")
+
+    def _abandon_update(self) -> None:
+        """Leader, after a failed load: close the session (the next sync opens its own and sends every weight)."""
+        try:
+            self._end_update()
+        except Exception as error:  # the load's failure is the one reported
+            logger.warning(f"closing SGLang's weight-update session after a failed load: {error}")
 
     def _serialize(self, bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, Any]:
         """The bucket flattened into one tensor, and that tensor serialised as CUDA IPC handles."""
