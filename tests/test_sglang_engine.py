@@ -230,7 +230,11 @@ def test_process_state_is_restored(monkeypatch):
 
 
 @pytest.mark.skipif(SGLANG_INSTALLED, reason="SGLang is installed here")
-def test_missing_sglang_fails_at_start(tiny_model_dir, tmp_path):
+def test_missing_sglang_fails_at_start(tiny_model_dir, tmp_path, monkeypatch):
+    # not the stand-in either (the module's stand-in api may be importable on this worker while this runs)
+    monkeypatch.setattr(sys, "path", [path for path in sys.path if path != STAND_IN])
+    for name in [name for name in sys.modules if name == "sglang" or name.startswith("sglang.")]:
+        monkeypatch.delitem(sys.modules, name)
     with pytest.raises(ImportError) as error:
         load_sglang()
     assert 'pip install -e ".[gpu]"' in str(error.value) and SGLANG_REQUIREMENT in str(error.value)
