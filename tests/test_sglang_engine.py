@@ -561,7 +561,7 @@ def test_abort_keeps_the_tokens_and_refused_prompts(engine, tiny_model_dir, toke
     than max_new_tokens generates what fits."""
     model = _perturbed(tiny_model_dir, seed=30)
     engine.update_weights(model.state_dict().items())
-    timer = threading.Timer(0.5, engine.abort)
+    timer = threading.Timer(1.0, engine.abort)
     timer.start()
     start = time.time()
     aborted = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=100_000, ignore_eos=True))[0]
@@ -657,10 +657,11 @@ def test_a_paused_rollout_resumes_token_for_token(engine, tiny_model_dir, tokeni
     engine.update_weights(model.state_dict().items())
     params = SamplingParams(temperature=0.0, max_new_tokens=600, ignore_eos=True)
     batch = counting_prompts(tokenizer, 2)
+    start = time.monotonic()
     whole = rollout(engine, None, tokenizer, batch, 1, params)
     trajectories = new_trajectories(batch, 1)
     pause = Pause(engine)
-    timer = threading.Timer(0.3, pause.now)
+    timer = threading.Timer((time.monotonic() - start) / 3, pause.now)  # a third of the way, on any machine
     timer.start()
     continue_rollout(engine, None, tokenizer, trajectories, params, pause=pause)
     timer.join()
