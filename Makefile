@@ -71,20 +71,21 @@ test-vllm: install
 # import-only stand-in and torchvision (a CUDA build here) gets its operator schemas, both by a .pth file.
 SGLANG_VERSION ?= 0.5.21
 SGLANG_VENV ?= .venv-sglang
-SGLANG_TRANSFORMERS_0.5.21 = transformers==5.12.1
-SGLANG_TRANSFORMERS_0.5.23 = transformers==5.19.0
+# What each tested SGLang release pins that differs (the rest of its dependencies are SGLANG_DEPS).
+SGLANG_PINS_0.5.21 = transformers==5.12.1 tokenizers==0.22.2 openai==2.6.1
+SGLANG_PINS_0.5.23 = transformers==5.19.0 tokenizers==0.23.2 openai==2.8.0 "uvicorn>=0.51" "python-dateutil<3"
 SGLANG_DEPS = aiohttp "anthropic>=0.20.0" apache-tvm-ffi==0.1.11 blobfile==3.0.0 compressed-tensors==0.18.0 datasets \
 	distro easydict einops fastapi gguf interegular IPython "llguidance>=1.7.6,<2" "mistral_common>=1.11.5" msgspec ninja \
-	numpy openai==2.6.1 openai-harmony==0.0.4 orjson partial_json_parser pillow prometheus-client psutil pybase64 \
+	numpy openai-harmony==0.0.4 orjson partial_json_parser pillow prometheus-client psutil pybase64 \
 	pydantic python-multipart "pyzmq>=25.1.2" regex requests scipy sentencepiece==0.2.1 setproctitle soundfile \
-	tiktoken tokenizers==0.22.2 uvicorn uvloop watchfiles xgrammar==0.2.7 xxhash zstandard
+	tiktoken uvicorn uvloop watchfiles xgrammar==0.2.7 xxhash zstandard
 sglang-venv: install
 	$(PYTHON) -m venv --system-site-packages $(SGLANG_VENV)
 	echo "torch==$$($(PYTHON) -c 'import torch; print(torch.__version__)')" > $(SGLANG_VENV)/constraints.txt
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps -c $(SGLANG_VENV)/constraints.txt \
 	  "sglang==$(SGLANG_VERSION)" torchvision==0.28.0
 	$(SGLANG_VENV)/bin/python -m pip install --quiet -c $(SGLANG_VENV)/constraints.txt $(SGLANG_DEPS) \
-	  "$(SGLANG_TRANSFORMERS_$(SGLANG_VERSION))"
+	  $(SGLANG_PINS_$(SGLANG_VERSION))
 	printf '%s\nimport rl2_sglang_cpu_shims; rl2_sglang_cpu_shims.install()\n' "$(CURDIR)/tests/sglang_cpu" \
 	  > $$($(SGLANG_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rl2_sglang_cpu.pth
 

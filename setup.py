@@ -32,8 +32,8 @@ setup(
     extras_require={
         # rl2.tools: the code sandbox service, the search service and client, the math grader.
         "tools": ["aiohttp", "bm25s>=0.3", "math-verify", "sympy", "pylatexenc"],
-        # sglang 0.5.20 / 0.5.21 are built for torch 2.13.0 (0.5.22+ need torch 2.14.1).
-        "gpu": ["sglang[srt]>=0.5.20,<0.5.22", "flash-attn", "ring-flash-attn"],
+        # sglang 0.5.20 / 0.5.21 are built for torch 2.13.0 (0.5.22+ need torch 2.14.1); tested: 0.5.21, 0.5.23.
+        "gpu": ["sglang[srt]>=0.5.20,<0.5.24", "flash-attn", "ring-flash-attn"],
         # rollout.agent_path: agents written against the OpenAI API, served by rl2.serve.
         "agents": ["aiohttp", "openai"],
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "openai",

@@ -84,8 +84,9 @@ def run_torchrun(
     cwd: str = REPO,
 ) -> subprocess.CompletedProcess:
     """What `torchrun --nproc_per_node=nproc ARGS` does in `cwd`, on CPU, with ranks forked from preloaded
-    modules (`rank_launcher`); the output is shown when it fails; `env` entries override."""
+    modules (`rank_launcher`); the output is shown when it fails; `env` entries override (None removes)."""
     env = {**os.environ, "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO, **(env or {})}
+    env = {key: value for key, value in env.items() if value is not None}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     result = forked_or_real(
         lambda: rank_launcher.launch(args, nproc, env, cwd, timeout),

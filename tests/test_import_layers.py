@@ -19,12 +19,10 @@ CIRCLES_LEFT = {
     ("config", "rollout"),  # config/__init__ and config/check read env files (rollout/env_file)
     ("config", "config_checks"),
     ("data", "rollout"),  # data/rows reads an env file's row columns (rollout/env_file)
-    ("engines", "rollout"),  # engines/hf.py and engines/sglang.py take the engine-side weight naming from rollout/weight_sync
 }
 
-# Layers that must never import upwards (earlier in the list = lower); engines/ joins them (below serve/) once the
-# engine-side weight naming has moved out of rollout/weight_sync.py.
-LAYERS = ["chat", "serve", "rollout", "trainer"]
+# Layers that must never import upwards (earlier in the list = lower).
+LAYERS = ["chat", "engines", "serve", "rollout", "trainer"]
 
 
 def node_of(module: str) -> str | None:

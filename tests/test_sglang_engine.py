@@ -676,7 +676,7 @@ def test_a_paused_rollout_resumes_token_for_token(engine, tiny_model_dir, tokeni
 
 
 TP_GROUP_SCRIPT = """
-import json, os, sys
+import json, multiprocessing, os, sys
 
 import torch
 import torch.distributed as dist
@@ -686,11 +686,14 @@ from rl2.engines import SamplingParams
 from rl2.engines.sglang import SGLangEngine
 
 if __name__ == "__main__":  # SGLang spawns its processes
-    model_dir, changed_dir, out = sys.argv[1:4]
+    model_dir, changed_dir, out, tp_size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    # Each rank's own authkey, as under the real torchrun (ranks forked by the tests' launcher share the parent's):
+    # SGLang's second TP rank fetches rank 1's pushed buckets from rank 1's process.
+    multiprocessing.current_process().authkey = os.urandom(32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = SGLangEngine(model_dir, tokenizer, dtype="float32", tp_size=2, bucket_mb=0)
+    engine = SGLangEngine(model_dir, tokenizer, dtype="float32", tp_size=tp_size, bucket_mb=0)
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"]
                for text in (["hello world", "a b c d"] if rank == 0 else ["x", "the answer is"])]
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
@@ -714,15 +717,18 @@ if __name__ == "__main__":  # SGLang spawns its processes
 
 @pytest.mark.skipif(not SGLANG_INSTALLED, reason=REAL_ONLY)
 @pytest.mark.xdist_group("sglang_real_tp")
-def test_two_ranks_share_one_tp2_engine(tiny_model_dir, tokenizer, tmp_path):
-    """2 ranks (torchrun, gloo) share ONE SGLang engine of TP 2 (rank 0's; its 2 CPU ranks): each rank's prompts
-    come back to it, generated greedily as the model (TP 1 and the HF forward) does; a push from both ranks (after a
-    sleep, and awake) loads the new weights into both TP ranks' shards; a rank may join a call with no prompts."""
+@pytest.mark.parametrize("tp_size", [2, 1], ids=["one TP-2 engine", "an engine per rank"])
+def test_two_ranks_share_one_tp2_engine(tiny_model_dir, tokenizer, tmp_path, tp_size):
+    """2 ranks (torchrun, gloo) share ONE SGLang engine of TP 2 (rank 0's; its 2 CPU ranks), or hold one engine each
+    (TP 1; SGLang picks a CPU rank's cores by its gpu id: the second engine of the node needs a second share): each
+    rank's prompts come back to it, generated greedily as the model (TP 1 and the HF forward) does; a push from both
+    ranks (after a sleep, and awake) loads the new weights into every TP rank's shard (each rank with its own
+    multiprocessing authkey, as under torchrun); a rank may join a call with no prompts."""
     changed = _perturbed(tiny_model_dir, seed=70)
     changed.save_pretrained(str(tmp_path / "changed"))
     (tmp_path / "tp.py").write_text(TP_GROUP_SCRIPT)
-    run_torchrun([str(tmp_path / "tp.py"), tiny_model_dir, str(tmp_path / "changed"), str(tmp_path / "out")],
-                 timeout=400, env={"PYTHONPATH": REPO})
+    run_torchrun([str(tmp_path / "tp.py"), tiny_model_dir, str(tmp_path / "changed"), str(tmp_path / "out"),
+                  str(tp_size)], timeout=400, env={"PYTHONPATH": REPO, "SGLANG_CPU_OMP_THREADS_BIND": None})
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
     for rank in (0, 1):
@@ -892,3 +898,15 @@ def test_search_on_a_two_rank_engine_group(tiny_model_dir, tmp_path):
     assert [s["tokens"] for s in solutions[:2]] == [0, 0] and all(s["tokens"] > 0 for s in solutions[2:])
     assert generated == [2, 2, 2]  # rank 1's two problems in each of three rounds, rank 0 joining with none
     assert all(not tree["children"] for tree in trees[:2])
+
+
+def test_cpu_threads_binding_gives_every_sglang_rank_of_the_node_a_share():
+    """SGLang gives its CPU rank of gpu id g the g-th share: one per rank of the node, contiguous where there are
+    enough cores, a core each (taken in turn) where there are fewer."""
+    from rl2.engines.sglang import cpu_threads_binding
+
+    assert cpu_threads_binding(2, [0, 1]) == "0|1"
+    assert cpu_threads_binding(2, list(range(8))) == "0-3|4-7"
+    assert cpu_threads_binding(1, [0, 1]) == "0-1"
+    assert cpu_threads_binding(2, [0, 2, 4, 6]) == "0,2|4,6"
+    assert cpu_threads_binding(3, [0, 1]) == "0|1|0"

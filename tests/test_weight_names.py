@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from rl2.rollout.weight_sync import bucketed, engine_named_tensors, engine_param_name
+from rl2.engines.weight_names import bucketed, engine_named_tensors, engine_param_name
 
 pytestmark = pytest.mark.gpu_pins  # also under the transformers that the gpu extra pins
 

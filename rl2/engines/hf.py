@@ -30,7 +30,7 @@ from rl2.engines.decode_step import DecodeStep
 from rl2.engines.kv_slots import NO_MASKS, KVSlots, PrefillPlan, prefill_attention, register_slot_attention
 from rl2.engines.sampling import request_uniforms, sample
 from rl2.engines.slot_table import BLOCK, SlotTable, block_hashes
-from rl2.rollout.weight_sync import engine_named_tensors
+from rl2.engines.weight_names import engine_named_tensors
 
 logger = logging.getLogger(__name__)
 

@@ -59,13 +59,14 @@ from transformers import AutoConfig
 from rl2.distributed.process_group import world_size
 from rl2.engines.base import Engine, Generation, SamplingParams
 from rl2.engines.tp_group import TPGroupLayout, new_tp_group, plan_this_rank
-from rl2.rollout.weight_sync import bucketed, engine_named_tensors
+from rl2.engines.weight_names import bucketed, engine_named_tensors
 
 logger = logging.getLogger(__name__)
 
-# sglang 0.5.20 / 0.5.21 are built against torch 2.13.0, the torch rl2 is tested with; 0.5.22+
-# require torch 2.14.1.
-SGLANG_REQUIREMENT = "sglang>=0.5.20,<0.5.22"
+# sglang 0.5.20 / 0.5.21 are built against torch 2.13.0, the torch rl2 is tested with; 0.5.22+ pin torch 2.14.1.
+# Tested on the real engine (CPU, make test-sglang): 0.5.21 and 0.5.23.
+SGLANG_REQUIREMENT = "sglang>=0.5.20,<0.5.24"
+SGLANG_TESTED = ("0.5.21", "0.5.23")
 SGLANG_INSTALL = 'pip install -e ".[gpu]"'
 # The parameter read back from the engine after the first weight sync, when the model has it (else the
 # first 1-D parameter sent). Never a matrix: SGLang's Llama read-back turns the whole tensor into a Python
@@ -104,12 +105,13 @@ def load_sglang() -> SGLangAPI:
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
     except ImportError as error:
         raise ImportError(
-            f"rollout.engine=sglang needs SGLang ({SGLANG_REQUIREMENT}, built for torch 2.13.0) on a CUDA "
-            f"machine: {SGLANG_INSTALL}, or use rollout.engine=hf (import failed: {error})"
+            f"rollout.engine=sglang needs SGLang ({SGLANG_REQUIREMENT}; 0.5.20/0.5.21 are built for torch 2.13.0) "
+            f"on a CUDA machine: {SGLANG_INSTALL}, or use rollout.engine=hf (import failed: {error})"
         ) from error
     version = getattr(sglang, "__version__", "unknown")
-    if not version.startswith(("0.5.20", "0.5.21")):
-        logger.warning(f"SGLang {version} is installed; rl2 is written and pinned for {SGLANG_REQUIREMENT}")
+    if not version.startswith(("0.5.20", *SGLANG_TESTED)):
+        logger.warning(f"SGLang {version} is installed; rl2 is tested with SGLang {' and '.join(SGLANG_TESTED)} "
+                       f"({SGLANG_REQUIREMENT})")
     return SGLangAPI(
         sglang.Engine, FlattenedTensorBucket, MultiprocessingSerializer, monkey_patch_torch_reductions, version,
         init_custom_process_group,
@@ -189,14 +191,16 @@ def engine_args(
     }
 
 
-def cpu_threads_binding(tp_size: int, cpus: list[int] | None = None) -> str:
-    """`SGLANG_CPU_OMP_THREADS_BIND` for `tp_size` CPU ranks: this process's cores in `tp_size` contiguous
-    shares ("0|1", "0-3|4-7"); SGLang's own default binds one rank per NUMA node."""
+def cpu_threads_binding(ranks: int, cpus: list[int] | None = None) -> str:
+    """`SGLANG_CPU_OMP_THREADS_BIND` for `ranks` SGLang CPU ranks on this node: this process's cores in `ranks`
+    contiguous shares ("0|1", "0-3|4-7"; with fewer cores than ranks, one core each, taken in turn). SGLang gives
+    its CPU rank of gpu id g the g-th share (its own default, one rank per NUMA node, has too few entries for a
+    second engine on the node, or a second TP rank, on a one-node machine)."""
     cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
-    if len(cpus) < tp_size:
-        raise ValueError(f"rollout.tp_size={tp_size} SGLang CPU ranks need a core each; this process has {len(cpus)}")
-    share, shares = len(cpus) // tp_size, []
-    for rank in range(tp_size):
+    if len(cpus) < ranks:
+        return "|".join(str(cpus[rank % len(cpus)]) for rank in range(ranks))
+    share, shares = len(cpus) // ranks, []
+    for rank in range(ranks):
         own = cpus[rank * share: (rank + 1) * share]
         contiguous = own[-1] - own[0] == len(own) - 1
         shares.append(str(own[0]) if len(own) == 1 else f"{own[0]}-{own[-1]}" if contiguous else ",".join(map(str, own)))
@@ -374,10 +378,18 @@ class SGLangEngine(Engine):
         self.engine = None
 
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu" and self.group is not None:
+            # A CPU tensor pushed by rank r is a file-descriptor share that SGLang's TP rank r (a child of the
+            # leader) fetches from rank r's process, which accepts only its own multiprocessing authkey: the
+            # group's processes take the leader's (before the engine's processes start).
+            key = [bytes(multiprocessing.current_process().authkey)]  # an AuthenticationString refuses pickling
+            dist.broadcast_object_list(key, src=self.layout.leader, group=self.group)
+            multiprocessing.current_process().authkey = key[0]
 
         def start() -> None:
-            if self.device == "cpu" and tp_size > 1:  # else SGLang wants a NUMA node per TP rank
-                os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_binding(tp_size))
+            if self.device == "cpu":  # a core share per SGLang rank of the node, indexed by its gpu id
+                engines = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), self.layout.base_gpu_id + tp_size)
+                os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_binding(engines))
             with sglang_process_state():
                 self.engine = self.api.Engine(**engine_args(model_path, self.layout, dtype, memory_fraction, seed,
                                                             _free_port(), server_args, self.device))

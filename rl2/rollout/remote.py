@@ -36,7 +36,8 @@ from rl2.rollout.service import RolloutRecords, RolloutService
 from rl2.rollout.trajectory import Trajectory
 from rl2.lora import is_lora
 from rl2.rollout.direct_push import DirectPush
-from rl2.rollout.weight_sync import engine_named_tensors, iter_full_weights
+from rl2.engines.weight_names import engine_named_tensors
+from rl2.rollout.weight_sync import iter_full_weights
 
 logger = logging.getLogger(__name__)
 TRAINER = 0  # the first trainer's rank in `link` and in `results`

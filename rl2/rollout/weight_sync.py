@@ -1,7 +1,7 @@
 """Stream an FSDP2 model's full weights, bucket by bucket, to an inference engine."""
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -106,71 +106,3 @@ def _full_row_sharded(tensors: list[DTensor], dtype: torch.dtype) -> list[torch.
     dist.all_gather_into_tensor(out, padded, group=mesh.get_group())
     pieces = [out[r * longest: r * longest + sum(sizes[r])].split(sizes[r]) for r in range(world)]
     return [torch.cat([pieces[r][i] for r in range(world)]).view(t.shape) for i, t in enumerate(tensors)]
-
-
-# Module names that wrappers insert into parameter names: FSDP1 / checkpoint wrappers, torch.compile.
-_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-_PEFT_PREFIX = "base_model.model."
-_TIED_HEAD = "lm_head.weight"
-
-
-def engine_param_name(name: str, tied_embeddings: bool) -> str | None:
-    """The Hugging Face checkpoint name an inference engine loads for our state-dict `name`, or
-    None for a tensor it must not get (the output head of a model with tied embeddings: the
-    engine ties it to `model.embed_tokens.weight`, which is sent).
-
-    Strips wrapper prefixes (FSDP1, activation checkpointing, torch.compile, DDP's `module.`) and
-    PEFT's `base_model.model.` / `.base_layer`. Unmerged LoRA weights are an error: an engine
-    loading base weights would drop them, so merge adapters before syncing.
-    """
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    if name.startswith("module."):
-        name = name[len("module.") :]
-    if name.startswith(_PEFT_PREFIX):
-        name = name[len(_PEFT_PREFIX) :]
-    if ".modules_to_save." in name or ".original_module." in name:
-        raise ValueError(
-            f"weight sync: {name!r} belongs to a PEFT modules_to_save copy; merge the adapters into the base "
-            f"weights (peft's merge_and_unload) before syncing them to the engine"
-        )
-    if ".lora_" in name:
-        raise ValueError(
-            f"weight sync: {name!r} is an unmerged LoRA adapter weight; merge the adapters into the base "
-            f"weights (peft's merge_and_unload) before syncing them to the engine"
-        )
-    name = name.replace(".base_layer.", ".")
-    if tied_embeddings and name == _TIED_HEAD:
-        return None
-    return name
-
-
-def engine_named_tensors(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], tied_embeddings: bool
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """`named_tensors` under the names an inference engine loads (see `engine_param_name`)."""
-    for name, tensor in named_tensors:
-        mapped = engine_param_name(name, tied_embeddings)
-        if mapped is not None:
-            yield mapped, tensor
-
-
-def bucketed(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive runs of `named_tensors` of one dtype and about `bucket_bytes` each.
-
-    A bucket closes when the next tensor has another dtype or would push it past `bucket_bytes`;
-    a tensor larger than `bucket_bytes` is a bucket of its own. Order is kept.
-    """
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and (tensor.dtype != bucket[0][1].dtype or size + nbytes > bucket_bytes):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
