@@ -198,6 +198,16 @@ def running(pid: int) -> bool:
         return False
 
 
+def assert_ends(daemon: int, outliving: str) -> None:
+    """Fail (killing it) unless process `daemon` ends within 10 s; `outliving`: what it must not outlive."""
+    deadline = time.monotonic() + 10
+    while running(daemon):
+        if time.monotonic() > deadline:
+            os.kill(daemon, signal.SIGKILL)
+            pytest.fail(f"the daemon pid {daemon} outlived {outliving}")
+        time.sleep(0.05)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper is Linux's")
 def test_a_daemon_a_reward_fn_started_dies_with_its_env(tmp_path):
     path = write(tmp_path, "daemon_env.py", DAEMON_ENV)
@@ -206,12 +216,7 @@ def test_a_daemon_a_reward_fn_started_dies_with_its_env(tmp_path):
         assert env.rewards([reply("x")], [str(note)])[0].value == 1.0
         daemon = int(note.read_text())
         assert running(daemon)
-    deadline = time.monotonic() + 10
-    while running(daemon):
-        if time.monotonic() > deadline:
-            os.kill(daemon, signal.SIGKILL)
-            pytest.fail(f"the daemon pid {daemon} outlived its env")
-        time.sleep(0.05)
+    assert_ends(daemon, "its env")
 
 
 HANGING_ENV = """
@@ -260,12 +265,7 @@ def test_a_daemon_dies_with_a_worker_that_exits_on_its_own(tmp_path):
         (result,) = env.rewards([reply("x")], [str(note)])
         assert "crashed its env worker process" in result.error and "exited with code 3" in result.error
         daemon = int(note.read_text())
-        deadline = time.monotonic() + 10
-        while running(daemon):
-            if time.monotonic() > deadline:
-                os.kill(daemon, signal.SIGKILL)
-                pytest.fail(f"the daemon pid {daemon} outlived its worker")
-            time.sleep(0.05)
+        assert_ends(daemon, "its worker")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper is Linux's")
@@ -297,9 +297,4 @@ def test_a_daemon_dies_with_a_worker_that_dies_abruptly(tmp_path, death):
         ended = {"os._exit(3)": "exited with code 3", "ctypes.string_at(0)": "killed by signal 11 (SIGSEGV)"}
         assert "crashed its env worker process" in result.error
         assert ended.get(death, "killed by signal 9 (SIGKILL)") in result.error
-        deadline = time.monotonic() + 10
-        while running(daemon):
-            if time.monotonic() > deadline:
-                os.kill(daemon, signal.SIGKILL)
-                pytest.fail(f"the daemon pid {daemon} outlived its worker ({death})")
-            time.sleep(0.05)
+        assert_ends(daemon, f"its worker ({death})")

@@ -223,8 +223,8 @@ class HFEngine(Engine):
         if turn.max_new_tokens < 1:
             raise _Refusal(f"request {index}: a turn needs max_new_tokens >= 1, got {turn.max_new_tokens}")
         embedded = self.model.get_input_embeddings().num_embeddings
-        outside = next((t for t in turn.prompt if not 0 <= t < embedded), None)
-        if outside is not None:  # an embedding lookup would raise in the middle of the batch
+        if min(turn.prompt) < 0 or max(turn.prompt) >= embedded:  # a lookup would raise in the middle of the batch
+            outside = next(t for t in turn.prompt if not 0 <= t < embedded)
             raise _Refusal(f"request {index}: token id {outside} is outside the vocabulary (0 to {embedded - 1})")
         max_new = min(turn.max_new_tokens, params.max_new_tokens)
         if turn.stream is not None:

@@ -275,22 +275,30 @@ class Trainer:
         return path
 
     def close(self) -> None:
-        """End the run (once): the metrics' sinks closed (wandb finished, TensorBoard flushed) and the
-        run's report written."""
+        """End the run (once): the metrics' sinks closed (wandb finished, TensorBoard flushed), the run's
+        report written, and what it holds outside this process released (`release`)."""
         if self.closed:
             return
         self.closed = True
-        if self.metrics is not None:
-            self.metrics.finish()
-            if self.metrics.enabled:  # rank 0
-                try:
-                    logger.info(f"report: {write_report([self.metrics.save_dir])}")
-                except Exception as error:  # the run's outputs are written; a report that fails must not fail it
-                    logger.warning(f"the report could not be written: {type(error).__name__}: {error}")
+        try:
+            if self.metrics is not None:
+                self.metrics.finish()
+                if self.metrics.enabled:  # rank 0
+                    try:
+                        logger.info(f"report: {write_report([self.metrics.save_dir])}")
+                    except Exception as error:  # the run's outputs are written; a failed report must not fail it
+                        logger.warning(f"the report could not be written: {type(error).__name__}: {error}")
+        finally:
+            self.release()
 
     def close_after_error(self) -> None:
-        """End a run that failed: nothing more is written."""
-        self.closed = True
+        """End a run that failed: what it holds released, nothing more written."""
+        if not self.closed:
+            self.closed = True
+            self.release()
+
+    def release(self) -> None:
+        """Stop what the run holds outside this process (an engine, env worker processes); none here."""
 
     def __enter__(self) -> "Trainer":
         return self

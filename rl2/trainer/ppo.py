@@ -77,24 +77,23 @@ class PPOTrainer(Trainer):
         temperature = self.rollout.train_params.temperature or 1.0
         optimizer_steps = self.total_steps * config.actor.update_per_rollout
         self.actor = Policy(config.actor, optimizer_steps, temperature)
-        if config.kl.coef > 0 and config.actor.lora.rank > 0:
+        if self.plan.kl is not None and config.actor.lora.rank > 0:
             self.reference = AdaptersOff(self.actor)  # the base model is the actor without its adapters
-        elif config.kl.coef > 0:
+        elif self.plan.kl is not None:
             reference_config = dataclasses.replace(config.actor, offload_model=config.ref_actor.offload_model)
             self.reference = Policy(reference_config, 0, temperature, trainable=False)
-        if config.distill.coef > 0:  # the reference model's machinery: frozen, sharded, offloadable
+        if self.plan.distill is not None:  # the reference model's machinery: frozen, sharded, offloadable
             teacher = config.teacher
             teacher_config = dataclasses.replace(
                 config.actor, model_name=teacher.model_name, tokenizer_name=teacher.model_name,
                 offload_model=teacher.offload_model, dtype=teacher.dtype or config.actor.dtype, lora=LoraConfig(),
             )
             self.teacher = Policy(teacher_config, 0, temperature, trainable=False)
-        if config.adv.estimator == "gae":
+        if self.plan.critic is not None:
             critic_config = dataclasses.replace(
                 config.critic, model_name=config.critic.model_name or config.actor.model_name
             )
             self.critic = Critic(critic_config, self.total_steps * config.critic.update_per_rollout)
-        self.models = StepModels(self.actor, self.reference, self.teacher, self.critic)
         self.resume()
         if self.step > 0:
             self.rollout.sync_weights(self.actor.model, version=self.step)
@@ -105,6 +104,11 @@ class PPOTrainer(Trainer):
             + (f"; distilling from {config.teacher.model_name} (distill.mode={config.distill.mode}, "
                f"coef {config.distill.coef})" if self.teacher is not None else "")
         )
+
+    @property
+    def models(self) -> StepModels:
+        """The models a step computes with."""
+        return StepModels(self.actor, self.reference, self.teacher, self.critic)
 
     # ---- checkpointing ----------------------------------------------------------------------
 
@@ -222,19 +226,14 @@ class PPOTrainer(Trainer):
         and on rank 0 the run's summary logged (reward curve, test rewards, step times)."""
         if self.closed:
             return
-        try:
-            super().close()
-        finally:
-            self.rollout.close()
+        super().close()
         path = os.path.join(self.config.actor.save_dir, "metrics.jsonl")
         if is_rank0() and os.path.exists(path):
             logger.info("\n" + run_summary(read_metrics(path)))
 
-    def close_after_error(self) -> None:
-        """End a run that failed: the engine and the env's worker processes stopped, nothing more written."""
-        if not self.closed:
-            self.closed = True
-            self.rollout.close()
+    def release(self) -> None:
+        """The engine and the env's worker processes stopped."""
+        self.rollout.close()
 
 
 def check_teacher_tokenizer(tokenizer, config: Config) -> None:

@@ -57,15 +57,6 @@ class PPOEvaluator(Trainer):
             raise
         self.close()
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        try:
-            super().close()
-        finally:
-            self.rollout.close()
-
-    def close_after_error(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.rollout.close()
+    def release(self) -> None:
+        """The engine and the env's worker processes stopped."""
+        self.rollout.close()
