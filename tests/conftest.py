@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rank_launcher
-from rl2.data.chat_template import render_chat
+from rl2.chat.template import render_chat
 from rl2.testing.tiny import save_tiny, sharpen_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
+from rl2.chat.template import render_chat
 from rl2.chat.tool_parsers import get_tool_parser
-from rl2.data.chat_template import render_chat
 from rl2.engines import SamplingParams
 from rl2.rollout.agent_rollout import AgentFile, agent_rollout
 from rl2.serve.openai_server import OpenAIServer

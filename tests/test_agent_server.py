@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 
+from rl2.chat.template import render_chat
 from rl2.chat.tool_parsers import get_tool_parser
-from rl2.data.chat_template import render_chat
 from rl2.engines import Generation, SamplingParams
 from rl2.rollout.env import Env
 from rl2.rollout.rollout_metrics import rollout_metrics

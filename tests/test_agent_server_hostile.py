@@ -13,8 +13,8 @@ import textwrap
 import aiohttp
 import pytest
 
+from rl2.chat.template import render_chat
 from rl2.chat.tool_parsers import get_tool_parser
-from rl2.data.chat_template import render_chat
 from rl2.engines import Generation, SamplingParams
 from rl2.rollout.rollout_metrics import rollout_metrics
 from rl2.rollout.agent_rollout import AgentFile, agent_rollout

@@ -12,7 +12,7 @@ import transformers
 
 from conftest import REPO
 from rl2.config import ConfigError
-from rl2.config.check import run_check
+from rl2.check_run import run_check
 from rl2.data.rows import DataError
 from rl2.rollout.env_file import EnvError
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import tokenize_prompt
+from rl2.chat.template import tokenize_conversation
 from rl2.data.rows import DataError, load_rows, parse_messages, split_rows, validate_rows
 from rl2.data.conversations import PairDataset, RLDataset, SFTDataset
-from rl2.data.chat_template import tokenize_conversation
 from rl2.testing.tiny import build_tiny_tokenizer
 
 RL_ROWS = [

@@ -9,8 +9,8 @@ import pytest
 from transformers.utils import get_json_schema
 
 from rl2.chat.bridge import bridge_text, rewrites_history
+from rl2.chat.template import render_chat
 from rl2.chat.tool_parsers import get_tool_parser
-from rl2.data.chat_template import render_chat
 from rl2.engines import SamplingParams
 from rl2.rollout.env import Env, EnvError
 from rl2.rollout.multi_turn import ToolCalling, assign_rewards, rollout

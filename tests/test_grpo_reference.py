@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import run_python, run_torchrun
-from rl2.data.chat_template import render_chat
+from rl2.chat.template import render_chat
 from test_ppo import rl_data  # noqa: F401  (the fixture)
 
 WORKER = "tests/workers/grpo_update_capture.py"

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from rl2.data.chat_template import render_chat
+from rl2.chat.template import render_chat
 from rl2.engines import SamplingParams
 from rl2.rollout.env import Env, EnvError
 from rl2.rollout.multi_turn import assign_rewards, rollout

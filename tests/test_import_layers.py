@@ -2,8 +2,8 @@
 imports inside functions included), not over what happens to load.
 
 Nodes are rl2's folders (rl2/rollout, rl2/serve, ...) and its top-level modules (rl2/metrics.py, ...). Two nodes
-that import each other are a circle. The circles left are listed in `CIRCLES_LEFT`, each to be removed (issue
-67); a new one fails here, and so does a listed one that is gone (take it off the list)."""
+that import each other are a circle, and there is none (issue 67); a node in `LAYERS` never imports one above
+it."""
 
 import ast
 import functools
@@ -12,17 +12,8 @@ import os
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "rl2")
 
-# Circles not removed yet, as sorted pairs of nodes.
-CIRCLES_LEFT = {
-    ("chat", "data"),  # data/chat_template.py (used by chat/) raises data.rows.DataError; data/conversations uses chat.tools
-    ("config", "data"),  # data/rows and data/sampler name config errors; config/check reads rows
-    ("config", "rollout"),  # config/__init__ and config/check read env files (rollout/env_file)
-    ("config", "config_checks"),
-    ("data", "rollout"),  # data/rows reads an env file's row columns (rollout/env_file)
-}
-
 # Layers that must never import upwards (earlier in the list = lower).
-LAYERS = ["chat", "engines", "serve", "rollout", "trainer"]
+LAYERS = ["errors", "config", "chat", "data", "engines", "serve", "rollout", "trainer"]
 
 
 def node_of(module: str) -> str | None:
@@ -63,18 +54,15 @@ def imports() -> dict[str, dict[str, list[str]]]:
     return edges
 
 
-def test_no_new_import_circles_between_folders():
+def test_no_import_circles_between_folders():
     edges = imports()
     circles = {tuple(sorted((a, b))) for a, targets in edges.items() for b in targets if a in edges.get(b, {})}
-    new = circles - CIRCLES_LEFT
-    assert not new, "import circles: " + "; ".join(
+    assert not circles, "import circles: " + "; ".join(
         f"{a} -> {b} ({', '.join(sorted(set(edges[a][b])))}) and {b} -> {a} ({', '.join(sorted(set(edges[b][a])))})"
-        for a, b in sorted(new))
-    gone = CIRCLES_LEFT - circles
-    assert not gone, f"these circles are gone: take them off CIRCLES_LEFT: {sorted(gone)}"
+        for a, b in sorted(circles))
 
 
-def test_serve_rollout_engines_and_chat_never_import_upwards():
+def test_layers_never_import_upwards():
     edges = imports()
     upward = [(low, high, sorted(set(edges[low][high])))
               for i, low in enumerate(LAYERS) for high in LAYERS[i + 1:] if high in edges.get(low, {})]

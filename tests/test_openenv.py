@@ -4,7 +4,7 @@ one session per trajectory; step rewards summed; bad configuration and server er
 
 import pytest
 
-from rl2.data.chat_template import render_chat
+from rl2.chat.template import render_chat
 from rl2.engines import SamplingParams
 from rl2.rollout.env import Env, EnvError
 from rl2.rollout.multi_turn import assign_rewards, rollout

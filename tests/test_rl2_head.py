@@ -15,8 +15,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, run_python
+from rl2.chat.template import render_chat
 from rl2.config import Config
-from rl2.data.chat_template import render_chat
 from rl2.engines import SamplingParams
 from rl2.metrics import read_metrics
 from rl2.rollout.env_file import EnvError

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import tokenize_prompt
-from rl2.data.chat_template import render_chat
+from rl2.chat.template import render_chat
 from rl2.engines import Generation, SamplingParams
 from rl2.rollout.env import Env
 from rl2.rollout.multi_turn import assign_rewards, observation_tokens, rollout

@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 
+from rl2.chat.template import render_chat
 from rl2.chat.tool_parsers import get_tool_parser
 from rl2.config import load_config
-from rl2.data.chat_template import render_chat
 from rl2.engines import SamplingParams
 from rl2.rollout.env import Env
 from rl2.rollout.multi_turn import ToolCalling, assign_rewards, rollout

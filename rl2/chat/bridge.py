@@ -13,7 +13,7 @@ token already in the trajectory: the model is trained on exactly what it saw and
 says whether a template does (then the trajectory differs from the template's rendering of its conversation).
 """
 
-from rl2.data.chat_template import render_chat
+from rl2.chat.template import render_chat
 
 STUB_USER = {"role": "user", "content": "(earlier turns)"}
 

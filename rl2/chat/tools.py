@@ -210,7 +210,7 @@ def warn_row_tools_render_differently(rows_tools: list[list[dict] | None], tools
     `TOOLS` a schema that the chat template renders otherwise than `TOOLS`' own (e.g. an OpenAI-style schema
     without the `"return"` entry transformers' `get_json_schema` adds): such rows' prompts are not the ones
     rendered from `TOOLS`, nor, for SFT rows written without it, the other way round."""
-    from rl2.data.chat_template import render_chat
+    from rl2.chat.template import render_chat
     from rl2.distributed.process_group import is_rank0
 
     if not is_rank0():  # every rank reads the same rows: rank 0 says it

@@ -13,9 +13,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
 from rl2.config.commands import Command, command_named
-from rl2.config.errors import ConfigError
+from rl2.config.env_interface import rl2_sample_interface
 from rl2.config.rl2_keys import RL2_KEYS, rl2_keys_help, translate_rl2_keys
 from rl2.config.suggest import did_you_mean
+from rl2.errors import ConfigError
 
 
 def _f(default: Any, help: str, choices: Optional[list[str]] = None) -> Any:
@@ -480,8 +481,6 @@ def load_config(args: Optional[list[str]] = None, command: Optional[str] = None)
 def _default_max_turns(rollout: "RolloutConfig") -> int:
     """`rollout.max_turns` where none is given: room for an agent's tool calls (`AGENT_MAX_TURNS`), no limit
     short of `RL2_HEAD_MAX_TURNS` for an RL2 HEAD env file (as in RL2), else one turn."""
-    from rl2.rollout.env_file import rl2_sample_interface
-
     if rollout.agent_path:
         return AGENT_MAX_TURNS  # an agent's tool call needs a second request
     if rollout.env_path and rl2_sample_interface(rollout.env_path):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rl2.config.commands import Command
-from rl2.config.errors import ConfigError
+from rl2.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from typing import Any
 import datasets
 import torch
 
+from rl2.chat.template import _tokenize_conversation, render_chat, tokenize_conversation
 from rl2.chat.tools import Tool, row_tools, warn_row_tools_render_differently
-from rl2.data.chat_template import _tokenize_conversation, render_chat, tokenize_conversation
 from rl2.data.rows import Columns, DataError, load_rows, row_messages, row_prompt_text, validate_rows
 
 logger = logging.getLogger(__name__)

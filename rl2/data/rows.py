@@ -33,7 +33,9 @@ from typing import Any
 import datasets
 
 from rl2.config import Config, DataConfig
+from rl2.config.env_interface import rl2_sample_interface
 from rl2.distributed.process_group import rank
+from rl2.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +44,6 @@ _EXPECTED_MESSAGES = 'expected a non-empty list of {"role", "content"} messages'
 # The columns each kind needs besides the prompt / conversation column (`Columns`); RL's "answer" is optional.
 OTHER_COLUMNS = {"rl": (), "sft": (), "pair": ("chosen", "rejected")}
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
-
-
-class DataError(ValueError):
-    """Unreadable or invalid training data; the message names the file and, where it can, the row and field."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +68,6 @@ class Columns:
     def for_run(cls, config: Config, kind: str) -> "Columns":
         """The columns of a run's `kind` rows: RL rows need no prompt when `rollout.env_path` is written to RL2
         HEAD's interface (its `generate` reads the row, `sample.sample`, and makes the prompt itself)."""
-        from rl2.rollout.env_file import rl2_sample_interface
-
         env_path = config.rollout.env_path
         makes_prompts = kind == "rl" and env_path is not None and rl2_sample_interface(env_path) is not None
         return cls.from_config(config.data, prompt_optional=makes_prompts)

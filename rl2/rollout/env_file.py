@@ -7,7 +7,6 @@ package, not itself. A broken file (missing, syntax or import error, a missing f
 newer `env_step` / `generate` interface) raises `EnvError` with a message that says what to do.
 """
 
-import ast
 import importlib.machinery
 import importlib.util
 import inspect
@@ -19,13 +18,12 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
+from rl2.config.env_interface import rl2_sample_interface
 from rl2.tools.faults import FaultCounter
 from rl2.tools.lazy import Lazy
 
 # The packages of the `tools` extra (setup.py) that rl2.tools imports: a missing one gets an install hint.
 TOOLS_EXTRA_MODULES = ("aiohttp", "bm25s", "math_verify", "sympy", "pylatexenc")
-# RL2's env interface since Oct 2025 (`async def env_step(sample)`, `generate = partial(base_generate, ...)`).
-RL2_SAMPLE_FUNCTIONS = ("env_step", "generate")
 PORTING_HINT = (
     "rl2 keeps RL2's earlier interface: reward_fn(messages, answer) -> float and, for tools, "
     "interact(messages) -> list of new messages (docs/migration/from-rl2.md shows a port)"
@@ -202,31 +200,6 @@ def shorten(text: str, limit: int = 300) -> str:
 
 # ----------------------------------------------------------------------------------------------
 # what a failed load means
-
-
-def rl2_sample_interface(path: str) -> str | None:
-    """What makes an env file one written for RL2's interface since Oct 2025 (`env_step(sample)` /
-    `generate`, imports from `RL2`): "defines env_step and generate", "imports RL2"; None for a file of
-    rl2's own interface (or one that does not parse: loading reports it, with the line)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-        return None
-    defined, imports_rl2 = set(), False
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            defined.add(node.name)
-        elif isinstance(node, ast.Assign):
-            defined.update(target.id for target in node.targets if isinstance(target, ast.Name))
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "RL2":
-            imports_rl2 = True
-        elif isinstance(node, ast.Import) and any(alias.name.split(".")[0] == "RL2" for alias in node.names):
-            imports_rl2 = True
-    newer = [name for name in RL2_SAMPLE_FUNCTIONS if name in defined]
-    if "reward_fn" in defined or not (newer or imports_rl2):
-        return None
-    return f"defines {' and '.join(newer)}" if newer else "imports RL2"
 
 
 def _refuse_rl2_sample_interface(path: str) -> None:

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rl2.chat.bridge import observation_tokens
+from rl2.chat.template import render_chat
 from rl2.chat.tool_parsers import FunctionToolParser, ToolParser, get_tool_parser
 from rl2.config import RolloutConfig
-from rl2.data.chat_template import render_chat
 from rl2.engines import Engine, Generation, SamplingParams, Turn
 from rl2.rollout.env import Env, EnvResult, Interactions, ToolResult
 from rl2.rollout.trajectory import Trajectory

@@ -5,7 +5,7 @@ import threading
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from rl2.data.chat_template import render_chat
+from rl2.chat.template import render_chat
 
 
 class RewardScorer:

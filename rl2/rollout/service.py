@@ -11,11 +11,11 @@ import os
 from torch import nn
 
 from rl2.config import Config
+from rl2.config.env_interface import rl2_sample_interface
 from rl2.distributed.process_group import all_gather_objects, broadcast_from_rank0, is_rank0, rank, rank_slice
 from rl2.engines import SamplingParams, build_engine_from_config, check_sglang
 from rl2.metrics import PhaseTimer
 from rl2.rollout.env import Env, EnvError
-from rl2.rollout.env_file import rl2_sample_interface
 from rl2.rollout.interface import Draw
 from rl2.rollout.multi_turn import ToolCalling, assign_rewards, rollout
 from rl2.rollout.partial import partial_rollout

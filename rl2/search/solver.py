@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rl2.chat.template import render_chat
 from rl2.config import TERMINAL_VALUES
-from rl2.data.chat_template import render_chat
 from rl2.engines import Engine, SamplingParams
 from rl2.rollout.env import Env
 from rl2.search.agent import SearchAgent

@@ -566,7 +566,7 @@ class OpenAIServer:
             body = await self._body(request)
             large = request.get(BODY_BYTES, 0) > OFF_LOOP_BYTES
             if "messages" in body:
-                from rl2.data.chat_template import render_chat
+                from rl2.chat.template import render_chat
 
                 messages, tools = openai_messages(body["messages"]), _tools(body)
                 generation_prompt = bool(body.get("add_generation_prompt", True))

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rl2.chat.tool_parsers import ToolParser
-from rl2.data.chat_template import render_chat, template_renders_tools, tools_not_rendered
 from rl2.data.rows import parse_messages
 from rl2.engines import Generation
 from rl2.chat.bridge import observation_tokens
+from rl2.chat.template import render_chat, template_renders_tools, tools_not_rendered
 
 
 class RequestError(ValueError):

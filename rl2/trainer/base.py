@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from rl2.check_run import CHECK_FLAG, run_check
 from rl2.checkpoint import (
     CheckpointError,
     checkpoint_dir,
@@ -24,7 +25,6 @@ from rl2.checkpoint import (
     start_checkpoint,
 )
 from rl2.config import Config, ConfigError, ModelConfig, config_to_dict, load_config
-from rl2.config.check import CHECK_FLAG, run_check
 from rl2.config.commands import command_named
 from rl2.data.rows import Columns, DataError, load_rows, split_rows, validate_rows
 from rl2.distributed.process_group import (
@@ -96,7 +96,7 @@ def run_main(run: Callable[[Config], Any], command: str) -> None:
     with one line from rank 0 saying where to resume, exit code 130; a rank whose peer exited first
     stops with exit code 1 and one line naming itself (the peer says why it exited). Under `rl2run`
     nothing else is printed for the first two. With `--check` among the arguments nothing runs: the
-    config, files, data and models are checked (`rl2.config.check`), exit code 0 or a user error."""
+    config, files, data and models are checked (`rl2.check_run`), exit code 0 or a user error."""
     config: Config | None = None
 
     def on_interrupt(signum, frame) -> None:

@@ -5,7 +5,7 @@ A loss mask comes from the template: the conversation is rendered once, tokenize
 whose first character lies in an assistant message's content or end-of-turn token is in the loss.
 """
 
-from rl2.data.rows import DataError
+from rl2.errors import DataError
 
 
 def tokenize_conversation(messages: list[dict], tokenizer, max_length: int | None,

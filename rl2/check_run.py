@@ -12,6 +12,9 @@ import os
 from collections.abc import Callable
 
 from rl2.config import Config, ConfigError, load_config
+from rl2.config.env_interface import rl2_sample_interface
+from rl2.config_checks import check_config
+from rl2.data.rows import Columns, load_rows, validate_rows
 
 CHECK_FLAG = "--check"
 FIRST_ROWS = 100
@@ -21,8 +24,6 @@ ROW_KINDS = {"ppo": "rl", "filter": "rl", "search": "rl", "sft": "sft", "rm": "p
 
 def run_check(args: list[str], command: str, say: Callable[[str], None] = print) -> None:
     """Check the run `args` (with `--check` among them) describe for `command`; `say` each check passed."""
-    from rl2.config_checks import check_config
-
     config = load_config([arg for arg in args if arg != CHECK_FLAG], command)
     check_config(config, command)
     say(f"rl2: check: the keys parse and fit together for rl2.{_module(command)}")
@@ -41,8 +42,6 @@ def _module(command: str) -> str:
 
 def _check_data(config: Config, command: str) -> list[str]:
     """Load each data file the run reads and validate its first rows; one line per file."""
-    from rl2.data.rows import Columns, load_rows, validate_rows
-
     kind = ROW_KINDS[command]
     columns = Columns.for_run(config, kind)
     keys = ["data.test_path"] if config.trainer.eval_only else ["data.path", "data.test_path"]
@@ -90,7 +89,6 @@ def _check_files(config: Config, command: str) -> list[str]:
 
 def _check_env_file(config: Config) -> str:
     from rl2.rollout.env import Env
-    from rl2.rollout.env_file import rl2_sample_interface
 
     rollout = config.rollout
     if rl2_sample_interface(rollout.env_path):
