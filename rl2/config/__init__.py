@@ -12,39 +12,39 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
-from rl2.config.commands import Command, command_named
+from rl2.config.commands import DPO, POLICY_LOSS, RL, SAMPLING, TRAINING, Command, command_named
 from rl2.config.errors import ConfigError
 from rl2.config.rl2_keys import RL2_KEYS, rl2_keys_help, translate_rl2_keys
 from rl2.config.suggest import did_you_mean
 
 
-def _f(default: Any, help: str, only: Union[str, tuple[str, ...]] = ()) -> Any:
-    """A dataclass field carrying its one-line meaning as metadata, and with `only` the kinds of command that
-    read it (`rl2.config.commands`: RL, TRAINING, ...; untagged = every command that reads its section).
-    A setting's allowed values are its type's: `Literal[...]`."""
-    metadata = {"help": help, "only": (only,) if isinstance(only, str) else only}
+def _f(default: Any, help: str, only: Optional[str] = None) -> Any:
+    """A dataclass field carrying its one-line meaning as metadata and, with `only`, what it is for (a tag
+    of `rl2.config.commands`: a command that skips the tag does not read it). Its allowed values are its type's
+    (`Literal[...]`)."""
+    metadata = {"help": help, "only": only}
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
-def _section(cls: type, help: str, only: Union[str, tuple[str, ...]] = ()) -> Any:
-    return field(default_factory=cls, metadata={"help": help, "only": (only,) if isinstance(only, str) else only})
+def _section(cls: type, help: str, only: Optional[str] = None) -> Any:
+    return field(default_factory=cls, metadata={"help": help, "only": only})
 
 
 @dataclass
 class DataConfig:
     path: Optional[str] = _f(None, "HF dataset, save_to_disk dir or json/jsonl/csv/parquet/arrow file; `split@path` picks a split")
-    test_path: Optional[str] = _f(None, "test set, same forms as path")
-    test_ratio: float = _f(0.03, "fraction of training rows held out as the test set when test_path is unset (none when that is under half a row)")
+    test_path: Optional[str] = _f(None, "test set, same forms as path", only=TRAINING)
+    test_ratio: float = _f(0.03, "fraction of training rows held out as the test set when test_path is unset (none when that is under half a row)", only=TRAINING)
     max_length: Optional[int] = _f(None, "SFT: longer sequences are truncated; RL: longest trajectory (prompt + all turns; longer prompts are dropped), default actor.max_length_per_device")
     batch_size: int = _f(128, "rows per optimizer step (global, across ranks); RL: prompts per step unless prompts_per_rollout is set")
-    prompts_per_rollout: Optional[int] = _f(None, "prompts sampled per rollout")
-    responses_per_prompt: int = _f(1, "responses generated per prompt")
-    shuffle: bool = _f(True, "shuffle the training data every epoch")
+    prompts_per_rollout: Optional[int] = _f(None, "prompts sampled per rollout", only=SAMPLING)
+    responses_per_prompt: int = _f(1, "responses generated per prompt", only=RL)
+    shuffle: bool = _f(True, "shuffle the training data every epoch", only=TRAINING)
     messages_key: str = _f("messages", "the column holding a row's conversation (RL2's messages_key)")
     apply_chat_template: bool = _f(True, "RL: render the prompt's messages with the chat template; false = the prompt_key column is the model's input as is (RL2's apply_chat_template=false)")
-    prompt_key: str = _f("prompt", "RL with apply_chat_template=false: the column holding the raw prompt text")
+    prompt_key: str = _f("prompt", "RL with apply_chat_template=false: the column holding the raw prompt text", only=SAMPLING)
 
 
 # The allowed values of the settings with choices: their types, and as lists for the code that checks them.
@@ -77,58 +77,64 @@ class LoraConfig:
 class ModelConfig:
     model_name: Optional[str] = _f(None, "HF model name or local path")
     tokenizer_name: Optional[str] = _f(None, "HF tokenizer name or local path; defaults to model_name")
-    optimizer_dir: Optional[str] = _f(None, "directory to load the optimizer state from")
-    fsdp_size: int = _f(0, "parameters sharded across every fsdp_size ranks (0 = all ranks; smaller = hybrid sharding)")
+    optimizer_dir: Optional[str] = _f(None, "directory to load the optimizer state from", only=TRAINING)
+    fsdp_size: int = _f(0, "parameters sharded across every fsdp_size ranks (0 = all ranks; smaller = hybrid sharding)", only=TRAINING)
     sp_size: int = _f(1, "sequence-parallel group size")
-    gradient_checkpointing: bool = _f(True, "recompute activations in backward to save memory")
+    gradient_checkpointing: bool = _f(True, "recompute activations in backward to save memory", only=TRAINING)
     max_length_per_device: int = _f(8192, "max tokens in one training micro-batch per device")
-    max_inference_length_per_device: Optional[int] = _f(None, "tokens per no-grad micro-batch; None = max_length_per_device")
-    attn_implementation: Attention = _f("auto", "attention over packed rows: auto = flash-attn, else torch's varlen kernel, else flex attention on CUDA; sdpa_loop on CPU (ring attention when sp_size > 1)")
-    compile: bool = _f(False, "compile each decoder layer with torch.compile (with FSDP2 and checkpointing; first steps pay the compilation)")
-    logps_chunk_size: int = _f(2048, "policy log-probs and entropy from the LM head this many tokens at a time, never holding [tokens, vocab] fp32 logits; 0 = full logits")
-    update_per_rollout: int = _f(1, "optimizer steps per rollout: the rollout is split into this many minibatches")
-    loss_level: LossLevel = _f("token", "loss averaging (RL2's avg_level; actor.loss_agg names more): token = token_mean, sequence = seq_mean_token_mean")
-    loss_agg: Optional[LossAgg] = _f(None, "loss aggregation over a minibatch, verl's loss_agg_mode: token_mean (DAPO; TRL's dapo/bnpo), seq_mean_token_mean (GRPO's paper; TRL's grpo), seq_mean_token_sum (each sequence's token sum, averaged over sequences), seq_mean_token_sum_norm (Dr. GRPO: the token sum over sequences x loss_agg_norm, a constant; = TRL's loss_type=dr_grpo); null = from loss_level")
-    loss_agg_norm: Optional[float] = _f(None, "seq_mean_token_sum_norm's constant (Dr. GRPO's and TRL's max completion length); null = rollout.train_sampling_params' max_new_tokens")
-    clip: float = _f(0.2, "clip range of the policy ratio (value clip for the critic)")
-    clip_high: Optional[float] = _f(None, "DAPO upper clip; None = same as clip")
-    clip_c: Optional[float] = _f(None, "dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, default 3 there): a token with a negative advantage loses at most clip_c x |A|; null = off, as RL2")
-    lr: float = _f(1e-6, "learning rate of the optimizer")
-    weight_decay: float = _f(1e-2, "AdamW weight decay")
-    max_grad_norm: float = _f(1.0, "gradient norm clipping threshold")
-    warmup_ratio: float = _f(0.03, "fraction of total steps spent in linear lr warmup; then a cosine decay to 0 at the last step")
-    freeze_steps: int = _f(0, "initial steps without updating this model")
-    offload_model: bool = _f(False, "keep parameters on CPU between uses")
-    offload_optimizer: bool = _f(False, "keep optimizer state on CPU between uses")
-    save_dir: Optional[str] = _f(None, "checkpoints, metrics.jsonl and trajectories of the run; default ckpts/<trainer.experiment_name>")
-    save_freq: Optional[int] = _f(None, "steps between checkpoints; None = only at the end")
-    save_optimizer: bool = _f(True, "include optimizer state in checkpoints")
+    max_inference_length_per_device: Optional[int] = _f(None, "tokens per no-grad micro-batch; None = max_length_per_device", only=TRAINING)
+    attn_implementation: Attention = _f("auto", "attention over packed rows: auto = flash-attn, else torch's varlen kernel, else flex attention on CUDA; sdpa_loop on CPU (ring attention when sp_size > 1)", only=TRAINING)
+    compile: bool = _f(False, "compile each decoder layer with torch.compile (with FSDP2 and checkpointing; first steps pay the compilation)", only=TRAINING)
+    logps_chunk_size: int = _f(2048, "policy log-probs and entropy from the LM head this many tokens at a time, never holding [tokens, vocab] fp32 logits; 0 = full logits", only=TRAINING)
+    update_per_rollout: int = _f(1, "optimizer steps per rollout: the rollout is split into this many minibatches", only=RL)
+    loss_level: LossLevel = _f("token", "loss averaging (RL2's avg_level; actor.loss_agg names more): token = token_mean, sequence = seq_mean_token_mean", only=RL)
+    loss_agg: Optional[LossAgg] = _f(None, "loss aggregation over a minibatch, verl's loss_agg_mode: token_mean (DAPO; TRL's dapo/bnpo), seq_mean_token_mean (GRPO's paper; TRL's grpo), seq_mean_token_sum (each sequence's token sum, averaged over sequences), seq_mean_token_sum_norm (Dr. GRPO: the token sum over sequences x loss_agg_norm, a constant; = TRL's loss_type=dr_grpo); null = from loss_level", only=RL)
+    loss_agg_norm: Optional[float] = _f(None, "seq_mean_token_sum_norm's constant (Dr. GRPO's and TRL's max completion length); null = rollout.train_sampling_params' max_new_tokens", only=RL)
+    clip: float = _f(0.2, "clip range of the policy ratio (value clip for the critic)", only=RL)
+    clip_high: Optional[float] = _f(None, "DAPO upper clip; None = same as clip", only=RL)
+    clip_c: Optional[float] = _f(None, "dual-clip PPO (Ye et al. 2020; verl's clip_ratio_c, default 3 there): a token with a negative advantage loses at most clip_c x |A|; null = off, as RL2", only=POLICY_LOSS)
+    lr: float = _f(1e-6, "learning rate of the optimizer", only=TRAINING)
+    weight_decay: float = _f(1e-2, "AdamW weight decay", only=TRAINING)
+    max_grad_norm: float = _f(1.0, "gradient norm clipping threshold", only=TRAINING)
+    warmup_ratio: float = _f(0.03, "fraction of total steps spent in linear lr warmup; then a cosine decay to 0 at the last step", only=TRAINING)
+    freeze_steps: int = _f(0, "initial steps without updating this model", only=RL)
+    offload_model: bool = _f(False, "keep parameters on CPU between uses", only=TRAINING)
+    offload_optimizer: bool = _f(False, "keep optimizer state on CPU between uses", only=TRAINING)
+    save_dir: Optional[str] = _f(None, "checkpoints, metrics.jsonl and trajectories of the run; default ckpts/<trainer.experiment_name>", only=TRAINING)
+    save_freq: Optional[int] = _f(None, "steps between checkpoints; None = only at the end", only=TRAINING)
+    save_optimizer: bool = _f(True, "include optimizer state in checkpoints", only=TRAINING)
     dtype: Dtype = _f("bfloat16", "compute (param) dtype; master weights stay fp32")
-    lora: LoraConfig = _section(LoraConfig, "LoRA adapters (rank > 0): only they train")
+    lora: LoraConfig = _section(LoraConfig, "LoRA adapters (rank > 0): only they train", only=TRAINING)
 
 
 @dataclass
-class ActorConfig(ModelConfig):
-    beta: float = _f(0.1, "DPO: strength of the implicit KL to the reference model (rewards are beta x log-ratio)")
-    label_smoothing: float = _f(0.0, "DPO: assumed probability that a pair's preference label is flipped (conservative DPO), in [0, 0.5)")
-    recompute_logprobs: bool = _f(True, "RL: old log-probs from a forward pass of the actor (true) or the engine's sampling log-probs (false)")
-    proximal_from_update: bool = _f(True, "RL, recompute_logprobs=true: when the step's batch trains once (update_per_rollout=1) and nothing needs the old log-probs before the update (no rollout correction, no KL in the reward, no teacher), take them from the update's own forward pass (detached) instead of a separate pass: the same values, one forward pass less a step (TRL does the same on-policy)")
-    policy_loss: PolicyLoss = _f("ppo", "RL: the policy loss: ppo (token ratios clipped to [1 - clip, 1 + clip_high]), gspo (Zheng et al. 2025: one ratio per sequence, the geometric mean of its tokens', clipped to [1 - gspo_clip, 1 + gspo_clip_high]; the paper averages per sequence: loss_level=sequence), cispo (MiniMax-M1: each token's ratio clipped at 1 + clip_high and detached, times the advantage and log pi: no token leaves the gradient)")
-    gspo_clip: float = _f(3e-4, "GSPO: the sequence ratio's lower clip (the paper's 3e-4)")
-    gspo_clip_high: float = _f(4e-4, "GSPO: the sequence ratio's upper clip (the paper's 4e-4)")
-    rollout_correction: Correction = _f("auto", "RL: correct for the gap between the engine that sampled (behaviour) and the actor (proximal, recompute_logprobs=true), ratio = proximal / behaviour: tis / seq_tis / geo_tis weigh each token by its ratio, its sequence's product of ratios, or their geometric mean, truncated at correction_threshold; mis / seq_mis / geo_mis weigh by the same and reject (no loss, out of the loss's denominator) the tokens or sequences above it; icepop rejects tokens whose ratio is outside [icepop_low, icepop_high] and weighs the rest by it; decoupled weighs by the untruncated ratio (decoupled PPO); none = no correction; auto = none, or tis with rollout.partial_rollout (its carried-over tokens were sampled by older weights)")
-    correction_threshold: float = _f(2.0, "C of the rollout corrections (truncation or rejection above C); also the band [1/C, C] of the offpolicy/*_outside metrics")
-    icepop_low: float = _f(0.5, "IcePop: tokens whose ratio is below this are rejected")
-    icepop_high: float = _f(5.0, "IcePop: tokens whose ratio is above this are rejected")
-    rejected_tokens: Literal["drop", "keep_in_denominator"] = _f("drop", "tokens a rollout correction rejects: drop = out of the loss and of its denominator (verl's rejection sampling); keep_in_denominator = weight 0, still counted in the mean (verl's IcePop, TRL's *_mask modes, slime, AReaL)")
-    tis_coef: float = _f(0.0, "RL2's actor.tis_coef: > 0 is rollout_correction=tis with correction_threshold=tis_coef")
-    entropy_coef: float = _f(0.0, "RL: entropy bonus: the loss minus this times each token's entropy (RL2's actor.entropy.coef)")
+class DPOKeys:
+    """The DPO loss's keys of the actor section (actor.beta, actor.label_smoothing: RL2's names)."""
+
+    beta: float = _f(0.1, "DPO: strength of the implicit KL to the reference model (rewards are beta x log-ratio)", only=DPO)
+    label_smoothing: float = _f(0.0, "DPO: assumed probability that a pair's preference label is flipped (conservative DPO), in [0, 0.5)", only=DPO)
+
+
+@dataclass
+class ActorConfig(DPOKeys, ModelConfig):
+    recompute_logprobs: bool = _f(True, "RL: old log-probs from a forward pass of the actor (true) or the engine's sampling log-probs (false)", only=POLICY_LOSS)
+    proximal_from_update: bool = _f(True, "RL, recompute_logprobs=true: when the step's batch trains once (update_per_rollout=1) and nothing needs the old log-probs before the update (no rollout correction, no KL in the reward, no teacher), take them from the update's own forward pass (detached) instead of a separate pass: the same values, one forward pass less a step (TRL does the same on-policy)", only=TRAINING)
+    policy_loss: PolicyLoss = _f("ppo", "RL: the policy loss: ppo (token ratios clipped to [1 - clip, 1 + clip_high]), gspo (Zheng et al. 2025: one ratio per sequence, the geometric mean of its tokens', clipped to [1 - gspo_clip, 1 + gspo_clip_high]; the paper averages per sequence: loss_level=sequence), cispo (MiniMax-M1: each token's ratio clipped at 1 + clip_high and detached, times the advantage and log pi: no token leaves the gradient)", only=POLICY_LOSS)
+    gspo_clip: float = _f(3e-4, "GSPO: the sequence ratio's lower clip (the paper's 3e-4)", only=POLICY_LOSS)
+    gspo_clip_high: float = _f(4e-4, "GSPO: the sequence ratio's upper clip (the paper's 4e-4)", only=POLICY_LOSS)
+    rollout_correction: Correction = _f("auto", "RL: correct for the gap between the engine that sampled (behaviour) and the actor (proximal, recompute_logprobs=true), ratio = proximal / behaviour: tis / seq_tis / geo_tis weigh each token by its ratio, its sequence's product of ratios, or their geometric mean, truncated at correction_threshold; mis / seq_mis / geo_mis weigh by the same and reject (no loss, out of the loss's denominator) the tokens or sequences above it; icepop rejects tokens whose ratio is outside [icepop_low, icepop_high] and weighs the rest by it; decoupled weighs by the untruncated ratio (decoupled PPO); none = no correction; auto = none, or tis with rollout.partial_rollout (its carried-over tokens were sampled by older weights)", only=POLICY_LOSS)
+    correction_threshold: float = _f(2.0, "C of the rollout corrections (truncation or rejection above C); also the band [1/C, C] of the offpolicy/*_outside metrics", only=POLICY_LOSS)
+    icepop_low: float = _f(0.5, "IcePop: tokens whose ratio is below this are rejected", only=POLICY_LOSS)
+    icepop_high: float = _f(5.0, "IcePop: tokens whose ratio is above this are rejected", only=POLICY_LOSS)
+    rejected_tokens: Literal["drop", "keep_in_denominator"] = _f("drop", "tokens a rollout correction rejects: drop = out of the loss and of its denominator (verl's rejection sampling); keep_in_denominator = weight 0, still counted in the mean (verl's IcePop, TRL's *_mask modes, slime, AReaL)", only=POLICY_LOSS)
+    tis_coef: float = _f(0.0, "RL2's actor.tis_coef: > 0 is rollout_correction=tis with correction_threshold=tis_coef", only=POLICY_LOSS)
+    entropy_coef: float = _f(0.0, "RL: entropy bonus: the loss minus this times each token's entropy (RL2's actor.entropy.coef)", only=POLICY_LOSS)
 
 
 @dataclass
 class CriticConfig(ModelConfig):
-    clip: float = _f(0.5, "clip range of the value update")
-    lr: float = _f(5e-6, "learning rate of the optimizer")
+    clip: float = _f(0.5, "clip range of the value update", only=RL)
+    lr: float = _f(5e-6, "learning rate of the optimizer", only=TRAINING)
 
 
 @dataclass
@@ -190,20 +196,20 @@ class RolloutConfig:
     env_worker_max_calls: int = _f(1000, "calls one env worker process answers before it is replaced by a fresh one (as gunicorn's max_requests: what a leaking reward_fn or tool holds is let go; counted in faults/env_worker_recycles); 0 = never. A worker that runs out of memory, or holds 3/4 of what its limit leaves, is replaced too (faults/env_worker_restarts)")
     max_unscored_steps: int = _f(3, "the run stops with an error after this many steps in a row in which no reward_fn call succeeded")
     env_args: dict[str, Any] = _f({}, "settings of the env file, read there as env_args.get(name, default), e.g. {python_tool_workers: 8}; a name not set here falls back to the environment variable NAME")
-    placement: Literal["colocated", "split"] = _f("colocated", "RL: colocated (every rank trains and generates) or split (the last rollout.ranks ranks of the torchrun world only generate, the others only train: batches go to the trainers, weights back); see docs/guides/async-partial.md")
-    ranks: int = _f(1, "split placement: the ranks that only generate")
-    max_staleness: int = _f(0, "split placement: a step trains on the batch the policy this many versions older generated: 0 = synchronous, 1 = one-step-off (the next batch is generated while this step trains), K: up to K+1 batches in flight; reproducible whatever the timing")
-    partial_rollout: bool = _f(False, "RL: a step stops generating once data.prompts_per_rollout groups are done; the trajectories still generating or waiting for their tool continue in the next step under the new weights, their tokens kept (RL2's rollout.train.partial_rollout); needs rollout.tp_size=1; see docs/guides/async-partial.md")
-    partial_extra_prompts: Optional[int] = _f(None, "partial rollout: groups in flight beyond those a step trains on; null = a quarter of data.prompts_per_rollout (at least 1)")
-    partial_max_age: int = _f(2, "partial rollout: a group carried over this many steps is finished in the next step, however long it takes")
-    overlong_buffer: int = _f(0, "DAPO's soft overlong punishment: a response's reward falls linearly over its last overlong_buffer tokens before max_new_tokens (of train_sampling_params; generated tokens of all turns), by up to overlong_penalty; 0 = off")
-    overlong_penalty: float = _f(1.0, "DAPO: the reward a response at the length limit loses with overlong_buffer > 0")
-    overlong_filtering: bool = _f(False, "DAPO: trajectories cut at the length limit carry no loss (their rewards still count in their group's baseline)")
-    dynamic_filtering: bool = _f(True, "drop groups whose rewards are all equal (zero advantage; DAPO); never with data.responses_per_prompt=1, nor while distilling (distill.coef > 0: the teacher's signal differs within a group)")
-    test_responses_per_prompt: int = _f(1, "responses per test prompt; pass@k uses k = this")
-    sync_bucket_mb: int = _f(512, "weights are sent to the engine in buckets of about this many MB")
+    placement: Literal["colocated", "split"] = _f("colocated", "RL: colocated (every rank trains and generates) or split (the last rollout.ranks ranks of the torchrun world only generate, the others only train: batches go to the trainers, weights back); see docs/guides/async-partial.md", only=RL)
+    ranks: int = _f(1, "split placement: the ranks that only generate", only=RL)
+    max_staleness: int = _f(0, "split placement: a step trains on the batch the policy this many versions older generated: 0 = synchronous, 1 = one-step-off (the next batch is generated while this step trains), K: up to K+1 batches in flight; reproducible whatever the timing", only=RL)
+    partial_rollout: bool = _f(False, "RL: a step stops generating once data.prompts_per_rollout groups are done; the trajectories still generating or waiting for their tool continue in the next step under the new weights, their tokens kept (RL2's rollout.train.partial_rollout); needs rollout.tp_size=1; see docs/guides/async-partial.md", only=RL)
+    partial_extra_prompts: Optional[int] = _f(None, "partial rollout: groups in flight beyond those a step trains on; null = a quarter of data.prompts_per_rollout (at least 1)", only=RL)
+    partial_max_age: int = _f(2, "partial rollout: a group carried over this many steps is finished in the next step, however long it takes", only=RL)
+    overlong_buffer: int = _f(0, "DAPO's soft overlong punishment: a response's reward falls linearly over its last overlong_buffer tokens before max_new_tokens (of train_sampling_params; generated tokens of all turns), by up to overlong_penalty; 0 = off", only=RL)
+    overlong_penalty: float = _f(1.0, "DAPO: the reward a response at the length limit loses with overlong_buffer > 0", only=RL)
+    overlong_filtering: bool = _f(False, "DAPO: trajectories cut at the length limit carry no loss (their rewards still count in their group's baseline)", only=RL)
+    dynamic_filtering: bool = _f(True, "drop groups whose rewards are all equal (zero advantage; DAPO); never with data.responses_per_prompt=1, nor while distilling (distill.coef > 0: the teacher's signal differs within a group)", only=RL)
+    test_responses_per_prompt: int = _f(1, "responses per test prompt; pass@k uses k = this", only=RL)
+    sync_bucket_mb: int = _f(512, "weights are sent to the engine in buckets of about this many MB", only=RL)
     server_args: dict[str, Any] = _f({}, "sglang engine: extra SGLang server arguments, passed as they are (RL2's rollout.server_args)")
-    oversample: Optional[int] = _f(None, "GRPO-RoC: responses generated per prompt before down-sampling to data.responses_per_prompt")
+    oversample: Optional[int] = _f(None, "GRPO-RoC: responses generated per prompt before down-sampling to data.responses_per_prompt", only=RL)
 
 
 RocMode = Literal["sample", "topk"]
@@ -246,8 +252,8 @@ class TrainerConfig:
     load_ckpt_from: Optional[str] = _f(None, "'latest' or a checkpoint dir to resume from")
     overwrite: bool = _f(False, "start afresh in a save_dir that holds another run's checkpoints and metrics (its step*/ folders, metrics.jsonl, trajectories/, tensorboard/, report.html and run.json are deleted first); without it such a run stops at start-up")
     seed: int = _f(42, "random seed")
-    dump_trajectories: bool = _f(True, "write each step's trajectories to <save_dir>/trajectories/step_N.jsonl")
-    eval_only: bool = _f(False, "RL: only evaluate actor.model_name on data.test_path (avg@k, pass@k with k = rollout.test_responses_per_prompt), write <save_dir>/eval.json and stop")
+    dump_trajectories: bool = _f(True, "write each step's trajectories to <save_dir>/trajectories/step_N.jsonl", only=RL)
+    eval_only: bool = _f(False, "RL: only evaluate actor.model_name on data.test_path (avg@k, pass@k with k = rollout.test_responses_per_prompt), write <save_dir>/eval.json and stop", only=RL)
 
 
 @dataclass
