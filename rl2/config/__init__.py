@@ -326,6 +326,11 @@ class Config:
         """The rollout engine's dtype: rollout.dtype, else actor.dtype."""
         return self.rollout.dtype or self.actor.dtype
 
+    @property
+    def teacher_dtype(self) -> str:
+        """The distillation teacher's dtype: teacher.dtype, else actor.dtype."""
+        return self.teacher.dtype or self.actor.dtype
+
 
 def _type_name(tp: Any) -> str:
     if get_origin(tp) is Union:

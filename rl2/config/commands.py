@@ -18,7 +18,7 @@ POLICY_LOSS = "policy_loss"  # the RL policy loss, its rollout corrections and e
 DPO = "dpo"  # the DPO loss
 
 
-def key_tag(key: str) -> str | None:
+def _key_tag(key: str) -> str | None:
     """The `only` tag of the field `key` (`section.key`); None for a section or a key that is no field."""
     from rl2.config import Config  # rl2.config imports this module before it defines the sections
 
@@ -49,7 +49,7 @@ class Command:
         """Whether `key` (`section.key`, or deeper inside a free-form dict) is read by this command."""
         section, _, rest = key.partition(".")
         name = f"{section}.{rest.partition('.')[0]}" if rest else section
-        if name in self.ignores or key_tag(name) in self.skips:
+        if name in self.ignores or _key_tag(name) in self.skips:
             return False
         return section in self.reads or name in self.reads
 
@@ -72,7 +72,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
                                       "adv", "trainer"),
             skips=(DPO,), ignores=("critic.logps_chunk_size",), checkpoints="actor"),
     Command("sft", "rl2.trainer.sft", ("data", "actor", "trainer"), skips=(*OFFLINE, DPO), checkpoints="actor"),
-    # critic.clip_c, a policy-loss key the critic inherits, is read here as before: only RL's are skipped
+    # POLICY_LOSS is not skipped: critic.clip_c (inherited from ModelConfig, unused by a critic) stays accepted
     Command("rm", "rl2.trainer.rm", ("data", "critic", "trainer"), skips=(SAMPLING, RL),
             ignores=("critic.logps_chunk_size",),
             checkpoints="critic", note="rl2.trainer.rm trains the reward model in the critic section "
