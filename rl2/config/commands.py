@@ -7,40 +7,40 @@ command's `--help` lists only its keys. A YAML file may be shared by several com
 command does not read are named in one note instead.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 
-# Model keys only the RL update reads (minibatches, clipping, frozen first steps, loss averaging).
-RL_MODEL_KEYS = ("update_per_rollout", "clip", "clip_high", "loss_level", "loss_agg", "loss_agg_norm", "freeze_steps")
-# Actor keys only the RL update reads (its policy loss, corrections and entropy bonus).
-RL_ACTOR_KEYS = ("recompute_logprobs", "clip_c", "policy_loss", "gspo_clip", "gspo_clip_high", "rollout_correction",
-                 "correction_threshold", "icepop_low", "icepop_high", "rejected_tokens", "tis_coef", "entropy_coef")
-DPO_KEYS = ("beta", "label_smoothing")
-# What the loops over a fixed dataset (SFT, RM, DPO) read of `data` and `trainer`.
-OFFLINE_DATA = tuple(f"data.{key}" for key in (
-    "path", "test_path", "test_ratio", "max_length", "batch_size", "shuffle", "messages_key", "apply_chat_template"))
-OFFLINE_TRAINER_IGNORES = ("trainer.eval_only", "trainer.dump_trajectories")
-# What the sampling-only commands (difficulty filter, search) read of the policy: the engine serves it.
-ENGINE_MODEL = tuple(f"actor.{key}" for key in ("model_name", "tokenizer_name", "dtype", "max_length_per_device", "sp_size"))
-# Rollout keys only training reads: partial rollout and DAPO's reward shaping.
-PARTIAL_AND_SHAPING = tuple(f"rollout.{key}" for key in (
-    "partial_rollout", "partial_extra_prompts", "partial_max_age", "overlong_buffer", "overlong_penalty",
-    "overlong_filtering", "placement", "ranks", "max_staleness"))
-RL_DATA = tuple(f"data.{key}" for key in (
-    "path", "max_length", "batch_size", "prompts_per_rollout", "messages_key", "apply_chat_template", "prompt_key"))
+# What a key is for, as its field's `only` tag in `rl2.config` says; untagged keys are read by every command
+# that reads their section. A command skips the tags of what it does not do.
+SAMPLING = "sampling"  # the prompts an engine answers (not the loops over a fixed dataset)
+TRAINING = "training"  # a training run: the model's optimizer, sharding, checkpoints, test split (not sampling alone)
+RL = "rl"  # training on sampled rollouts: the update's minibatches and clipping, reward shaping, partial rollouts
+POLICY_LOSS = "policy_loss"  # the RL policy loss, its rollout corrections and entropy bonus
+DPO = "dpo"  # the DPO loss
 
 
-def _model(section: str, *ignored: str) -> tuple[str, ...]:
-    return tuple(f"{section}.{key}" for key in ignored)
+def _key_tag(key: str) -> str | None:
+    """The `only` tag of the field `key` (`section.key`); None for a section or a key that is no field."""
+    from rl2.config import Config  # rl2.config imports this module before it defines the sections
+
+    cls, tag = Config, None
+    for part in key.split("."):
+        match = [f for f in fields(cls) if f.name == part] if is_dataclass(cls) else []
+        if not match:
+            return None
+        cls, tag = match[0].type, match[0].metadata.get("only")
+    return tag
 
 
 @dataclass(frozen=True)
 class Command:
     """A command-line entry point and the config keys it reads: `reads` holds sections (all their
-    keys) and `section.key`s; `ignores` the keys inside a read section that it does not use."""
+    keys) and `section.key`s; `skips` the tags (above) of the keys inside a read section that it does
+    not use, and `ignores` the other such keys."""
 
     name: str
     module: str
     reads: tuple[str, ...]
+    skips: tuple[str, ...] = ()
     ignores: tuple[str, ...] = ()
     checkpoints: str | None = None  # the section whose save_dir holds the run's checkpoints
     note: str = ""  # said with a key it does not read
@@ -49,7 +49,7 @@ class Command:
         """Whether `key` (`section.key`, or deeper inside a free-form dict) is read by this command."""
         section, _, rest = key.partition(".")
         name = f"{section}.{rest.partition('.')[0]}" if rest else section
-        if name in self.ignores:
+        if name in self.ignores or _key_tag(name) in self.skips:
             return False
         return section in self.reads or name in self.reads
 
@@ -63,26 +63,25 @@ class Command:
         return f"torchrun --nproc_per_node=N -m {self.module}"
 
 
+# The loops over a fixed dataset (SFT, RM, DPO) sample nothing; the difficulty filter and the search train nothing.
+OFFLINE = (SAMPLING, RL, POLICY_LOSS)
+SAMPLING_ONLY = (TRAINING, RL, POLICY_LOSS, DPO)
+
 COMMANDS: dict[str, Command] = {command.name: command for command in (
     Command("ppo", "rl2.trainer.ppo", ("data", "actor", "critic", "ref_actor", "rollout", "kl", "teacher", "distill",
                                       "adv", "trainer"),
-            ignores=(*_model("actor", *DPO_KEYS), "critic.logps_chunk_size"), checkpoints="actor"),
-    Command("sft", "rl2.trainer.sft", (*OFFLINE_DATA, "actor", "trainer"),
-            ignores=(*_model("actor", *RL_MODEL_KEYS, *DPO_KEYS, *RL_ACTOR_KEYS), *OFFLINE_TRAINER_IGNORES),
-            checkpoints="actor"),
-    Command("rm", "rl2.trainer.rm", (*OFFLINE_DATA, "critic", "trainer"),
-            ignores=(*_model("critic", *RL_MODEL_KEYS, "logps_chunk_size"), *OFFLINE_TRAINER_IGNORES),
+            skips=(DPO,), ignores=("critic.logps_chunk_size",), checkpoints="actor"),
+    Command("sft", "rl2.trainer.sft", ("data", "actor", "trainer"), skips=(*OFFLINE, DPO), checkpoints="actor"),
+    # POLICY_LOSS is not skipped: critic.clip_c (inherited from ModelConfig, unused by a critic) stays accepted
+    Command("rm", "rl2.trainer.rm", ("data", "critic", "trainer"), skips=(SAMPLING, RL),
+            ignores=("critic.logps_chunk_size",),
             checkpoints="critic", note="rl2.trainer.rm trains the reward model in the critic section "
                                        "(critic.model_name, critic.lr, critic.save_dir, ...), as RL2 does"),
-    Command("dpo", "rl2.trainer.dpo", (*OFFLINE_DATA, "actor", "ref_actor", "trainer"),
-            ignores=(*_model("actor", *RL_MODEL_KEYS, *RL_ACTOR_KEYS), *OFFLINE_TRAINER_IGNORES),
-            checkpoints="actor"),
-    Command("filter", "rl2.trainer.difficulty_filter", (*RL_DATA, *ENGINE_MODEL, "rollout", "trainer.seed", "filter"),
-            ignores=("rollout.dynamic_filtering", "rollout.oversample", "rollout.test_responses_per_prompt",
-                     "rollout.sync_bucket_mb", *PARTIAL_AND_SHAPING)),
-    Command("search", "rl2.search", (*RL_DATA, *ENGINE_MODEL, "rollout", "trainer.seed", "search"),
-            ignores=("rollout.dynamic_filtering", "rollout.oversample", "rollout.test_responses_per_prompt",
-                     "rollout.sync_bucket_mb", "rollout.max_unscored_steps", *PARTIAL_AND_SHAPING)),
+    Command("dpo", "rl2.trainer.dpo", ("data", "actor", "ref_actor", "trainer"), skips=OFFLINE, checkpoints="actor"),
+    Command("filter", "rl2.trainer.difficulty_filter", ("data", "actor", "rollout", "trainer.seed", "filter"),
+            skips=SAMPLING_ONLY),
+    Command("search", "rl2.search", ("data", "actor", "rollout", "trainer.seed", "search"),
+            skips=SAMPLING_ONLY, ignores=("rollout.max_unscored_steps",)),
 )}
 
 

@@ -86,7 +86,7 @@ class PPOTrainer(Trainer):
             teacher = config.teacher
             teacher_config = dataclasses.replace(
                 config.actor, model_name=teacher.model_name, tokenizer_name=teacher.model_name,
-                offload_model=teacher.offload_model, dtype=teacher.dtype or config.actor.dtype, lora=LoraConfig(),
+                offload_model=teacher.offload_model, dtype=config.teacher_dtype, lora=LoraConfig(),
             )
             self.teacher = Policy(teacher_config, 0, temperature, trainable=False)
         if self.plan.critic is not None:
