@@ -1,0 +1,256 @@
+"""Vision-language samples packed in one row (issue 68): Qwen2.5-VL and Qwen3-VL (DeepStack), tiny and
+random, built offline. Each sample of a packed row gets the logits and gradients it gets alone from the
+stock transformers forward; the mRoPE positions and the bidirectional vision attention are what make it so."""
+
+import base64
+import io
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+from conftest import assert_same_gradients, run_python
+from rl2.data.rows import DataError
+from rl2.testing.tiny import sharpen_weights
+from rl2.testing.tiny_vlm import build_tiny_image_processor, build_tiny_vlm, build_tiny_vlm_tokenizer
+from rl2.vision.forward import packed_vision_forward, vision_attention_implementation
+from rl2.vision.inputs import IMAGE_PAD, build_vision_sample
+from rl2.vision.positions import VISION_POSITIONS, pack_vision_samples, rope_index_of
+
+FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def vlm_dir(request, tmp_path_factory) -> str:
+    """A tiny random vision-language model of each family, with peaked weights (`sharpen_weights`) so that
+    positions and attention show in the logits."""
+    folder = str(tmp_path_factory.mktemp(request.param))
+    tokenizer = build_tiny_vlm_tokenizer()
+    sharpen_weights(build_tiny_vlm(tokenizer, family=request.param)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    build_tiny_image_processor(request.param).save_pretrained(folder)
+    return folder
+
+
+def load(folder: str, attn_implementation) -> torch.nn.Module:
+    return AutoModelForImageTextToText.from_pretrained(folder, attn_implementation=attn_implementation,
+                                                       dtype=torch.float32)
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def mixed_rows(patch: int) -> list[dict]:
+    """Three rows with images of different grids (one with two images, given three ways) and one without."""
+    return [
+        {"messages": [{"role": "user", "content": "<image> what is the sum of a"},
+                      {"role": "assistant", "content": "the answer is 3"}],
+         "images": [picture(4 * patch, 4 * patch, 0)]},
+        {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "look at"}, {"type": "image"}, {"type": "text", "text": "and"},
+            {"type": "image_url", "image_url": {
+                "url": "data:image/png;base64," + base64.b64encode(png_bytes(picture(4 * patch, 8 * patch, 1))).decode()}},
+        ]}, {"role": "assistant", "content": "yes they are"}],
+         "images": [png_bytes(picture(6 * patch, 4 * patch, 2))]},
+        {"messages": [{"role": "user", "content": "no image here, just words"},
+                      {"role": "assistant", "content": "one two"}]},
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": picture(8 * patch, 6 * patch, 3)},
+                                                   {"type": "text", "text": "count"}]},
+                      {"role": "assistant", "content": "four"}]},
+    ]
+
+
+def samples_of(folder: str) -> list[dict]:
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    processor = AutoImageProcessor.from_pretrained(folder, backend="pil")
+    return [build_vision_sample(row, i, tokenizer, processor) for i, row in enumerate(mixed_rows(processor.patch_size))]
+
+
+def alone_logits(model, sample: dict) -> torch.Tensor:
+    """The stock forward of one sample, unpacked: transformers computes its mRoPE positions itself."""
+    images = {k: sample[k] for k in ("pixel_values", "image_grid_thw") if k in sample}
+    return model(input_ids=sample["input_ids"][None], mm_token_type_ids=sample["mm_token_type_ids"][None],
+                 use_cache=False, **images).logits[0]
+
+
+def split(logits: torch.Tensor, row: dict) -> list[torch.Tensor]:
+    bounds = row["cu_seqlens"].tolist()
+    return [logits[0, start:end] for start, end in zip(bounds[:-1], bounds[1:])]
+
+
+def test_tiny_vlm_folders_load_back_with_auto_classes_and_no_torchvision(vlm_dir):
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    processor = AutoImageProcessor.from_pretrained(vlm_dir, backend="pil")
+    model = load(vlm_dir, "sdpa")
+    assert type(processor).__name__ == "Qwen2VLImageProcessorPil"
+    assert "torchvision" not in sys.modules
+    assert model.config.image_token_id == tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    assert model.config.text_config.vocab_size == len(tokenizer)
+    assert sum(p.numel() for p in model.parameters()) < 500_000
+
+
+def test_the_command_line_writes_a_folder_that_loads(tmp_path):
+    out = str(tmp_path / "qwen3_vl")
+    run_python(["-m", "rl2.testing.tiny_vlm", out, "--family", "qwen3_vl"])
+    model = load(out, "sdpa")
+    assert model.config.model_type == "qwen3_vl" and model.config.vision_config.deepstack_visual_indexes == [0]
+    assert AutoImageProcessor.from_pretrained(out, backend="pil").patch_size == 16
+
+
+def test_a_sample_has_one_pad_token_per_merged_patch_and_no_image_token_in_the_loss(vlm_dir):
+    samples = samples_of(vlm_dir)
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    assert [s["image_grid_thw"].shape[0] if "image_grid_thw" in s else 0 for s in samples] == [1, 2, 0, 1]
+    grids = torch.cat([s["image_grid_thw"] for s in samples if "image_grid_thw" in s])
+    assert len({tuple(g) for g in grids.tolist()}) == 4  # four different grids
+    for sample in samples:
+        is_image = sample["input_ids"] == pad
+        assert torch.equal(is_image.long(), sample["mm_token_type_ids"])
+        expected = int(sample["image_grid_thw"].prod(-1).sum()) // 4 if "image_grid_thw" in sample else 0
+        assert int(is_image.sum()) == expected
+        assert sample["loss_mask"].sum() > 0 and not sample["loss_mask"][is_image].any()
+
+
+def test_a_packed_row_gives_each_sample_the_logits_it_gets_alone(vlm_dir):
+    samples = samples_of(vlm_dir)
+    packed_model = load(vlm_dir, vision_attention_implementation(CPU))
+    reference = load(vlm_dir, "sdpa")
+    row = pack_vision_samples(samples, rope_index_of(packed_model))
+    assert row[VISION_POSITIONS].shape == (3, 1, row["input_ids"].shape[1])
+    assert row["image_grid_thw"].shape == (4, 3)
+    with torch.no_grad():
+        packed = split(packed_vision_forward(packed_model, row), row)
+        for sample, logits in zip(samples, packed):
+            torch.testing.assert_close(logits, alone_logits(reference, sample), rtol=0, atol=1e-5)
+
+
+def test_one_dimensional_positions_change_the_image_samples_logits(vlm_dir):
+    """The negative control: rl2's text-only packing (positions 0..L-1 on all rows) is wrong for images."""
+    samples = samples_of(vlm_dir)
+    model = load(vlm_dir, vision_attention_implementation(CPU))
+    row = pack_vision_samples(samples, rope_index_of(model))
+    flat = dict(row, **{VISION_POSITIONS: row["position_ids"].unsqueeze(0).expand(3, -1, -1)})
+    with torch.no_grad():
+        right, wrong = (split(packed_vision_forward(model, r), r) for r in (row, flat))
+    for i, (a, b) in enumerate(zip(right, wrong)):
+        if "image_grid_thw" in samples[i]:
+            assert (a - b).abs().max() > 0.1
+        else:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # text-only: mRoPE is 1-D RoPE
+
+
+def test_the_vision_tower_needs_bidirectional_attention(vlm_dir):
+    """rl2's (causal) packed-row attention on the vision tower too changes the image samples' logits:
+    `vision_attention_implementation` keeps the tower on sdpa."""
+    samples = samples_of(vlm_dir)
+    causal_everywhere = load(vlm_dir, vision_attention_implementation(CPU)["text_config"])
+    reference = load(vlm_dir, "sdpa")
+    row = pack_vision_samples(samples, rope_index_of(causal_everywhere))
+    with torch.no_grad():
+        packed = split(packed_vision_forward(causal_everywhere, row), row)
+        assert (packed[0] - alone_logits(reference, samples[0])).abs().max() > 0.1
+
+
+def token_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over the loss-mask tokens of one sequence ([L, vocab], [L], [L])."""
+    losses = F.cross_entropy(logits[:-1], input_ids[1:], reduction="none")
+    return (losses * loss_mask[1:]).sum()
+
+
+def test_the_packed_loss_has_the_gradients_of_the_samples_alone(vlm_dir):
+    samples = samples_of(vlm_dir)
+    packed_model = load(vlm_dir, vision_attention_implementation(CPU))
+    reference = load(vlm_dir, "sdpa")
+    row = pack_vision_samples(samples, rope_index_of(packed_model))
+    logits = split(packed_vision_forward(packed_model, row), row)
+    sum(token_loss(lg, s["input_ids"], s["loss_mask"]) for lg, s in zip(logits, samples)).backward()
+    for sample in samples:
+        token_loss(alone_logits(reference, sample), sample["input_ids"], sample["loss_mask"]).backward()
+    ours = {name: p.grad for name, p in packed_model.named_parameters()}
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    assert all(g is not None for g in expected.values())
+    assert_same_gradients(ours, expected)
+
+
+def test_an_image_free_row_runs_the_vision_tower_with_dummy_vision(vlm_dir):
+    """FSDP needs every rank in the vision tower's collectives: `dummy_vision` runs it, adding nothing."""
+    samples = [s for s in samples_of(vlm_dir) if "pixel_values" not in s]
+    model = load(vlm_dir, vision_attention_implementation(CPU))
+    row = pack_vision_samples(samples, rope_index_of(model))
+    assert "pixel_values" not in row
+    logits = packed_vision_forward(model, row, dummy_vision=True)
+    torch.testing.assert_close(logits, packed_vision_forward(model, row), rtol=0, atol=0)
+    logits.sum().backward()
+    visual = getattr(model, "model", model).visual
+    assert all(p.grad is not None for p in visual.parameters())
+
+
+# ---- rows that cannot be turned into samples: the error names the row and the field ----
+
+
+@pytest.fixture(scope="module")
+def text_side():
+    """The tokenizer and image processor of the tiny Qwen2.5-VL (no model needed)."""
+    return build_tiny_vlm_tokenizer(), build_tiny_image_processor("qwen2_5_vl")
+
+
+def sample_of(row: dict, index: int, text_side, **kwargs) -> dict:
+    tokenizer, processor = text_side
+    return build_vision_sample(row, index, tokenizer, processor, **kwargs)
+
+
+def test_a_missing_image_file_names_the_row_and_field(text_side, tmp_path):
+    missing = str(tmp_path / "nowhere.png")
+    row = {"messages": [{"role": "user", "content": "<image> hi"}], "images": [missing]}
+    with pytest.raises(DataError, match=r"row 5, 'images'\[0\]: image file not found: .*nowhere\.png"):
+        sample_of(row, 5, text_side)
+    part = {"messages": [{"role": "user", "content": [{"type": "image", "image": missing}]}]}
+    with pytest.raises(DataError, match=r"row 6, 'messages'\[0\]\.content\[0\]: image file not found"):
+        sample_of(part, 6, text_side)
+
+
+def test_an_image_count_that_does_not_match_the_placeholders_names_the_row_and_field(text_side):
+    image = picture(56, 56, 0)
+    two_placeholders = {"messages": [{"role": "user", "content": "<image> and <image>"}], "images": [image]}
+    with pytest.raises(DataError, match=r"row 2: 'images' has 1 image\(s\) but the messages have 2 <image> placeholder"):
+        sample_of(two_placeholders, 2, text_side)
+    no_placeholder = {"messages": [{"role": "user", "content": "hi"}], "pics": [image, image]}
+    with pytest.raises(DataError, match=r"row 3: 'pics' has 2 image\(s\) but the messages have 0"):
+        sample_of(no_placeholder, 3, text_side, image_key="pics")
+
+
+def test_an_image_past_max_length_names_the_row_and_field_and_is_never_cut(text_side):
+    row = {"messages": [{"role": "user", "content": "some words first <image>"},
+                        {"role": "assistant", "content": "a long answer " * 10}],
+           "images": [picture(8 * 14, 8 * 14, 0)]}  # 16 image tokens
+    whole = sample_of(row, 0, text_side)
+    image_end = int(whole["mm_token_type_ids"].nonzero().max()) + 1
+    with pytest.raises(DataError, match=rf"row 7: the image at 'images'\[0\] \(16 tokens, grid \[1, 8, 8\]\) "
+                                        rf"ends at token {image_end}, past max_length {image_end - 1}"):
+        sample_of(row, 7, text_side, max_length=image_end - 1)
+    cut = sample_of(row, 7, text_side, max_length=image_end + 2)  # the cut falls after the image: allowed
+    assert cut["input_ids"].tolist() == whole["input_ids"][: image_end + 2].tolist()
+    assert int(cut["mm_token_type_ids"].sum()) == 16
+
+
+def test_an_unreadable_image_and_a_url_name_the_row_and_field(text_side):
+    garbage = {"messages": [{"role": "user", "content": "<image>"}], "images": [b"not an image"]}
+    with pytest.raises(DataError, match=r"row 1, 'images'\[0\]: not a readable image"):
+        sample_of(garbage, 1, text_side)
+    url = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}
+    with pytest.raises(DataError, match=r"row 4, 'messages'\[0\]\.content\[0\]: image URLs are not fetched"):
+        sample_of(url, 4, text_side)
