@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from conftest import assert_same_gradients, run_python
 from rl2.data.rows import DataError
@@ -19,7 +19,8 @@ from rl2.testing.tiny import sharpen_weights
 from rl2.testing.tiny_vlm import build_tiny_image_processor, build_tiny_vlm, build_tiny_vlm_tokenizer
 from rl2.vision.forward import packed_vision_forward, vision_attention_implementation
 from rl2.vision.inputs import IMAGE_PAD, build_vision_sample
-from rl2.vision.positions import VISION_POSITIONS, pack_vision_samples, rope_index_of
+from rl2.vision.positions import (VISION_POSITIONS, mrope_position_ids, pack_vision_samples, rope_index_from_config,
+                                  rope_index_of)
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
 CPU = torch.device("cpu")
@@ -53,6 +54,10 @@ def png_bytes(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
+def data_uri(image: Image.Image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
 def mixed_rows(patch: int) -> list[dict]:
     """Three rows with images of different grids (one with two images, given three ways) and one without."""
     return [
@@ -61,8 +66,7 @@ def mixed_rows(patch: int) -> list[dict]:
          "images": [picture(4 * patch, 4 * patch, 0)]},
         {"messages": [{"role": "user", "content": [
             {"type": "text", "text": "look at"}, {"type": "image"}, {"type": "text", "text": "and"},
-            {"type": "image_url", "image_url": {
-                "url": "data:image/png;base64," + base64.b64encode(png_bytes(picture(4 * patch, 8 * patch, 1))).decode()}},
+            {"type": "image_url", "image_url": {"url": data_uri(picture(4 * patch, 8 * patch, 1))}},
         ]}, {"role": "assistant", "content": "yes they are"}],
          "images": [png_bytes(picture(6 * patch, 4 * patch, 2))]},
         {"messages": [{"role": "user", "content": "no image here, just words"},
@@ -136,6 +140,15 @@ def test_a_packed_row_gives_each_sample_the_logits_it_gets_alone(vlm_dir):
         packed = split(packed_vision_forward(packed_model, row), row)
         for sample, logits in zip(samples, packed):
             torch.testing.assert_close(logits, alone_logits(reference, sample), rtol=0, atol=1e-5)
+
+
+def test_positions_from_the_config_alone_are_the_models(vlm_dir):
+    """Data workers position samples without the weights (a model on the meta device)."""
+    from_config = rope_index_from_config(AutoConfig.from_pretrained(vlm_dir))
+    from_model = rope_index_of(load(vlm_dir, "sdpa"))
+    for sample in samples_of(vlm_dir):
+        torch.testing.assert_close(mrope_position_ids(from_config, sample), mrope_position_ids(from_model, sample),
+                                   rtol=0, atol=0)
 
 
 def test_one_dimensional_positions_change_the_image_samples_logits(vlm_dir):
@@ -226,7 +239,7 @@ def test_a_missing_image_file_names_the_row_and_field(text_side, tmp_path):
 def test_an_image_count_that_does_not_match_the_placeholders_names_the_row_and_field(text_side):
     image = picture(56, 56, 0)
     two_placeholders = {"messages": [{"role": "user", "content": "<image> and <image>"}], "images": [image]}
-    with pytest.raises(DataError, match=r"row 2: 'images' has 1 image\(s\) but the messages have 2 <image> placeholder"):
+    with pytest.raises(DataError, match=r"row 2: 'images' has 1 image\(s\) but the messages have 2 <image> "):
         sample_of(two_placeholders, 2, text_side)
     no_placeholder = {"messages": [{"role": "user", "content": "hi"}], "pics": [image, image]}
     with pytest.raises(DataError, match=r"row 3: 'pics' has 2 image\(s\) but the messages have 0"):

@@ -29,7 +29,11 @@ def dummy_image(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 def packed_vision_inputs(model: torch.nn.Module, row: dict[str, torch.Tensor]) -> dict:
     """The keyword arguments of `model(**inputs)` for a packed row (`rl2.vision.positions.pack_vision_samples`):
     4-row position ids (text positions, then the mRoPE rows), the sequence bounds for varlen attention, and
-    the vision tower's outputs computed here, apart from the text model's attention arguments."""
+    the vision tower's outputs.
+
+    The vision tower runs here, not inside the model's forward: there it is passed the text model's
+    attention arguments too (`cu_seq_lens_q`, ...), which sdpa ignores but a flash-attention vision tower
+    would take for the images' own bounds."""
     cu_seqlens = row["cu_seqlens"]
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     inputs = {
@@ -60,6 +64,7 @@ def packed_vision_forward(model: torch.nn.Module, row: dict[str, torch.Tensor],
     if dummy_vision and "pixel_values" not in row:
         inner = getattr(model, "model", model)
         out = inner.get_image_features(*dummy_image(model), return_dict=True)
-        features = list(out.pooler_output) + [f for level in getattr(out, "deepstack_features", None) or [] for f in level]
+        deepstack = getattr(out, "deepstack_features", None) or []  # Qwen3-VL's, one tuple per level
+        features = [*out.pooler_output, *(f for level in deepstack for f in level)]
         logits = logits + 0.0 * sum(f.sum() for f in features)
     return logits

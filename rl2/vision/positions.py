@@ -8,12 +8,21 @@ computed per sample by the model's own `get_rope_index`, so each packed sample i
 from collections.abc import Callable
 
 import torch
+from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
 from rl2.distributed.packing import pack_micro_batch
 
 # Keys of a vision sample that are not per-token: concatenated along their first dimension when packing.
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 VISION_POSITIONS = "vision_position_ids"
+
+
+def rope_index_from_config(config) -> Callable:
+    """The `get_rope_index` of a model of `config` (a Qwen-VL config), without its weights: the model is
+    built on the meta device (only the config is read), so data workers can position samples."""
+    with torch.device("meta"):
+        inner = MODEL_MAPPING[type(config)](config)
+    return rope_index_of(inner)
 
 
 def rope_index_of(model: torch.nn.Module) -> Callable:
