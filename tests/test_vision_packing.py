@@ -17,8 +17,9 @@ from conftest import assert_same_gradients, run_python
 from rl2.data.rows import DataError
 from rl2.testing.tiny import sharpen_weights
 from rl2.testing.tiny_vlm import build_tiny_image_processor, build_tiny_vlm, build_tiny_vlm_tokenizer
-from rl2.vision.forward import packed_vision_forward, vision_attention_implementation
+from rl2.vision.forward import packed_vision_forward, packed_vision_inputs, vision_attention_implementation
 from rl2.vision.inputs import IMAGE_PAD, build_vision_sample
+from rl2.vision.placeholder import with_placeholder_image
 from rl2.vision.positions import (VISION_POSITIONS, mrope_position_ids, pack_vision_samples, rope_index_from_config,
                                   rope_index_of)
 
@@ -168,13 +169,15 @@ def test_one_dimensional_positions_change_the_image_samples_logits(vlm_dir):
 
 def test_the_vision_tower_needs_bidirectional_attention(vlm_dir):
     """rl2's (causal) packed-row attention on the vision tower too changes the image samples' logits:
-    `vision_attention_implementation` keeps the tower on sdpa."""
+    `vision_attention_implementation` keeps the tower on sdpa, and the packed forward refuses any other."""
     samples = samples_of(vlm_dir)
     causal_everywhere = load(vlm_dir, vision_attention_implementation(CPU)["text_config"])
     reference = load(vlm_dir, "sdpa")
     row = pack_vision_samples(samples, rope_index_of(causal_everywhere))
+    with pytest.raises(ValueError, match="the vision tower's attention is 'rl2_varlen'"):
+        packed_vision_forward(causal_everywhere, row)
     with torch.no_grad():
-        packed = split(packed_vision_forward(causal_everywhere, row), row)
+        packed = split(causal_everywhere(**packed_vision_inputs(row)).logits, row)
         assert (packed[0] - alone_logits(reference, samples[0])).abs().max() > 0.1
 
 
@@ -199,17 +202,23 @@ def test_the_packed_loss_has_the_gradients_of_the_samples_alone(vlm_dir):
     assert_same_gradients(ours, expected)
 
 
-def test_an_image_free_row_runs_the_vision_tower_with_dummy_vision(vlm_dir):
-    """FSDP needs every rank in the vision tower's collectives: `dummy_vision` runs it, adding nothing."""
+def test_an_image_free_row_runs_the_vision_tower_on_a_placeholder_that_changes_nothing(vlm_dir):
+    """FSDP needs every rank in the vision tower's collectives: a row without images gets a one-token
+    placeholder sequence with a blank image; the other samples' logits are theirs, the loss's gradients 0."""
     samples = [s for s in samples_of(vlm_dir) if "pixel_values" not in s]
     model = load(vlm_dir, vision_attention_implementation(CPU))
-    row = pack_vision_samples(samples, rope_index_of(model))
-    assert "pixel_values" not in row
-    logits = packed_vision_forward(model, row, dummy_vision=True)
-    torch.testing.assert_close(logits, packed_vision_forward(model, row), rtol=0, atol=0)
-    logits.sum().backward()
-    visual = getattr(model, "model", model).visual
+    with_image = with_placeholder_image(samples, model.config)
+    assert len(with_image) == len(samples) + 1 and with_placeholder_image(with_image, model.config) == with_image
+    row = pack_vision_samples(with_image, rope_index_of(model))
+    plain = pack_vision_samples(samples, rope_index_of(model))
+    assert row["image_grid_thw"].tolist() == [[1, 2, 2]] and "pixel_values" not in plain
+    logits = split(packed_vision_forward(model, row), row)
+    with torch.no_grad():
+        torch.testing.assert_close(logits[0], split(packed_vision_forward(model, plain), plain)[0], rtol=0, atol=1e-6)
+    sum(token_loss(lg, s["input_ids"], s["loss_mask"]) for lg, s in zip(logits, with_image)).backward()
+    visual = model.model.visual
     assert all(p.grad is not None for p in visual.parameters())
+    assert all(not p.grad.any() for p in visual.parameters())
 
 
 # ---- rows that cannot be turned into samples: the error names the row and the field ----

@@ -1,12 +1,15 @@
-"""The stock transformers Qwen-VL model over one packed row: the vision tower once over all the row's
-images (bidirectional attention within each image), the text model with varlen causal attention within
-each sample and each sample's own mRoPE positions.
+"""The stock transformers Qwen-VL model over one packed row: the vision tower over all the row's images
+(bidirectional attention within each image), the text model with varlen causal attention within each
+sample and each sample's own mRoPE positions.
 """
 
 import torch
 
 from rl2.kernels.attention import packed_attention_implementation
 from rl2.vision.positions import VISION_POSITIONS
+
+# Vision-tower attention that is bidirectional within each image whatever text-model arguments it is passed.
+BIDIRECTIONAL = ("sdpa", "eager")
 
 
 def vision_attention_implementation(device: torch.device, requested: str = "auto",
@@ -17,23 +20,10 @@ def vision_attention_implementation(device: torch.device, requested: str = "auto
     return {"text_config": packed_attention_implementation(device, requested, dtype), "vision_config": "sdpa"}
 
 
-def dummy_image(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pixel_values` and `image_grid_thw` of the smallest image the vision tower takes (one merged patch)."""
-    config = model.config.vision_config
-    merge, patch = config.spatial_merge_size, config.patch_size
-    dim = config.in_channels * config.temporal_patch_size * patch * patch
-    device = next(model.parameters()).device
-    return torch.zeros(merge * merge, dim, device=device), torch.tensor([[1, merge, merge]], device=device)
-
-
-def packed_vision_inputs(model: torch.nn.Module, row: dict[str, torch.Tensor]) -> dict:
+def packed_vision_inputs(row: dict[str, torch.Tensor]) -> dict:
     """The keyword arguments of `model(**inputs)` for a packed row (`rl2.vision.positions.pack_vision_samples`):
-    4-row position ids (text positions, then the mRoPE rows), the sequence bounds for varlen attention, and
-    the vision tower's outputs.
-
-    The vision tower runs here, not inside the model's forward: there it is passed the text model's
-    attention arguments too (`cu_seq_lens_q`, ...), which sdpa ignores but a flash-attention vision tower
-    would take for the images' own bounds."""
+    4-row position ids (text positions, then the mRoPE rows), the sequence bounds for varlen attention,
+    and the row's images."""
     cu_seqlens = row["cu_seqlens"]
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     inputs = {
@@ -46,25 +36,19 @@ def packed_vision_inputs(model: torch.nn.Module, row: dict[str, torch.Tensor]) -
         "use_cache": False,
     }
     if "pixel_values" in row:
-        inner = getattr(model, "model", model)
-        inputs["mm_encoder_outputs"] = {
-            "image": inner.get_image_features(row["pixel_values"], row["image_grid_thw"], return_dict=True)}
+        inputs["pixel_values"] = row["pixel_values"]
+        inputs["image_grid_thw"] = row["image_grid_thw"]
     return inputs
 
 
-def packed_vision_forward(model: torch.nn.Module, row: dict[str, torch.Tensor],
-                          dummy_vision: bool = False) -> torch.Tensor:
+def packed_vision_forward(model: torch.nn.Module, row: dict[str, torch.Tensor]) -> torch.Tensor:
     """The model's logits [1, T, vocab] over a packed row.
 
-    With `dummy_vision`, a row without images still runs the vision tower (on a one-patch blank image, its
-    outputs times 0 added to the logits), so every parameter takes part in every step: FSDP ranks whose
-    rows have no image join the vision tower's collectives as the others do."""
-    inputs = packed_vision_inputs(model, row)
-    logits = model(**inputs).logits
-    if dummy_vision and "pixel_values" not in row:
-        inner = getattr(model, "model", model)
-        out = inner.get_image_features(*dummy_image(model), return_dict=True)
-        deepstack = getattr(out, "deepstack_features", None) or []  # Qwen3-VL's, one tuple per level
-        features = [*out.pooler_output, *(f for level in deepstack for f in level)]
-        logits = logits + 0.0 * sum(f.sum() for f in features)
-    return logits
+    The images go through the model's own forward (under FSDP the vision tower's unsharded parameters
+    exist only there), which passes the text model's attention arguments (`cu_seq_lens_q`, ...) to the
+    vision tower too: its attention must be one that ignores them (sdpa, eager), else a ValueError."""
+    vision = model.config.vision_config._attn_implementation
+    if "pixel_values" in row and vision not in BIDIRECTIONAL:
+        raise ValueError(f"the vision tower's attention is {vision!r}: packed rows need one of {BIDIRECTIONAL} "
+                         f"(load the model with attn_implementation=vision_attention_implementation(...))")
+    return model(**packed_vision_inputs(row)).logits
