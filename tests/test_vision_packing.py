@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from PIL import Image
 from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-from conftest import assert_same_gradients, run_python
+from conftest import assert_same_gradients, run_python, run_torchrun
 from rl2.data.rows import DataError
 from rl2.testing.tiny import sharpen_weights
 from rl2.testing.tiny_vlm import build_tiny_image_processor, build_tiny_vlm, build_tiny_vlm_tokenizer
@@ -24,6 +24,7 @@ from rl2.vision.positions import (VISION_POSITIONS, mrope_position_ids, pack_vis
                                   rope_index_of)
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+FSDP_WORKER = "tests/workers/vision_fsdp_step.py"
 CPU = torch.device("cpu")
 
 
@@ -219,6 +220,20 @@ def test_an_image_free_row_runs_the_vision_tower_on_a_placeholder_that_changes_n
     visual = model.model.visual
     assert all(p.grad is not None for p in visual.parameters())
     assert all(not p.grad.any() for p in visual.parameters())
+
+
+def test_two_fsdp_ranks_one_without_images_give_the_gradients_of_the_samples_alone(vlm_dir, tmp_path):
+    """Rank 1's row has no image: it runs the vision tower on the placeholder, so FSDP's collectives line
+    up (no hang), and the averaged gradients are those of the samples run alone."""
+    samples = samples_of(vlm_dir)
+    torch.save([[samples[0], samples[1], samples[3]], [samples[2]]], tmp_path / "samples.pt")
+    run_torchrun([FSDP_WORKER, vlm_dir, str(tmp_path / "samples.pt"), str(tmp_path / "out.pt")], nproc=2, timeout=240)
+    result = torch.load(tmp_path / "out.pt")
+    assert result["n_images"] == 4
+    reference = load(vlm_dir, "sdpa")
+    for sample in samples:  # FSDP averages the ranks' gradients
+        (token_loss(alone_logits(reference, sample), sample["input_ids"], sample["loss_mask"]) / 2).backward()
+    assert_same_gradients(result["grads"], {name: p.grad for name, p in reference.named_parameters()})
 
 
 # ---- rows that cannot be turned into samples: the error names the row and the field ----
