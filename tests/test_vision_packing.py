@@ -20,6 +20,7 @@ from rl2.testing.tiny_vlm import build_tiny_image_processor, build_tiny_vlm, bui
 from rl2.vision.forward import packed_vision_forward, packed_vision_inputs, vision_attention_implementation
 from rl2.vision.inputs import IMAGE_PAD, build_vision_sample
 from rl2.vision.placeholder import with_placeholder_image
+from rl2.vision.tower import MERGERS, VISION_TOWER_MODULES, freeze_vision_tower, vision_tower
 from rl2.vision.positions import (VISION_POSITIONS, mrope_position_ids, pack_vision_samples, rope_index_from_config,
                                   rope_index_of)
 
@@ -234,6 +235,39 @@ def test_two_fsdp_ranks_one_without_images_give_the_gradients_of_the_samples_alo
     for sample in samples:  # FSDP averages the ranks' gradients
         (token_loss(alone_logits(reference, sample), sample["input_ids"], sample["loss_mask"]) / 2).backward()
     assert_same_gradients(result["grads"], {name: p.grad for name, p in reference.named_parameters()})
+
+
+@pytest.mark.parametrize("keep_mergers", [False, True])
+def test_a_frozen_vision_tower_is_unchanged_by_a_step_and_the_rest_trains(vlm_dir, keep_mergers):
+    samples = samples_of(vlm_dir)
+    model = load(vlm_dir, vision_attention_implementation(CPU))
+    frozen = freeze_vision_tower(model, keep_mergers=keep_mergers)
+    assert any(name.startswith("blocks.") for name in frozen)
+    assert any(name.startswith("merger.") for name in frozen) != keep_mergers
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    row = pack_vision_samples(samples, rope_index_of(model))
+    logits = split(packed_vision_forward(model, row), row)
+    sum(token_loss(lg, s["input_ids"], s["loss_mask"]) for lg, s in zip(logits, samples)).backward()
+    optimizer.step()
+    for name, p in model.named_parameters():
+        in_tower = name.startswith("model.visual.")
+        is_merger = in_tower and name.split(".")[2] in MERGERS
+        assert torch.equal(p, before[name]) == (in_tower and not (keep_mergers and is_merger)), name
+
+
+def test_lora_adapters_stay_off_the_vision_tower(vlm_dir):
+    from peft import LoraConfig, get_peft_model
+
+    def adapted(exclude) -> list[str]:
+        model = get_peft_model(load(vlm_dir, "sdpa"), LoraConfig(r=4, target_modules="all-linear",
+                                                                 exclude_modules=exclude))
+        assert vision_tower(model) is model.base_model.model.model.visual
+        return [name for name, _ in model.named_modules() if name.endswith("lora_A")]
+
+    assert sum(".visual." in name for name in adapted(None)) == 12  # peft's all-linear alone: 12 of 26
+    kept = adapted(VISION_TOWER_MODULES)
+    assert len(kept) == 14 and not any(".visual." in name for name in kept)  # 2 layers x 7 projections
 
 
 # ---- rows that cannot be turned into samples: the error names the row and the field ----
