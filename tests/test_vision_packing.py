@@ -154,6 +154,32 @@ def test_positions_from_the_config_alone_are_the_models(vlm_dir):
                                    rtol=0, atol=0)
 
 
+def test_a_completion_of_the_stock_generate_scores_the_same_packed(vlm_dir):
+    """What RL trains on: a prompt with images, a completion from the stock `generate` (which positions each
+    new token by the prompt's rope delta), then the whole sequence packed beside another sample: the
+    packed forward gives each completion token the logits `generate` computed for it."""
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    processor = AutoImageProcessor.from_pretrained(vlm_dir, backend="pil")
+    rows = mixed_rows(processor.patch_size)
+    prompt = build_vision_sample({**rows[1], "messages": rows[1]["messages"][:1]}, 1, tokenizer, processor,
+                                 add_generation_prompt=True)
+    assert not prompt["loss_mask"].any()
+    reference = load(vlm_dir, "sdpa")
+    images = {k: prompt[k] for k in ("pixel_values", "image_grid_thw")}
+    out = reference.generate(input_ids=prompt["input_ids"][None], mm_token_type_ids=prompt["mm_token_type_ids"][None],
+                             max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, **images)
+    n_prompt, completion = len(prompt["input_ids"]), out.sequences[0, len(prompt["input_ids"]):]
+    assert len(set(completion.tolist())) > 1  # peaked weights: not one token repeated
+    whole = {"input_ids": out.sequences[0], "loss_mask": (torch.arange(len(out.sequences[0])) >= n_prompt).long(),
+             "mm_token_type_ids": F.pad(prompt["mm_token_type_ids"], (0, len(completion))), **images}
+    model = load(vlm_dir, vision_attention_implementation(CPU))
+    row = pack_vision_samples([samples_of(vlm_dir)[0], whole], rope_index_of(model))
+    with torch.no_grad():
+        logits = split(packed_vision_forward(model, row), row)[1][n_prompt - 1:-1]
+    torch.testing.assert_close(logits, torch.cat(out.logits), rtol=0, atol=1e-5)  # raw, before min_new_tokens
+
+
 def test_one_dimensional_positions_change_the_image_samples_logits(vlm_dir):
     """The negative control: rl2's text-only packing (positions 0..L-1 on all rows) is wrong for images."""
     samples = samples_of(vlm_dir)
