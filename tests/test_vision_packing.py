@@ -263,6 +263,12 @@ def test_two_fsdp_ranks_one_without_images_give_the_gradients_of_the_samples_alo
     assert_same_gradients(result["grads"], {name: p.grad for name, p in reference.named_parameters()})
 
 
+def test_flex_attention_is_refused_for_vision_language_models():
+    with pytest.raises(ValueError, match="no flex attention for Qwen-VL models; use sdpa_loop"):
+        vision_attention_implementation(CPU, "flex_attention")
+    assert vision_attention_implementation(CPU) == {"text_config": "rl2_varlen", "vision_config": "sdpa"}
+
+
 @pytest.mark.parametrize("keep_mergers", [False, True])
 def test_a_frozen_vision_tower_is_unchanged_by_a_step_and_the_rest_trains(vlm_dir, keep_mergers):
     samples = samples_of(vlm_dir)

@@ -16,8 +16,12 @@ def vision_attention_implementation(device: torch.device, requested: str = "auto
                                     dtype: torch.dtype | None = None) -> dict[str, str]:
     """`attn_implementation` for loading a Qwen-VL model to train on packed rows: rl2's packed-row attention
     for the text model, sdpa for the vision tower (whose attention must stay bidirectional; rl2's kernels
-    are causal)."""
-    return {"text_config": packed_attention_implementation(device, requested, dtype), "vision_config": "sdpa"}
+    are causal). transformers (5.24) has no flex attention for the Qwen-VL text models: a ValueError."""
+    text = packed_attention_implementation(device, requested, dtype)
+    if text == "flex_attention":
+        raise ValueError("attn_implementation=flex_attention: transformers has no flex attention for Qwen-VL "
+                         "models; use sdpa_loop, torch_varlen or flash_attention_2")
+    return {"text_config": text, "vision_config": "sdpa"}
 
 
 def packed_vision_inputs(row: dict[str, torch.Tensor]) -> dict:
