@@ -350,6 +350,13 @@ def test_an_image_past_max_length_names_the_row_and_field_and_is_never_cut(text_
     assert int(cut["mm_token_type_ids"].sum()) == 16
 
 
+def test_max_pixels_bounds_an_images_token_count(text_side):
+    row = {"messages": [{"role": "user", "content": "<image>"}], "images": [picture(16 * 14, 16 * 14, 0)]}
+    assert sample_of(row, 0, text_side)["image_grid_thw"].tolist() == [[1, 16, 16]]
+    small = sample_of(row, 0, text_side, max_pixels=(4 * 14) ** 2)
+    assert small["image_grid_thw"].tolist() == [[1, 4, 4]] and int(small["mm_token_type_ids"].sum()) == 4
+
+
 def test_an_unreadable_image_and_a_url_name_the_row_and_field(text_side):
     garbage = {"messages": [{"role": "user", "content": "<image>"}], "images": [b"not an image"]}
     with pytest.raises(DataError, match=r"row 1, 'images'\[0\]: not a readable image"):

@@ -142,8 +142,12 @@ def build_vision_sample(
     counts: list[int] = []
     if refs:
         pil = [load_image(ref.value, f"{where}, {ref.field}") for ref in refs]
-        sizes = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
-        processed = image_processor(images=pil, return_tensors="pt", **sizes)
+        size = dict(image_processor.size)  # shortest_edge / longest_edge: the min / max pixels of an image
+        if min_pixels is not None:
+            size["shortest_edge"] = min_pixels
+        if max_pixels is not None:
+            size["longest_edge"] = max_pixels
+        processed = image_processor(images=pil, return_tensors="pt", size=size)
         merge = image_processor.merge_size
         sample["pixel_values"] = processed["pixel_values"]
         sample["image_grid_thw"] = processed["image_grid_thw"]
