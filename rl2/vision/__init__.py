@@ -1,0 +1,11 @@
+"""Vision-language models (Qwen2.5-VL, Qwen3-VL): rows with images turned into model inputs, packed exactly.
+
+- `images`: a row's images (paths, bytes, data URIs, PIL images) decoded, with errors naming row and field;
+- `inputs`: a row's messages with image content parts / `<image>` placeholders → token ids with the image
+  pads expanded, the image processor's `pixel_values` and `image_grid_thw` (no AutoProcessor, no torchvision);
+- `positions`: per-sample mRoPE position ids (from the model or its config alone) and the packing of samples
+  into one row;
+- `placeholder`: a one-token blank image for rows without one, so the vision tower runs on every FSDP rank;
+- `forward`: the stock transformers model over one packed row, text attention varlen, vision attention sdpa;
+- `tower`: the vision tower found, frozen, and kept free of LoRA adapters.
+"""
