@@ -13,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "rl2")
 
 # Layers that must never import upwards (earlier in the list = lower).
-LAYERS = ["errors", "config", "chat", "data", "engines", "serve", "rollout", "trainer"]
+LAYERS = ["errors", "config", "chat", "vision", "data", "engines", "serve", "rollout", "trainer"]
 
 
 def node_of(module: str) -> str | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from PIL import Image
 
-from rl2.data.rows import DataError
+from rl2.errors import DataError
 
 
 def load_image(value: Any, where: str) -> Image.Image:

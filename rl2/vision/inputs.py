@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from rl2.data.chat_template import render_chat, tokenize_conversation
-from rl2.data.rows import DataError
+from rl2.chat.template import render_chat, tokenize_conversation
+from rl2.errors import DataError
 from rl2.vision.images import load_image
 
 IMAGE_PLACEHOLDER = "<image>"
