@@ -29,9 +29,9 @@ def tokenizer(tiny_model_dir):
 
 def service(engine, env, tokenizer, max_turns: int = 1, max_length: int = 4096):
     """What PartialRollout uses of a RolloutService."""
-    config = SimpleNamespace(rollout=SimpleNamespace(max_turns=max_turns, trajectory_format="whole"), data=SimpleNamespace(apply_chat_template=True))
-    return SimpleNamespace(engine=engine, env=env, tokenizer=tokenizer, config=config, max_length=max_length,
-                           tool_calling=None)
+    return SimpleNamespace(engine=engine, env=env, tokenizer=tokenizer, max_length=max_length, tool_calling=None,
+                           rollout_config=SimpleNamespace(max_turns=max_turns, trajectory_format="whole"),
+                           data_config=SimpleNamespace(apply_chat_template=True))
 
 
 @pytest.fixture

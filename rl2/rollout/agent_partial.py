@@ -83,7 +83,7 @@ class AgentPartialRollout:
         """Let the carried agents go on and start agents on this rank's part of `prompts` under policy
         `version`; return the scored trajectories of the groups that train (every rank's, in rank order)."""
         timer = timer or PhaseTimer()
-        service, config = self.service, self.service.config
+        service, rollout_config = self.service, self.service.rollout_config
         if self._wanted is None:
             self.prompts_wanted()
         prompts, self.restarts = self.restarts + prompts, []
@@ -93,8 +93,8 @@ class AgentPartialRollout:
         # every rank's groups in flight once each has started its part of `prompts` (no second gather)
         in_flight = sum(self._carried_counts) + sum(len(prompts[f:f + w]) for f, w in zip(firsts, self._wanted))
         if self.rollout is None:
-            self.client = openai_client(service.server.base_url, config.rollout.agent_timeout)
-            self.rollout = service.server.open_rollout(params, version, config.rollout.max_turns, service.max_length)
+            self.client = openai_client(service.server.base_url, rollout_config.agent_timeout)
+            self.rollout = service.server.open_rollout(params, version, rollout_config.max_turns, service.max_length)
         self.rollout.params = params
         restored, self.restored = self.restored, []
         for saved in restored:
@@ -102,7 +102,7 @@ class AgentPartialRollout:
         for j, prompt in enumerate(mine):
             self._start(self.next_group + first + j, prompt, version)
         if restored:
-            self._replay(restored, config.rollout.agent_timeout)
+            self._replay(restored, rollout_config.agent_timeout)
         self.next_group += len(prompts)
         self._wanted = None
 
@@ -120,7 +120,7 @@ class AgentPartialRollout:
                     self.rollout.slots.pause()
                 try:
                     service.engine.generate_turns(firsts, params, self.rollout.slots.on_generation,
-                                                  config.rollout.max_turns)
+                                                  rollout_config.max_turns)
                 except BaseException as error:  # every request waiting on the engine fails with it, none hangs
                     self.rollout.slots.fail(error)
                     raise
@@ -137,15 +137,15 @@ class AgentPartialRollout:
         return all_gather_objects(trajectories)
 
     def _start(self, group_id: int, prompt: dict, version: int, replays: list[dict] | None = None) -> None:
-        service, config = self.service, self.service.config
+        service, rollout_config = self.service, self.service.rollout_config
         from rl2.chat.tool_parsers import get_tool_parser
 
-        sessions = [AgentSession(service.tokenizer, get_tool_parser(config.rollout.tool_parser),
-                                 config.rollout.agent_sequences == "merge", prompt)
+        sessions = [AgentSession(service.tokenizer, get_tool_parser(rollout_config.tool_parser),
+                                 rollout_config.agent_sequences == "merge", prompt)
                     for _ in range(self.responses_per_prompt)]
         group = LiveGroup(group_id, prompt, version, sessions, left=len(sessions))
         episode = agent_episodes(service.agent, service.server, sessions, [prompt] * len(sessions), self.client,
-                                 config.rollout.agent_timeout)
+                                 rollout_config.agent_timeout)
         self.carried.append(group)
 
         def ended(_: int) -> None:  # on the server's loop
