@@ -29,7 +29,7 @@ from rl2.engines import SamplingParams
 from rl2.metrics import PhaseTimer
 from rl2.rollout.partial import partial_metrics
 from rl2.rollout.trajectory import Trajectory
-from rl2.rollout.agent_rollout import agent_episodes, agent_trajectory, openai_client, score_unrewarded
+from rl2.rollout.agent_rollout import agent_episodes, agent_trajectory, openai_client, score_unscored
 from rl2.serve.session import AgentSession
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class AgentPartialRollout:
         return max(sum(self._wanted) - len(self.restarts), 0)
 
     def generate(self, prompts: list[dict], params: SamplingParams, seed: int, version: int,
-                 timer: PhaseTimer | None = None, release_after: bool = False) -> list[Trajectory]:
+                 timer: PhaseTimer | None = None, sleep_after: bool = False) -> list[Trajectory]:
         """Let the carried agents go on and start agents on this rank's part of `prompts` under policy
         `version`; return the scored trajectories of the groups that train (every rank's, in rank order)."""
         timer = timer or PhaseTimer()
@@ -125,7 +125,7 @@ class AgentPartialRollout:
                     self.rollout.slots.fail(error)
                     raise
             trained = self._on_loop(self._take_trained)
-        if release_after:
+        if sleep_after:
             service.engine.sleep()
         trajectories = [agent_trajectory(session, g.prompt, g.group, g.started)
                         for g in trained for session in g.sessions]
@@ -133,7 +133,7 @@ class AgentPartialRollout:
             trajectories[0].agent_stats["ignored_fields"] = dict(self.rollout.ignored_fields)
         self.rollout.ignored_fields.clear()
         with timer("reward"):  # with an env file too, its reward_fn scores the ones whose run gave no reward
-            score_unrewarded(service.env, trajectories)
+            score_unscored(service.env, trajectories)
         return all_gather_objects(trajectories)
 
     def _start(self, group_id: int, prompt: dict, version: int, replays: list[dict] | None = None) -> None:

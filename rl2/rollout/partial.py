@@ -28,17 +28,17 @@ def partial_extra_prompts(rollout: RolloutConfig, prompts_per_step: int) -> int:
 
 
 def partial_rollout(service, rollout: RolloutConfig, prompts_per_step: int,
-                    generated_per_prompt: int) -> "PartialRollout | None":
+                    responses_per_prompt: int) -> "PartialRollout | None":
     """With `rollout.partial_rollout`: the `PartialRollout` of `service`'s engine, `prompts_per_step` groups a
-    step of `generated_per_prompt` trajectories each."""
+    step of `responses_per_prompt` trajectories each."""
     if not rollout.partial_rollout:
         return None
     extra = partial_extra_prompts(rollout, prompts_per_step)
     if getattr(service, "agent", None) is not None:  # agents go on where they run: each rank keeps its own
         from rl2.rollout.agent_partial import AgentPartialRollout
 
-        return AgentPartialRollout(service, prompts_per_step, extra, rollout.partial_max_age, generated_per_prompt)
-    return PartialRollout(service, prompts_per_step, extra, rollout.partial_max_age, generated_per_prompt)
+        return AgentPartialRollout(service, prompts_per_step, extra, rollout.partial_max_age, responses_per_prompt)
+    return PartialRollout(service, prompts_per_step, extra, rollout.partial_max_age, responses_per_prompt)
 
 
 class GroupTarget:
@@ -79,7 +79,7 @@ class PartialRollout:
         return max(self.target + self.extra - len(self.carried), 0)
 
     def generate(self, prompts: list[dict], params: SamplingParams, seed: int, version: int,
-                 timer: PhaseTimer | None = None, release_after: bool = False) -> list[Trajectory]:
+                 timer: PhaseTimer | None = None, sleep_after: bool = False) -> list[Trajectory]:
         """Continue the carried-over groups and start `prompts` under policy `version`; return the scored
         trajectories of the groups that train (every rank's, in rank order), and keep the others."""
         timer = timer or PhaseTimer()
@@ -103,7 +103,7 @@ class PartialRollout:
                                  service.rollout_config.max_turns, service.max_length,
                                  service.data_config.apply_chat_template, version, target.done, pause,
                                  service.tool_calling)
-        if release_after:
+        if sleep_after:
             with timer("sync"):  # the engine hands its memory back: part of the sync
                 service.engine.sleep()
         trained_ids = target.finished[:target.target] + [g for g in target.finished[target.target:] if g in must_finish]

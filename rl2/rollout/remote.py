@@ -96,7 +96,7 @@ class RolloutServer:
                 self.waiting = request["waiting"]
                 reply = None
             elif kind == "evaluate":
-                reply = service.evaluate(request["prompts"], request["seed"], request["name"], request["require_scores"])
+                reply = service.evaluate(request["prompts"], request["seed"], request["name"], request["require_rewards"])
             elif kind == "roc_penalties":
                 reply = [service.roc_penalties(request["trajectories"])]
             elif kind == "weights":
@@ -130,7 +130,7 @@ class RolloutServer:
         those carried over and those started now (the request's prompts wait their turn when more came than the
         groups in flight leave room for), and the partial rollout's metrics."""
         if self.partial is None:
-            trajectories = self.service.generate(request["prompts"], request["params"], request["responses"],
+            trajectories = self.service.generate(request["prompts"], request["params"], request["responses_per_prompt"],
                                                  request["seed"], version=request["version"])
             return {"trajectories": trajectories, "metrics": {}}
         self.waiting += request["prompts"]
@@ -235,7 +235,8 @@ class RemoteRollout(RolloutRecords):
 
     # ---- the pipeline ---------------------------------------------------------------------------
 
-    def fill(self, next_step: int, prompts_for: Callable[[int], list[dict]], responses: int, seed: int) -> None:
+    def fill(self, next_step: int, prompts_for: Callable[[int], list[dict]], responses_per_prompt: int,
+             seed: int) -> None:
         """Request batches for the steps from `next_step` on until `rollout.max_staleness` + 1 are in flight;
         `prompts_for(n)` draws the next `n` prompts (in step order): a step's, and with partial rollout
         `rollout.partial_extra_prompts` more with the run's first request (the groups in flight beyond a step's)."""
@@ -244,14 +245,15 @@ class RemoteRollout(RolloutRecords):
             count = self.prompts_per_step + (self.partial_extra if not self.requested_prompts else 0)
             self.requested_prompts = True
             request = {"kind": "generate", "prompts": prompts_for(count), "params": self.train_params,
-                       "responses": responses, "seed": seed + step, "version": self.version}
+                       "responses_per_prompt": responses_per_prompt, "seed": seed + step, "version": self.version}
             self.in_flight.append(Batch(step, self.version, self._request(request)))
             step += 1
 
-    def next_batch(self, step: int, draw: Draw, responses: int, timer: PhaseTimer) -> tuple[list[Trajectory], dict]:
+    def next_batch(self, step: int, draw: Draw, responses_per_prompt: int,
+                   timer: PhaseTimer) -> tuple[list[Trajectory], dict]:
         """Step `step`'s batch: the one the rollout ranks generated `rollout.max_staleness` versions ago (the
         pipeline filled up to step + max_staleness first, prompts `draw`n in step order), and its metrics."""
-        self.fill(step, draw, responses, self.seed)
+        self.fill(step, draw, responses_per_prompt, self.seed)
         batch = self.oldest_batch(timer)
         return batch.trajectories, self.pipeline_metrics(batch, step - 1)
 
@@ -272,11 +274,12 @@ class RemoteRollout(RolloutRecords):
             batch.metrics = reply["metrics"]
 
     def generate(self, prompts: list[dict], params: SamplingParams, responses_per_prompt: int, seed: int,
-                 timer: PhaseTimer | None = None, release_after: bool = False, version: int = 0) -> list[Trajectory]:
+                 timer: PhaseTimer | None = None, sleep_after: bool = False, version: int = 0) -> list[Trajectory]:
         """One batch, right away (outside the pipeline): the synchronous `RolloutService.generate`."""
         with (timer or PhaseTimer())("rollout"):
             request_id = self._request({"kind": "generate", "prompts": prompts, "params": params,
-                                        "responses": responses_per_prompt, "seed": seed, "version": self.version})
+                                        "responses_per_prompt": responses_per_prompt, "seed": seed,
+                                        "version": self.version})
             reply = self._reply(request_id)
         self.faults = reply["faults"]
         return reply["trajectories"]
@@ -330,10 +333,10 @@ class RemoteRollout(RolloutRecords):
                        "group": self.direct.name}, tensors)
         self.timing["push_gb"] += sum(t.numel() * t.element_size() for t in tensors) / 1e9
 
-    def evaluate(self, prompts: list[dict], seed: int, name: str, require_scores: bool = False) -> dict[str, float]:
+    def evaluate(self, prompts: list[dict], seed: int, name: str, require_rewards: bool = False) -> dict[str, float]:
         """`RolloutService.evaluate` on the rollout ranks, after the requests sent before."""
         return self._reply(self._request({"kind": "evaluate", "prompts": prompts, "seed": seed, "name": name,
-                                          "require_scores": require_scores}))
+                                          "require_rewards": require_rewards}))
 
     @property
     def tools(self) -> dict:

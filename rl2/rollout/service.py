@@ -47,11 +47,11 @@ class RolloutRecords:
         self.test_params = SamplingParams.from_dict(rollout.test_sampling_params)
         self.max_length = max_length
 
-    def require_scores(self, trajectories: list[Trajectory]) -> None:
-        """Count a rollout in which no `reward_fn` call succeeded: it is an error, not a step with
-        reward 0. After `rollout.max_unscored_steps` such rollouts in a row, raise `EnvError` naming
-        the env file, the error and a sample (every rank holds the same trajectories, so every rank
-        raises); before that, log it."""
+    def check_rewards(self, trajectories: list[Trajectory]) -> None:
+        """Check that the rollout's rewards could be computed: a rollout in which no `reward_fn` call
+        succeeded is an error, not a step with reward 0. After `rollout.max_unscored_steps` such rollouts
+        in a row, raise `EnvError` naming the env file, the error and a sample (every rank holds the same
+        trajectories, so every rank raises); before that, log it."""
         report = unscored_report(trajectories, self.rollout_config.agent_path or self.rollout_config.env_path)
         if report is None:
             self.unscored_in_a_row = 0
@@ -84,11 +84,11 @@ class RolloutService(RolloutRecords):
     """
 
     def __init__(self, rollout: RolloutConfig, data: DataConfig, actor: ActorConfig, tokenizer, *, seed: int,
-                 step_discount: float, engine_dtype: str, prompts_per_step: int, generated_per_prompt: int,
+                 step_discount: float, engine_dtype: str, prompts_per_step: int, responses_per_prompt: int,
                  dump_dir: str | None = None, training: bool = True):
         """The `rollout`, `data` and `actor` sections and what a run derives from several (`Config`'s
-        `engine_dtype`, `prompts_per_step`, `generated_per_prompt`; `adv.gamma` as `step_discount`,
-        `trainer.seed`); `training`: a training run (its partial rollout), not an evaluation."""
+        `engine_dtype`, `prompts_per_step` and `generated_per_prompt` as `responses_per_prompt`; `adv.gamma` as
+        `step_discount`, `trainer.seed`); `training`: a training run (its partial rollout), not an evaluation."""
         if rollout.engine == "sglang":
             check_sglang(rollout.tp_size)  # before any model is loaded
         super().__init__(rollout, trajectory_max_length(data, actor), dump_dir)
@@ -121,18 +121,19 @@ class RolloutService(RolloutRecords):
             self.server = OpenAIServer(tokenizer, actor.model_name, rollout.agent_max_request_mb)
         self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
         # With partial rollout (a training run): the unfinished groups this rank carries from step to step.
-        self.partial = partial_rollout(self, rollout, prompts_per_step, generated_per_prompt) if training else None
+        self.partial = partial_rollout(self, rollout, prompts_per_step, responses_per_prompt) if training else None
 
-    def next_batch(self, step: int, draw: Draw, responses: int, timer: PhaseTimer) -> tuple[list[Trajectory], dict]:
+    def next_batch(self, step: int, draw: Draw, responses_per_prompt: int,
+                   timer: PhaseTimer) -> tuple[list[Trajectory], dict]:
         """Step `step`'s trajectories, scored, on every rank: its prompts' (`draw`n, a step's worth); with partial
         rollout the groups that finished first among those carried over and new prompts."""
-        seed, release = self.seed + step, self.rollout_config.sleep
+        seed, sleep = self.seed + step, self.rollout_config.sleep
         if self.partial is None:
             prompts = draw(self.prompts_per_step)
-            return self.generate(prompts, self.train_params, responses, seed, timer, release_after=release), {}
+            return self.generate(prompts, self.train_params, responses_per_prompt, seed, timer, sleep_after=sleep), {}
         version = step - 1  # the updates the policy has had
         trajectories = self.partial.generate(draw(self.partial.prompts_wanted()), self.train_params, seed, version,
-                                             timer, release_after=release)
+                                             timer, sleep_after=sleep)
         return trajectories, self.partial.metrics(trajectories, version)
 
     def state_dict(self) -> dict:
@@ -150,11 +151,11 @@ class RolloutService(RolloutRecords):
         responses_per_prompt: int,
         seed: int,
         timer: PhaseTimer | None = None,
-        release_after: bool = False,
+        sleep_after: bool = False,
         version: int = 0,
     ) -> list[Trajectory]:
         """Roll out this rank's share of `prompts` (whole groups), score it, and gather every
-        rank's trajectories on every rank, in prompt order. `release_after` puts the engine to
+        rank's trajectories on every rank, in prompt order. `sleep_after` puts the engine to
         sleep once generation is done (training follows; the next `sync_weights` wakes it); `version`
         is the policy version the engine holds (recorded per token)."""
         timer = timer or PhaseTimer()
@@ -163,10 +164,10 @@ class RolloutService(RolloutRecords):
         self.engine.reseed(seed * 1_000_003 + rank())
         if self.rl2_head is not None:
             return self._generate_with_rl2_head(prompts[start:end], params, responses_per_prompt, start, timer,
-                                                release_after, version)
+                                                sleep_after, version)
         if self.agent is not None:
             return self._generate_with_agent(prompts[start:end], params, responses_per_prompt, start, timer,
-                                             release_after, version)
+                                             sleep_after, version)
         with timer("rollout"):
             trajectories = rollout(
                 self.engine,
@@ -183,7 +184,7 @@ class RolloutService(RolloutRecords):
                 tool_calling=self.tool_calling,
                 per_turn=self.rollout_config.trajectory_format == "per_turn",
             )
-        if release_after:
+        if sleep_after:
             with timer("sync"):  # the engine hands its memory back: part of the sync (a release on SGLang)
                 self.engine.sleep()
         with timer("reward"):
@@ -191,11 +192,11 @@ class RolloutService(RolloutRecords):
         return all_gather_objects(trajectories)
 
     def _generate_with_agent(self, prompts: list[dict], params: SamplingParams, responses_per_prompt: int,
-                             first_group: int, timer: PhaseTimer, release_after: bool, version: int) -> list[Trajectory]:
+                             first_group: int, timer: PhaseTimer, sleep_after: bool, version: int) -> list[Trajectory]:
         """`generate` with the agent file: its runs give the trajectories and their rewards; with an env file
         too, its `reward_fn` scores the ones whose run gave none."""
         from rl2.chat.tool_parsers import get_tool_parser
-        from rl2.rollout.agent_rollout import agent_rollout, score_unrewarded
+        from rl2.rollout.agent_rollout import agent_rollout, score_unscored
 
         rollout_config = self.rollout_config
         with timer("rollout"):
@@ -204,15 +205,15 @@ class RolloutService(RolloutRecords):
                 prompts, responses_per_prompt, params, rollout_config.max_turns, self.max_length, first_group,
                 version, merge=rollout_config.agent_sequences == "merge", timeout=rollout_config.agent_timeout,
             )
-        if release_after:
+        if sleep_after:
             with timer("sync"):  # the engine hands its memory back: part of the sync (a release on SGLang)
                 self.engine.sleep()
         with timer("reward"):  # with an env file too, its reward_fn scores the ones whose run gave no reward
-            score_unrewarded(self.env, trajectories)
+            score_unscored(self.env, trajectories)
         return all_gather_objects(trajectories)
 
     def _generate_with_rl2_head(self, prompts: list[dict], params: SamplingParams, responses_per_prompt: int,
-                                first_group: int, timer: PhaseTimer, release_after: bool,
+                                first_group: int, timer: PhaseTimer, sleep_after: bool,
                                 version: int) -> list[Trajectory]:
         """`generate` with an RL2 HEAD env file: its `generate` gives the trajectories and their rewards."""
         from rl2.rollout.rl2_head_rollout import rl2_head_rollout, rl2_rollout_config
@@ -225,20 +226,20 @@ class RolloutService(RolloutRecords):
                 self.server, self.engine, self.rl2_head, self.tokenizer, prompts, responses_per_prompt, params, config,
                 rollout_config.max_turns, self.max_length, first_group, version, timeout=rollout_config.agent_timeout,
             )
-        if release_after:
+        if sleep_after:
             with timer("sync"):  # the engine hands its memory back: part of the sync (a release on SGLang)
                 self.engine.sleep()
         return all_gather_objects(trajectories)
 
-    def evaluate(self, prompts: list[dict], seed: int, name: str, require_scores: bool = False) -> dict[str, float]:
+    def evaluate(self, prompts: list[dict], seed: int, name: str, require_rewards: bool = False) -> dict[str, float]:
         """`test/` metrics (mean reward, avg@k, pass@k with k = rollout.test_responses_per_prompt, the
         failed rewards) of the engine's model on `prompts`; the trajectories are dumped as `name`.
-        When no test reward could be computed: `EnvError` with `require_scores`, else a logged error."""
+        When no test reward could be computed: `EnvError` with `require_rewards`, else a logged error."""
         k = self.rollout_config.test_responses_per_prompt
         trajectories = self.generate(prompts, self.test_params, k, seed)
         self.dump(trajectories, name)
         report = unscored_report(trajectories, self.rollout_config.agent_path or self.rollout_config.env_path)
-        if report is not None and require_scores:
+        if report is not None and require_rewards:
             raise EnvError(f"evaluation: no test reward could be computed: {report}")
         if report is not None:
             logger.error(f"evaluation {name}: no test reward could be computed: {report}")

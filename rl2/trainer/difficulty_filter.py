@@ -57,7 +57,7 @@ class DifficultyFilter:
         for start in range(0, len(dataset), chunk):
             prompts = [dataset[i] for i in range(start, min(start + chunk, len(dataset)))]
             trajectories = self.rollout.generate(prompts, self.rollout.train_params, n, config.trainer.seed + start)
-            self.rollout.require_scores(trajectories)
+            self.rollout.check_rewards(trajectories)
             pass_rates += correct_by_prompt(trajectories, n).nanmean(dim=1).tolist()
             progress.update(len(prompts))
         progress.close()

@@ -61,7 +61,8 @@ class PPOTrainer(Trainer):
         # The env file and the engine before any trained model: a broken env file fails first, and a
         # GPU engine sizes its KV cache from the memory still free.
         # With split placement (`placement`: this rank trains) the rollout ranks serve the batches.
-        self.rollout: Rollout = remote_rollout(config, placement) if placement else rollout_service(config, self.tokenizer)
+        self.rollout: Rollout = (remote_rollout(config, placement) if placement
+                                 else rollout_service(config, self.tokenizer))
         prompts_per_rollout = config.prompts_per_step
         max_length = self.rollout.max_length
         self.train_data, self.test_data = self.load_datasets(RLDataset, max_length, self.rollout.tools)
@@ -154,7 +155,7 @@ class PPOTrainer(Trainer):
         metrics = {**rollout_metrics(trajectories), **self.rollout.fault_metrics(), **rollout_own}
         self.rollout.dump(trajectories, f"step_{step}")
         if plan.scored_by_env:
-            self.rollout.require_scores(trajectories)
+            self.rollout.check_rewards(trajectories)
         trajectories, shaped = shape_rewards(trajectories, plan, step, self.rollout.roc_penalties)
         metrics.update(shaped)
         if all(t.excluded for t in trajectories):

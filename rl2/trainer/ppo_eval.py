@@ -26,7 +26,7 @@ def rollout_service(config: Config, tokenizer) -> RolloutService:
     the sections and values of `config` it reads."""
     return RolloutService(config.rollout, config.data, config.actor, tokenizer, seed=config.trainer.seed,
                           step_discount=config.adv.gamma, engine_dtype=config.engine_dtype,
-                          prompts_per_step=config.prompts_per_step, generated_per_prompt=config.generated_per_prompt,
+                          prompts_per_step=config.prompts_per_step, responses_per_prompt=config.generated_per_prompt,
                           dump_dir=trajectory_dump_dir(config), training=not config.trainer.eval_only)
 
 
@@ -52,7 +52,7 @@ class PPOEvaluator(Trainer):
         is an error); on rank 0 also `<save_dir>/eval.json` and the report printed as one JSON line."""
         config = self.config
         prompts = [self.test_data[i] for i in range(len(self.test_data))]
-        results = self.rollout.evaluate(prompts, config.trainer.seed - 1, "eval", require_scores=True)
+        results = self.rollout.evaluate(prompts, config.trainer.seed - 1, "eval", require_rewards=True)
         if is_rank0():
             report = {"model": config.actor.model_name, "test_path": config.data.test_path,
                       "prompts": len(self.test_data), "k": config.rollout.test_responses_per_prompt, **results}
