@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -235,16 +235,15 @@ class RemoteRollout(RolloutRecords):
 
     # ---- the pipeline ---------------------------------------------------------------------------
 
-    def fill(self, next_step: int, prompts_for: Callable[[int], list[dict]], responses_per_prompt: int,
-             seed: int) -> None:
+    def fill(self, next_step: int, draw: Draw, responses_per_prompt: int, seed: int) -> None:
         """Request batches for the steps from `next_step` on until `rollout.max_staleness` + 1 are in flight;
-        `prompts_for(n)` draws the next `n` prompts (in step order): a step's, and with partial rollout
+        `draw(n)` gives the next `n` prompts (in step order): a step's, and with partial rollout
         `rollout.partial_extra_prompts` more with the run's first request (the groups in flight beyond a step's)."""
         step = self.in_flight[-1].step + 1 if self.in_flight else next_step
         while len(self.in_flight) < self.depth:
             count = self.prompts_per_step + (self.partial_extra if not self.requested_prompts else 0)
             self.requested_prompts = True
-            request = {"kind": "generate", "prompts": prompts_for(count), "params": self.train_params,
+            request = {"kind": "generate", "prompts": draw(count), "params": self.train_params,
                        "responses_per_prompt": responses_per_prompt, "seed": seed + step, "version": self.version}
             self.in_flight.append(Batch(step, self.version, self._request(request)))
             step += 1
