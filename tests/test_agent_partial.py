@@ -95,7 +95,7 @@ def service(server, engine, tokenizer, agent_file, max_length: int, max_turns: i
     """What AgentPartialRollout uses of a RolloutService."""
     rollout = SimpleNamespace(agent_timeout=60.0, max_turns=max_turns, tool_parser="hermes", agent_sequences="merge")
     return SimpleNamespace(engine=engine, env=None, tokenizer=tokenizer, server=server, agent=agent_file,
-                           max_length=max_length, config=SimpleNamespace(rollout=rollout))
+                           max_length=max_length, rollout_config=rollout)
 
 
 def test_paused_agents_continue_token_for_token(tiny_model_dir, tokenizer, server, tmp_path):

@@ -14,7 +14,7 @@ from rl2.chat.tool_parsers import get_tool_parser
 from rl2.engines import Generation, SamplingParams
 from rl2.rollout.env import Env
 from rl2.rollout.rollout_metrics import rollout_metrics
-from rl2.rollout.agent_rollout import AgentFile, agent_rollout, score_unrewarded
+from rl2.rollout.agent_rollout import AgentFile, agent_rollout, score_unscored
 from rl2.serve.openai_server import OpenAIServer
 from rl2.testing.tiny import build_tiny_tokenizer
 from scripted_engine import ScriptedEngine
@@ -211,7 +211,7 @@ def test_sessions_never_mix_and_unknown_keys_are_refused(server, tokenizer, tmp_
 def test_a_failing_agent_scores_nothing_and_says_why(server, tokenizer, tmp_path):
     """`run` raising or returning no number: no reward, the error kept on the trajectory, the others scored; a
     run that made no request still has its prompt (its group keeps shape). One that raises at the request limit
-    is not a failure: it ends there, to be scored as it stands (`score_unrewarded`)."""
+    is not a failure: it ends there, to be scored as it stands (`score_unscored`)."""
     engine = ScriptedEngine(tokenizer, lambda text: "fine")
     agent = agent_file(tmp_path, '''
         async def run(row, client):
@@ -276,14 +276,14 @@ def test_an_agent_at_its_request_limit_is_scored_as_it_stands(server, tokenizer,
         assert [t.turns for t in (raises, catches, posts)] == [3, 3, 3]
         assert [t.agent_stats["at_request_limit"] for t in (raises, catches, posts)] == [True] * 3
         assert (raises.reward, catches.reward, posts.reward) == (None, 0.25, -0.5)
-        score_unrewarded(env, [raises, catches, posts])
+        score_unscored(env, [raises, catches, posts])
     assert (raises.reward, catches.reward, posts.reward) == (-1.0, 0.25, -0.5)
     assert raises.errors == [] and raises.messages[-1]["tool_calls"] and not raises.excluded
     metrics = rollout_metrics([raises, catches, posts])
     assert metrics["env_errors"] == 0.0 and metrics["excluded"] == 0.0 and metrics["agent/at_request_limit"] == 1.0
 
     (alone,) = run_agents(server, engine, tokenizer, agent, ["raises"], max_requests=2)
-    score_unrewarded(None, [alone])
+    score_unscored(None, [alone])
     assert alone.reward is None and alone.turns == 2 and len(alone.errors) == 1
     assert "request limit (2 requests, rollout.max_turns)" in alone.errors[0] and "reward_fn" in alone.errors[0]
 

@@ -34,17 +34,17 @@ def test_the_sleep_after_a_rollout_is_timed_as_sync(tiny_model_dir, tmp_path):
         rollout = RolloutService.__new__(RolloutService)  # what generate uses of it
         rollout.__dict__.update(service(SlowSleepEngine(lambda prompt: 3), env, tokenizer).__dict__,
                                 agent=None, rl2_head=None)
-        rollout.config.rollout.trajectory_format = "whole"
+        rollout.rollout_config.trajectory_format = "whole"
         timer = PhaseTimer()
         trajectories = rollout.generate(prompts(tokenizer, 2), SamplingParams(max_new_tokens=4), GROUP, seed=0,
-                                        timer=timer, release_after=True)
+                                        timer=timer, sleep_after=True)
         assert len(trajectories) == 2 * GROUP
         assert timer.times["sync"] >= SLEEP and timer.times["rollout"] < SLEEP
 
         partial = PartialRollout(service(SlowSleepEngine(lambda prompt: 3), env, tokenizer), 2, 0, 2, GROUP)
         timer = PhaseTimer()
         partial.generate(prompts(tokenizer, 2), SamplingParams(max_new_tokens=4), seed=0, version=0, timer=timer,
-                         release_after=True)
+                         sleep_after=True)
         assert timer.times["sync"] >= SLEEP and timer.times["rollout"] < SLEEP
 
         timer = PhaseTimer()  # an engine kept resident does not sleep

@@ -368,14 +368,14 @@ def test_a_stateful_environment_per_trajectory_scores_and_is_closed(stateful_env
     calling = ToolCalling(get_tool_parser("hermes"))
     trajectories = rollout(engine, stateful_env, tokenizer, [prompt(tokenizer, stateful_env)], 2, SamplingParams(),
                            max_turns=3, tool_calling=calling)
-    first, second = (t.environment for t in trajectories)
+    first, second = (t.running.environment for t in trajectories)
     assert first is not second and first.answer == "3"
     for trajectory in trajectories:  # each its own count
         assert [m["content"] for m in trajectory.messages if m["role"] == "tool"] == [
             "code 3 (lookup 1)", "code 3 (lookup 2)"]
     assign_rewards(stateful_env, trajectories)
     assert [t.reward for t in trajectories] == [1.0, 1.0]
-    assert closed == [first, second] and all(t.environment is None for t in trajectories)
+    assert closed == [first, second] and all(t.running is None for t in trajectories)  # the episodes are over
 
 
 def test_reset_can_add_an_observation_and_an_environment_survives_a_checkpoint(stateful_env):
@@ -390,8 +390,8 @@ def test_reset_can_add_an_observation_and_an_environment_survives_a_checkpoint(s
     prompt_text = render_chat(trajectory.messages[:2], tokenizer, True, trajectory.tools)
     assert engine.calls[0][0] == tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     restored = Trajectory.from_dict(json.loads(json.dumps(trajectory.state())))
-    assert restored.environment.lookups == 1 and restored.environment.answer == "3"
-    assert restored.token_ids == trajectory.token_ids and trajectory.environment is not None
+    assert restored.running.environment.lookups == 1 and restored.running.environment.answer == "3"
+    assert restored.token_ids == trajectory.token_ids and trajectory.running.environment is not None
 
 
 def test_tools_and_environment_together_are_refused(tmp_path):
@@ -413,12 +413,12 @@ def test_calls_waiting_when_a_step_pauses_run_after_a_checkpoint(env):
     calling = ToolCalling(get_tool_parser("hermes"))
     (trajectory,) = rollout(engine, env, tokenizer, [prompt(tokenizer, env)], 1, SamplingParams(), max_turns=1,
                             tool_calling=calling)
-    assert [call["name"] for call in trajectory.pending_calls] == ["lookup"]
-    trajectory.done, trajectory.stage = False, "interact"  # as a pause at its tool calls leaves it
+    assert [call["name"] for call in trajectory.running.pending_calls] == ["lookup"]
+    trajectory.done, trajectory.running.stage = False, "interact"  # as a pause at its tool calls leaves it
     resumed = Trajectory.from_dict(json.loads(json.dumps(trajectory.state())))
     continue_rollout(engine, env, tokenizer, [resumed], SamplingParams(), max_turns=2, tool_calling=calling)
     assert [m["role"] for m in resumed.messages] == ["user", "assistant", "tool", "assistant"]
-    assert resumed.messages[2]["content"] == "code 3" and resumed.turns == 2 and not resumed.pending_calls
+    assert resumed.messages[2]["content"] == "code 3" and resumed.turns == 2 and not resumed.running.pending_calls
 
 
 def test_a_template_without_end_tokens_bridges_only_if_it_keeps_the_turn():

@@ -10,7 +10,7 @@ from rl2.chat.template import render_chat
 from rl2.engines import SamplingParams
 from rl2.rollout.env import Env, EnvError
 from rl2.rollout.multi_turn import assign_rewards, rollout
-from rl2.rollout.trajectory import Trajectory
+from rl2.rollout.trajectory import RunningState, Trajectory
 from rl2.testing.tiny import build_tiny_tokenizer
 from scripted_engine import ScriptedEngine
 
@@ -91,7 +91,7 @@ def test_a_word_chain_game_is_played_scored_and_closed(tmp_path):
                      ("user", "Now one that starts with c."), ("assistant", "bird")]
     assert trajectory.step_rewards == [1.0, 0.0, 0.0] and trajectory.reward == 1.0 and trajectory.turns == 3
     assert trajectory.to_json()["step_rewards"] == [1.0, 0.0, 0.0] and closed == [True]
-    assert trajectory.environment is None and not trajectory.errors
+    assert trajectory.running is None and not trajectory.errors  # the episode is over: no environment left
 
 
 def test_async_environments_and_gymnasium_tuples(tmp_path):
@@ -116,8 +116,8 @@ def test_a_failing_step_is_an_env_error_and_the_episode_survives_a_checkpoint(tm
         episode.reset([{"role": "user", "content": "hi"}], "ab")
         episode.step("ant")
         state = Trajectory(messages=[], answer="ab", group=0, token_ids=[1], action_mask=[0], logprobs=[0.0],
-                           environment=episode).state()
-        restored = Trajectory.from_dict(state).environment
+                           running=RunningState(environment=episode)).state()
+        restored = Trajectory.from_dict(state).running.environment
         assert restored.rewards == [1.0] and restored.step("bee") == [] and restored.reward() == 2.0
     finally:
         env.close()

@@ -51,7 +51,7 @@ def test_games_on_an_openenv_server_are_played_and_scored(word_chain_url):
         ("user", "Now one that starts with c."), ("assistant", "bird")]
     assert first.step_rewards == [1.0, 0.0, 0.0] and first.reward == 1.0 and first.turns == 3
     assert second.step_rewards == [1.0, 1.0] and second.reward == 2.0 and second.turns == 2
-    assert not first.errors and not second.errors and first.environment is None
+    assert not first.errors and not second.errors and first.running is None
 
 
 def test_openenv_mistakes_are_named(word_chain_url):

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from conftest import counting_prompts as prompts
 from rl2.engines import Engine, Generation, HFEngine, SamplingParams
 from rl2.rollout.env import Env
-from rl2.rollout.multi_turn import rollout
+from rl2.rollout.multi_turn import _turn, rollout
 from rl2.rollout.partial import PartialRollout
 
 CPU = torch.device("cpu")
@@ -29,9 +29,9 @@ def tokenizer(tiny_model_dir):
 
 def service(engine, env, tokenizer, max_turns: int = 1, max_length: int = 4096):
     """What PartialRollout uses of a RolloutService."""
-    config = SimpleNamespace(rollout=SimpleNamespace(max_turns=max_turns, trajectory_format="whole"), data=SimpleNamespace(apply_chat_template=True))
-    return SimpleNamespace(engine=engine, env=env, tokenizer=tokenizer, config=config, max_length=max_length,
-                           tool_calling=None)
+    return SimpleNamespace(engine=engine, env=env, tokenizer=tokenizer, max_length=max_length, tool_calling=None,
+                           rollout_config=SimpleNamespace(max_turns=max_turns, trajectory_format="whole"),
+                           data_config=SimpleNamespace(apply_chat_template=True))
 
 
 @pytest.fixture
@@ -119,7 +119,7 @@ def test_a_trajectory_paused_at_its_tool_calls_it_again_and_goes_on(tiny_model_d
         first = partial.generate(prompts(tokenizer, 8), params, seed=1, version=0)
         took = time.perf_counter() - start
         release.touch()  # the slow calls answer from now on
-        waiting = [t for group in partial.carried for t in group if t.stage == "interact" and not t.done]
+        waiting = [t for group in partial.carried for t in group if t.running.stage == "interact" and not t.done]
         assert len(first) >= 2 * GROUP and waiting, "no trajectory was left waiting for its tool"
         assert took < 25, took  # the slow calls (held for 30 s) were not waited for
         trained = first
@@ -210,3 +210,31 @@ def test_the_carried_groups_survive_a_checkpoint(tokenizer, reward_env):
     restored = PartialRollout(partial.service, 2, 4, 3, GROUP)
     restored.load_state_dict(state)
     assert restored.next_group == partial.next_group and restored.carried == partial.carried
+
+
+def test_a_checkpoint_from_before_the_running_state_loads(tokenizer, reward_env):
+    """Checkpoints written before `Trajectory.running` hold its fields in the trajectory's own (`turn_start` for
+    `generating_from`): their carried groups load as they stood, and a trajectory paused inside its turn goes on
+    from the same token, random stream and room."""
+    batch = prompts(tokenizer, 6)
+    short = sorted(len(p["prompt_ids"]) for p in batch)[1]  # the two shortest prompts answer at once
+    partial = PartialRollout(service(TickEngine(lambda prompt: 3 if len(prompt) <= short else 2000), reward_env,
+                                     tokenizer), 2, 4, 3, GROUP)
+    params = SamplingParams(max_new_tokens=3000)
+    partial.generate(batch, params, seed=0, version=0)
+    state = json.loads(json.dumps(partial.state_dict()))
+    old = {"next_group": state["next_group"], "carried": [[flat(t) for t in group] for group in state["carried"]]}
+    assert any(t["turn_start"] >= 0 and t["stream"] is not None for group in old["carried"] for t in group)
+    restored = PartialRollout(partial.service, 2, 4, 3, GROUP)
+    restored.load_state_dict(old)
+    assert restored.next_group == partial.next_group and restored.carried == partial.carried
+    for before, after in zip([t for g in partial.carried for t in g], [t for g in restored.carried for t in g]):
+        if not before.done:
+            assert _turn(after, params, 4096) == _turn(before, params, 4096)
+
+
+def flat(fields: dict) -> dict:
+    """A trajectory's checkpoint fields as they were before `running`: its fields among the trajectory's."""
+    fields = dict(fields)
+    running = fields.pop("running")
+    return {**fields, **{("turn_start" if name == "generating_from" else name): value for name, value in running.items()}}

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from conftest import REPO, run_python
 from rl2.chat.template import render_chat
-from rl2.config import Config
+from rl2.config import Config, DataConfig, RolloutConfig
 from rl2.engines import SamplingParams
 from rl2.metrics import read_metrics
 from rl2.rollout.env_file import EnvError
@@ -153,7 +153,7 @@ def prompt(tokenizer, question: str, **columns) -> dict:
 
 def roll(server, engine, tokenizer, file, prompts, max_requests=4, responses_per_prompt=1, timeout=600.0):
     params = SamplingParams(max_new_tokens=64)
-    config = rl2_rollout_config(Config(), params, responses_per_prompt)
+    config = rl2_rollout_config(DataConfig(), RolloutConfig(), None, params, responses_per_prompt)
     return rl2_head_rollout(server, engine, file, tokenizer, prompts, responses_per_prompt, params, config,
                             max_requests, 2048, timeout=timeout)
 
@@ -365,14 +365,15 @@ def test_the_config_is_rl2s_rollout_section():
     config: OmegaConf.to_container, .get and attribute access work on it as in RL2's files."""
     config = Config()
     config.data.path, config.actor.save_dir, config.data.prompts_per_rollout = "train.jsonl", "/tmp/run", 8
-    section = rl2_rollout_config(config, SamplingParams(temperature=0.7, max_new_tokens=32, stop=["</answer>"]), 4)
+    section = rl2_rollout_config(config.data, config.rollout, config.actor.save_dir,
+                                 SamplingParams(temperature=0.7, max_new_tokens=32, stop=["</answer>"]), 4)
     assert OmegaConf.is_config(section) and set(section) == {
         "path", "prompt_key", "messages_key", "apply_chat_template", "prompts_per_rollout", "responses_per_prompt",
         "sampling_params", "dynamic_filtering", "partial_rollout", "save_dir"}
     assert OmegaConf.to_container(section.sampling_params) == {"temperature": 0.7, "max_new_tokens": 32,
                                                                "stop": ["</answer>"]}
     assert (section.path, section.get("responses_per_prompt"), section.save_dir) == ("train.jsonl", 4, "/tmp/run/train")
-    test = rl2_rollout_config(config, SamplingParams(), 1, train=False)
+    test = rl2_rollout_config(config.data, config.rollout, config.actor.save_dir, SamplingParams(), 1, train=False)
     assert test.save_dir == "/tmp/run/test" and not test.dynamic_filtering
 
 

@@ -29,7 +29,7 @@ from rl2.engines import SamplingParams
 from rl2.metrics import PhaseTimer
 from rl2.rollout.partial import partial_metrics
 from rl2.rollout.trajectory import Trajectory
-from rl2.rollout.agent_rollout import agent_episodes, agent_trajectory, openai_client, score_unrewarded
+from rl2.rollout.agent_rollout import agent_episodes, agent_trajectory, openai_client, score_unscored
 from rl2.serve.session import AgentSession
 
 logger = logging.getLogger(__name__)
@@ -79,11 +79,11 @@ class AgentPartialRollout:
         return max(sum(self._wanted) - len(self.restarts), 0)
 
     def generate(self, prompts: list[dict], params: SamplingParams, seed: int, version: int,
-                 timer: PhaseTimer | None = None, release_after: bool = False) -> list[Trajectory]:
+                 timer: PhaseTimer | None = None, sleep_after: bool = False) -> list[Trajectory]:
         """Let the carried agents go on and start agents on this rank's part of `prompts` under policy
         `version`; return the scored trajectories of the groups that train (every rank's, in rank order)."""
         timer = timer or PhaseTimer()
-        service, config = self.service, self.service.config
+        service, rollout_config = self.service, self.service.rollout_config
         if self._wanted is None:
             self.prompts_wanted()
         prompts, self.restarts = self.restarts + prompts, []
@@ -93,8 +93,8 @@ class AgentPartialRollout:
         # every rank's groups in flight once each has started its part of `prompts` (no second gather)
         in_flight = sum(self._carried_counts) + sum(len(prompts[f:f + w]) for f, w in zip(firsts, self._wanted))
         if self.rollout is None:
-            self.client = openai_client(service.server.base_url, config.rollout.agent_timeout)
-            self.rollout = service.server.open_rollout(params, version, config.rollout.max_turns, service.max_length)
+            self.client = openai_client(service.server.base_url, rollout_config.agent_timeout)
+            self.rollout = service.server.open_rollout(params, version, rollout_config.max_turns, service.max_length)
         self.rollout.params = params
         restored, self.restored = self.restored, []
         for saved in restored:
@@ -102,7 +102,7 @@ class AgentPartialRollout:
         for j, prompt in enumerate(mine):
             self._start(self.next_group + first + j, prompt, version)
         if restored:
-            self._replay(restored, config.rollout.agent_timeout)
+            self._replay(restored, rollout_config.agent_timeout)
         self.next_group += len(prompts)
         self._wanted = None
 
@@ -120,12 +120,12 @@ class AgentPartialRollout:
                     self.rollout.slots.pause()
                 try:
                     service.engine.generate_turns(firsts, params, self.rollout.slots.on_generation,
-                                                  config.rollout.max_turns)
+                                                  rollout_config.max_turns)
                 except BaseException as error:  # every request waiting on the engine fails with it, none hangs
                     self.rollout.slots.fail(error)
                     raise
             trained = self._on_loop(self._take_trained)
-        if release_after:
+        if sleep_after:
             service.engine.sleep()
         trajectories = [agent_trajectory(session, g.prompt, g.group, g.started)
                         for g in trained for session in g.sessions]
@@ -133,19 +133,19 @@ class AgentPartialRollout:
             trajectories[0].agent_stats["ignored_fields"] = dict(self.rollout.ignored_fields)
         self.rollout.ignored_fields.clear()
         with timer("reward"):  # with an env file too, its reward_fn scores the ones whose run gave no reward
-            score_unrewarded(service.env, trajectories)
+            score_unscored(service.env, trajectories)
         return all_gather_objects(trajectories)
 
     def _start(self, group_id: int, prompt: dict, version: int, replays: list[dict] | None = None) -> None:
-        service, config = self.service, self.service.config
+        service, rollout_config = self.service, self.service.rollout_config
         from rl2.chat.tool_parsers import get_tool_parser
 
-        sessions = [AgentSession(service.tokenizer, get_tool_parser(config.rollout.tool_parser),
-                                 config.rollout.agent_sequences == "merge", prompt)
+        sessions = [AgentSession(service.tokenizer, get_tool_parser(rollout_config.tool_parser),
+                                 rollout_config.agent_sequences == "merge", prompt)
                     for _ in range(self.responses_per_prompt)]
         group = LiveGroup(group_id, prompt, version, sessions, left=len(sessions))
         episode = agent_episodes(service.agent, service.server, sessions, [prompt] * len(sessions), self.client,
-                                 config.rollout.agent_timeout)
+                                 rollout_config.agent_timeout)
         self.carried.append(group)
 
         def ended(_: int) -> None:  # on the server's loop

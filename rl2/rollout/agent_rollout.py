@@ -13,7 +13,7 @@ leaves the trajectory without a reward, with the error kept (as a failing `rewar
 `rollout.max_turns` bounds a trajectory's requests: past it the server answers 400 and the episode ends
 there, as a multi-turn rollout's does at its turn limit, scored as it stands: by the reward `run` returns
 (or posted) after catching the refusal, else, where `run` raised or gave none, by the env file's
-`reward_fn` on the conversation so far (`score_unrewarded`); without an env file that is an env error
+`reward_fn` on the conversation so far (`score_unscored`); without an env file that is an env error
 saying so.
 """
 
@@ -77,7 +77,7 @@ def agent_episodes(agent: AgentFile, server: OpenAIServer, sessions: list[AgentS
                    client, timeout: float) -> Callable[[int, str], Awaitable]:
     """`episode(i, key)`: one run of the agent on `rows[i]` with a copy of `client` holding `key`, its
     reward (or its error) kept on `sessions[i]`; a run that raises once a request was refused at the
-    request limit is no error: its trajectory ends there, unrewarded, to be scored as it stands."""
+    request limit is no error: its trajectory ends there, unscored, to be scored as it stands."""
 
     async def run_one(i: int, key: str) -> None:
         session, row = sessions[i], _agent_row(rows[i])
@@ -187,16 +187,16 @@ def agent_trajectory(session: AgentSession, row: dict, group: int, version: int)
     )
 
 
-def score_unrewarded(env: Env | None, trajectories: list[Trajectory]) -> None:
+def score_unscored(env: Env | None, trajectories: list[Trajectory]) -> None:
     """Score the agents' trajectories that came back with neither a reward nor an error (a run that gave no
     reward, or raised, once its trajectory reached the request limit) as they stand, with the env file's
     `reward_fn`; without an env file each gets an env error that says how to score it."""
-    unrewarded = [t for t in trajectories if t.reward is None and not t.errors]
+    unscored = [t for t in trajectories if t.reward is None and not t.errors]
     if env is not None:
-        if unrewarded:
-            assign_rewards(env, unrewarded)
+        if unscored:
+            assign_rewards(env, unscored)
         return
-    for trajectory in unrewarded:
+    for trajectory in unscored:
         trajectory.errors.append(
             f"the agent's run ended at the request limit ({trajectory.turns} requests, rollout.max_turns) without "
             "a reward: catch the refused request in run and return a reward (or POST /rl/reward), or give an "

@@ -2,7 +2,7 @@
 with partial rollout or agents) or `RemoteRollout` (split placement: the rollout ranks generate). The trainer
 never asks which.
 
-A step: `next_batch` (the step's scored trajectories), `require_scores` (a rollout without any reward is
+A step: `next_batch` (the step's scored trajectories), `check_rewards` (a rollout without any reward is
 counted, and past `rollout.max_unscored_steps` an error), `roc_penalties` (GRPO-RoC), then after the update
 `sync_weights`. Around the steps: `evaluate`, `dump`, `state_dict` / `load_state_dict` with the checkpoints,
 `close` at the end.
@@ -30,11 +30,12 @@ class Rollout(Protocol):
     def tools(self) -> dict:
         """The env file's tools (name -> schema), rendered into prompts."""
 
-    def next_batch(self, step: int, draw: Draw, responses: int, timer: PhaseTimer) -> tuple[list[Trajectory], dict]:
-        """Step `step`'s trajectories, scored, on every rank, `responses` per prompt (the prompts drawn with
+    def next_batch(self, step: int, draw: Draw, responses_per_prompt: int,
+                   timer: PhaseTimer) -> tuple[list[Trajectory], dict]:
+        """Step `step`'s trajectories, scored, on every rank, `responses_per_prompt` per prompt (the prompts drawn with
         `draw`), and the rollout's own metrics for it."""
 
-    def require_scores(self, trajectories: list[Trajectory]) -> None: ...
+    def check_rewards(self, trajectories: list[Trajectory]) -> None: ...
 
     def roc_penalties(self, trajectories: list[Trajectory]) -> list[float]: ...
 
@@ -44,7 +45,7 @@ class Rollout(Protocol):
 
     def sync_weights(self, model: nn.Module, version: int = 0) -> None: ...
 
-    def evaluate(self, prompts: list[dict], seed: int, name: str, require_scores: bool = False) -> dict[str, float]: ...
+    def evaluate(self, prompts: list[dict], seed: int, name: str, require_rewards: bool = False) -> dict[str, float]: ...
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of the rollout (groups or batches in flight), under keys of its own."""

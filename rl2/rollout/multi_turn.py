@@ -37,7 +37,7 @@ from rl2.chat.tool_parsers import FunctionToolParser, ToolParser, get_tool_parse
 from rl2.config import RolloutConfig
 from rl2.engines import Engine, Generation, SamplingParams, Turn
 from rl2.rollout.env import Env, EnvResult, Interactions, ToolResult
-from rl2.rollout.trajectory import Trajectory
+from rl2.rollout.trajectory import RunningState, Trajectory
 
 CHARS_PER_TOKEN = 32  # characters kept per token of room when a message is cut before tokenising: more than any token spans
 
@@ -104,7 +104,7 @@ def new_trajectories(prompts: list[dict], responses_per_prompt: int, first_group
             tools=copy.deepcopy(prompt.get("tools")),
             turn_starts=[0] if per_turn else None,
             source=prompt.get("source"),
-            row=prompt.get("row"),
+            running=RunningState(row=prompt.get("row")),
         )
         for g, prompt in enumerate(prompts)
         for _ in range(responses_per_prompt)
@@ -138,7 +138,7 @@ def continue_rollout(
     pause: Pause | None = None,
     tool_calling: ToolCalling | None = None,
 ) -> None:
-    """Take `trajectories` on from where each stands (`Trajectory.stage`): new ones from their first
+    """Take `trajectories` on from where each stands (`RunningState.stage`): new ones from their first
     turn, paused ones from inside their turn (the tokens drawn so far kept, the same random stream
     continued) or from their tool call. Each one that ends is passed to `on_done` (from the engine's
     thread or a tool's, one at a time); after `pause.now()` the call returns at once and the unfinished
@@ -163,7 +163,8 @@ def continue_rollout(
     if env is not None and env.environment_factory is not None:
         _start_environments(env, [t for t in trajectories if not t.done], tokenizer, apply_chat_template)
     for trajectory in trajectories:
-        trajectory.row = None  # read by make_env only: not carried into the gathers and checkpoints
+        if trajectory.running is not None:
+            trajectory.running.row = None  # read by make_env only: not carried into the gathers and checkpoints
     for trajectory in trajectories:
         if not trajectory.done and trajectory.errors:  # its environment did not start
             finish(trajectory)
@@ -183,17 +184,17 @@ def continue_rollout(
         if trajectory.done:
             finish(trajectory)
             return None
-        trajectory.stage = "generate"
+        trajectory.running.stage = "generate"
         return _turn(trajectory, params, max_length)
 
     with env.interactions() if max_turns > 1 else contextlib.nullcontext() as interactions:
 
         def ask_tool(trajectory: Trajectory) -> Future:
-            trajectory.stage = "interact"
-            if trajectory.pending_calls:
+            trajectory.running.stage = "interact"
+            if trajectory.running.pending_calls:
                 answered = _run_calls(interactions, trajectory, tool_calling.max_calls)
             elif env.steps_environment:  # gym-style: the environment steps on the turn's text
-                answered = interactions.step(trajectory.environment, trajectory.messages[-1]["content"])
+                answered = interactions.step(trajectory.running.environment, trajectory.messages[-1]["content"])
             elif env.has_interact:
                 answered = interactions(trajectory.messages)
             else:  # no call, and nobody else to answer: the episode ends
@@ -206,7 +207,7 @@ def continue_rollout(
             paused = generation.finish_reason == "abort" and pause is not None and pause.requested.is_set()
             _append_generation(trajectory, generation, tokenizer, stop_ids, max_length, version, paused,
                                length_ends_episode=not stepping)
-            if paused and not trajectory.done and trajectory.turn_start >= 0:
+            if paused and not trajectory.done and trajectory.running.generating_from >= 0:
                 return None
             if tool_calling is not None:
                 _parse_calls(trajectory, tool_calling.parser)
@@ -228,10 +229,10 @@ def continue_rollout(
                     trajectory.errors.append(result.error)
                 finish(trajectory)
 
-            return _then(interactions.step(trajectory.environment, trajectory.messages[-1]["content"]), stepped)
+            return _then(interactions.step(trajectory.running.environment, trajectory.messages[-1]["content"]), stepped)
 
         last_steps: list[Future] = []
-        first = [ask_tool(t) if t.stage == "interact" else _turn(t, params, max_length) for t in active]
+        first = [ask_tool(t) if t.running.stage == "interact" else _turn(t, params, max_length) for t in active]
         engine.generate_turns(first, params, on_generation, max_turns)  # also with none: a lockstep engine's call
         for step in last_steps:
             step.result()
@@ -247,9 +248,9 @@ def _parse_calls(trajectory: Trajectory, parser: ToolParser) -> None:
         return
     calls = []
     for call in parsed.calls:
-        calls.append({"id": parser.call_id(trajectory.calls_made), "name": call.name, "arguments": call.arguments,
-                      "error": call.error})
-        trajectory.calls_made += 1
+        calls.append({"id": parser.call_id(trajectory.running.calls_made), "name": call.name,
+                      "arguments": call.arguments, "error": call.error})
+        trajectory.running.calls_made += 1
     unparsed = [call.raw for call in parsed.calls if call.error is not None]
     message["content"] = "\n".join([parsed.content, *unparsed]).strip() if unparsed else parsed.content
     well_formed = [call for call in calls if call["error"] is None]
@@ -257,16 +258,17 @@ def _parse_calls(trajectory: Trajectory, parser: ToolParser) -> None:
         message["tool_calls"] = [{"id": call["id"], "type": "function",
                                   "function": {"name": call["name"], "arguments": call["arguments"]}}
                                  for call in well_formed]
-    trajectory.pending_calls = calls
+    trajectory.running.pending_calls = calls
 
 
 def _run_calls(interactions: Interactions, trajectory: Trajectory, max_calls: int) -> Future:
     """A future of the `EnvResult` of the trajectory's pending calls: one tool message per call, in order
     (a call that did not parse, or past `max_calls`, is answered with what was wrong), and the first
     infrastructure error, if any (then the episode ends)."""
-    calls = trajectory.pending_calls
+    calls = trajectory.running.pending_calls
     runnable = [call for call in calls[:max_calls] if call["error"] is None]
-    results = interactions.call_tools([(call["name"], call["arguments"]) for call in runnable], trajectory.environment)
+    results = interactions.call_tools([(call["name"], call["arguments"]) for call in runnable],
+                                      trajectory.running.environment)
 
     def tool_messages(outcomes: list[ToolResult]) -> EnvResult:
         by_id = {call["id"]: outcome for call, outcome in zip(runnable, outcomes)}
@@ -283,7 +285,7 @@ def _run_calls(interactions: Interactions, trajectory: Trajectory, max_calls: in
                                               "error": outcome.error is not None, "seconds": outcome.seconds})
             messages.append({"role": "tool", "tool_call_id": call["id"], "name": call["name"] or "unknown",
                              "content": outcome.content})
-        trajectory.pending_calls = []
+        trajectory.running.pending_calls = []
         return EnvResult(messages, env_error)
 
     return _then(results, tool_messages)
@@ -293,14 +295,14 @@ def _start_environments(env: Env, trajectories: list[Trajectory], tokenizer, app
     """A stateful environment for each trajectory that has none yet (`reset` gets the row's messages and
     answer); an observation `reset` returns is appended to the prompt as a user message (nothing has been
     generated yet: the prompt is rendered again). One that fails to start is an env error."""
-    new = [t for t in trajectories if t.environment is None and t.turns == 0 and t.turn_start < 0]
-    rows = [{**((t.row or {}) if env.steps_environment else {}), "messages": copy.deepcopy(t.messages),
+    new = [t for t in trajectories if t.running.environment is None and t.turns == 0 and t.running.generating_from < 0]
+    rows = [{**((t.running.row or {}) if env.steps_environment else {}), "messages": copy.deepcopy(t.messages),
              "answer": t.answer} for t in new]  # make_env(row) gets the row's columns; ENVIRONMENT.reset its own
     for trajectory, result in zip(new, env.start_environments(rows)):
         if result.error is not None:
             trajectory.errors.append(result.error)
             continue
-        trajectory.environment, observation = result.value
+        trajectory.running.environment, observation = result.value
         if observation:
             trajectory.messages += ([{"role": "user", "content": observation}] if isinstance(observation, str)
                                     else copy.deepcopy(observation))
@@ -313,9 +315,11 @@ def _start_environments(env: Env, trajectories: list[Trajectory], tokenizer, app
 
 def _turn(trajectory: Trajectory, params: SamplingParams, max_length: int | None) -> Turn:
     """The trajectory's next generation; inside a paused turn, the rest of it, from the same random stream."""
-    drawn = len(trajectory.token_ids) - trajectory.turn_start if trajectory.turn_start >= 0 else 0
+    running = trajectory.running
+    drawn = len(trajectory.token_ids) - running.generating_from if running.generating_from >= 0 else 0
     room = min(params.max_new_tokens - drawn, _room(trajectory, max_length))
-    return Turn(trajectory.token_ids[trajectory.sequence_start:], room, stream=trajectory.stream if drawn else None, offset=drawn)
+    return Turn(trajectory.token_ids[trajectory.sequence_start:], room, stream=running.stream if drawn else None,
+                offset=drawn)
 
 
 def _then(future: Future, fn: Callable[[Any], Any]) -> Future:
@@ -349,18 +353,19 @@ def _append_generation(
     room = _room(trajectory, max_length)
     cut = len(tokens) > room
     tokens, logprobs = tokens[:room], logprobs[:room]
-    if trajectory.turn_start < 0:
-        trajectory.turn_start = len(trajectory.token_ids)
+    running = trajectory.running
+    if running.generating_from < 0:
+        running.generating_from = len(trajectory.token_ids)
     trajectory.token_ids += tokens
     trajectory.action_mask += [1] * len(tokens)
     trajectory.logprobs += logprobs
     if len(trajectory.versions) == len(trajectory.token_ids) - len(tokens):  # tracked since the prompt
         trajectory.versions += [version] * len(tokens)
     if paused and not cut and _room(trajectory, max_length) > 0:
-        trajectory.stream = generation.stream
+        running.stream = generation.stream
         return
-    tokens = trajectory.token_ids[trajectory.turn_start:]
-    trajectory.turn_start, trajectory.stream = -1, None
+    tokens = trajectory.token_ids[running.generating_from:]
+    running.generating_from, running.stream = -1, None
     trajectory.turns += 1
     # The message holds what the model said; the template adds the end-of-turn token again.
     # A stop token id, or another special token the engine stops on (a generation config's eos).
@@ -440,22 +445,30 @@ def assign_rewards(env: Env | None, trajectories: list[Trajectory]) -> None:
     """Score the trajectories with the env's `reward_fn` (concurrently), or their stateful environments'
     `reward()` where the env file has no `reward_fn`; a failed call leaves the reward None and its error is
     kept on the trajectory. A trajectory that already failed (an env error, an aborted generation) is not
-    scored: its outcome is not the policy's. Their stateful environments are closed and dropped then.
-    Without an env file (on-policy distillation alone) nothing is scored."""
-    if env is None:
-        return
+    scored: its outcome is not the policy's. Their stateful environments are closed then, and their episodes
+    are over (`running` None). Without an env file (on-policy distillation alone) nothing is scored."""
+    if env is not None:
+        _score(env, trajectories)
+    for trajectory in trajectories:
+        trajectory.running = None
+
+
+def _score(env: Env, trajectories: list[Trajectory]) -> None:
     to_score = [t for t in trajectories if not t.errors]
-    by_instance = [t for t in to_score if t.environment is not None and env.scores_with_environment]
-    by_function = [t for t in to_score if not (t.environment is not None and env.scores_with_environment)]
+    by_instance = [t for t in to_score if _environment(t) is not None and env.scores_with_environment]
+    by_function = [t for t in to_score if not (_environment(t) is not None and env.scores_with_environment)]
     results = env.rewards([t.messages for t in by_function], [t.answer for t in by_function]) if by_function else []
-    results += env.environment_rewards([t.environment for t in by_instance]) if by_instance else []
+    results += env.environment_rewards([_environment(t) for t in by_instance]) if by_instance else []
     for trajectory, result in zip(by_function + by_instance, results):
         trajectory.reward = result.value
         if result.error is not None:
             trajectory.errors.append(result.error)
-    with_environments = [t for t in trajectories if t.environment is not None]
+    with_environments = [t for t in trajectories if _environment(t) is not None]
     for trajectory in with_environments:
-        trajectory.step_rewards = list(getattr(trajectory.environment, "rewards", []))  # a gym-style episode's
-    env.close_environments([t.environment for t in with_environments])
-    for trajectory in with_environments:
-        trajectory.environment = None
+        trajectory.step_rewards = list(getattr(_environment(trajectory), "rewards", []))  # a gym-style episode's
+    env.close_environments([_environment(t) for t in with_environments])
+
+
+def _environment(trajectory: Trajectory) -> Any:
+    """The trajectory's stateful environment, if it has one (none once its episode is over)."""
+    return trajectory.running.environment if trajectory.running is not None else None

@@ -12,6 +12,7 @@ run continues them where they stood.
 """
 
 
+from rl2.config import RolloutConfig
 from rl2.distributed.process_group import all_gather_objects, rank, rank_slice
 from rl2.engines import SamplingParams
 from rl2.metrics import PhaseTimer
@@ -21,22 +22,23 @@ from rl2.rollout.trajectory import Trajectory
 Group = list[Trajectory]
 
 
-def partial_extra_prompts(config) -> int:
+def partial_extra_prompts(rollout: RolloutConfig, prompts_per_step: int) -> int:
     """`rollout.partial_extra_prompts`, or a quarter of a step's prompts (at least 1)."""
-    return config.rollout.partial_extra_prompts or max(1, config.prompts_per_step // 4)
+    return rollout.partial_extra_prompts or max(1, prompts_per_step // 4)
 
 
-def partial_rollout(config, service) -> "PartialRollout | None":
-    """With `rollout.partial_rollout`: the `PartialRollout` of `service`'s engine, for a run's config."""
-    if not config.rollout.partial_rollout:
+def partial_rollout(service, rollout: RolloutConfig, prompts_per_step: int,
+                    responses_per_prompt: int) -> "PartialRollout | None":
+    """With `rollout.partial_rollout`: the `PartialRollout` of `service`'s engine, `prompts_per_step` groups a
+    step of `responses_per_prompt` trajectories each."""
+    if not rollout.partial_rollout:
         return None
-    generated, per_step = config.generated_per_prompt, config.prompts_per_step
+    extra = partial_extra_prompts(rollout, prompts_per_step)
     if getattr(service, "agent", None) is not None:  # agents go on where they run: each rank keeps its own
         from rl2.rollout.agent_partial import AgentPartialRollout
 
-        return AgentPartialRollout(service, per_step, partial_extra_prompts(config), config.rollout.partial_max_age,
-                                   generated)
-    return PartialRollout(service, per_step, partial_extra_prompts(config), config.rollout.partial_max_age, generated)
+        return AgentPartialRollout(service, prompts_per_step, extra, rollout.partial_max_age, responses_per_prompt)
+    return PartialRollout(service, prompts_per_step, extra, rollout.partial_max_age, responses_per_prompt)
 
 
 class GroupTarget:
@@ -77,13 +79,13 @@ class PartialRollout:
         return max(self.target + self.extra - len(self.carried), 0)
 
     def generate(self, prompts: list[dict], params: SamplingParams, seed: int, version: int,
-                 timer: PhaseTimer | None = None, release_after: bool = False) -> list[Trajectory]:
+                 timer: PhaseTimer | None = None, sleep_after: bool = False) -> list[Trajectory]:
         """Continue the carried-over groups and start `prompts` under policy `version`; return the scored
         trajectories of the groups that train (every rank's, in rank order), and keep the others."""
         timer = timer or PhaseTimer()
         service = self.service
         fresh = new_trajectories(prompts, self.responses_per_prompt, self.next_group, version,
-                                 service.config.rollout.trajectory_format == "per_turn")
+                                 service.rollout_config.trajectory_format == "per_turn")
         self.next_group += len(prompts)
         groups = self.carried + [fresh[i:i + self.responses_per_prompt]
                                  for i in range(0, len(fresh), self.responses_per_prompt)]
@@ -98,10 +100,10 @@ class PartialRollout:
         with timer("rollout"):
             if not target.reached():
                 continue_rollout(service.engine, service.env, service.tokenizer, [t for g in mine for t in g], params,
-                                 service.config.rollout.max_turns, service.max_length,
-                                 service.config.data.apply_chat_template, version, target.done, pause,
+                                 service.rollout_config.max_turns, service.max_length,
+                                 service.data_config.apply_chat_template, version, target.done, pause,
                                  service.tool_calling)
-        if release_after:
+        if sleep_after:
             with timer("sync"):  # the engine hands its memory back: part of the sync
                 service.engine.sleep()
         trained_ids = target.finished[:target.target] + [g for g in target.finished[target.target:] if g in must_finish]

@@ -17,14 +17,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer
 
-from rl2.config import Config
+from rl2.config import ActorConfig, DataConfig, RolloutConfig
 from rl2.distributed.placement import Placement, broadcast_object, broadcast_tensor, recv_object, send_object
 from rl2.distributed.process_group import barrier, broadcast_from_rank0, is_rank0
 from rl2.engines import SamplingParams
@@ -32,7 +31,7 @@ from rl2.metrics import PhaseTimer
 from rl2.rollout.env import EnvArgs, env_tools, load_env_file
 from rl2.rollout.interface import Draw
 from rl2.rollout.partial import partial_extra_prompts
-from rl2.rollout.service import RolloutRecords, RolloutService
+from rl2.rollout.service import RolloutRecords, RolloutService, trajectory_max_length
 from rl2.rollout.trajectory import Trajectory
 from rl2.lora import is_lora
 from rl2.rollout.direct_push import DirectPush
@@ -57,23 +56,24 @@ class Batch:
     idle: float = 0.0  # seconds the rollout ranks waited for this request
 
 
-class RolloutServer:
-    """A rollout rank's loop (see the module): one `RolloutService` per rank, requests in order. Its logs are
-    warnings and errors only, each line naming the rollout rank."""
+def log_as_rollout_rank(placement: Placement) -> None:
+    """A rollout rank's logs (set before its service is built): warnings and errors only, each line naming
+    the rollout rank."""
+    rl2_logger = logging.getLogger("rl2")
+    rl2_logger.setLevel(logging.WARNING)
+    if not rl2_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"%(asctime)s [rollout {placement.link_rank - 1}] %(name)s: "
+                                               "%(message)s", "%H:%M:%S"))
+        rl2_logger.addHandler(handler)
+        rl2_logger.propagate = False
 
-    def __init__(self, config: Config, placement: Placement):
-        self.config, self.placement = config, placement
-        rl2_logger = logging.getLogger("rl2")
-        rl2_logger.setLevel(logging.WARNING)
-        if not rl2_logger.handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter(f"%(asctime)s [rollout {placement.link_rank - 1}] %(name)s: "
-                                                   "%(message)s", "%H:%M:%S"))
-            rl2_logger.addHandler(handler)
-            rl2_logger.propagate = False
-        torch.manual_seed(config.trainer.seed)
-        tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer_name or config.actor.model_name)
-        self.service = RolloutService(config, tokenizer)
+
+class RolloutServer:
+    """A rollout rank's loop (see the module): the rank's `RolloutService`, requests in order."""
+
+    def __init__(self, service: RolloutService, placement: Placement):
+        self.service, self.placement = service, placement
         # With partial rollout the rollout ranks keep the unfinished groups, and the prompts not started yet.
         self.partial = self.service.partial
         self.waiting: list[dict] = []
@@ -96,7 +96,7 @@ class RolloutServer:
                 self.waiting = request["waiting"]
                 reply = None
             elif kind == "evaluate":
-                reply = service.evaluate(request["prompts"], request["seed"], request["name"], request["require_scores"])
+                reply = service.evaluate(request["prompts"], request["seed"], request["name"], request["require_rewards"])
             elif kind == "roc_penalties":
                 reply = [service.roc_penalties(request["trajectories"])]
             elif kind == "weights":
@@ -130,7 +130,7 @@ class RolloutServer:
         those carried over and those started now (the request's prompts wait their turn when more came than the
         groups in flight leave room for), and the partial rollout's metrics."""
         if self.partial is None:
-            trajectories = self.service.generate(request["prompts"], request["params"], request["responses"],
+            trajectories = self.service.generate(request["prompts"], request["params"], request["responses_per_prompt"],
                                                  request["seed"], version=request["version"])
             return {"trajectories": trajectories, "metrics": {}}
         self.waiting += request["prompts"]
@@ -165,23 +165,26 @@ class RemoteRollout(RolloutRecords):
     `rollout.max_staleness` + 1 batches in flight (`next_batch`). Collective over the trainers: every trainer
     calls each method; only the first talks to the rollout ranks."""
 
-    def __init__(self, config: Config, placement: Placement):
-        super().__init__(config)
+    def __init__(self, rollout: RolloutConfig, data: DataConfig, actor: ActorConfig, placement: Placement, *,
+                 seed: int, engine_dtype: str, prompts_per_step: int, dump_dir: str | None = None):
+        """The sections and values of `RolloutService`'s that the trainers' side reads."""
+        super().__init__(rollout, trajectory_max_length(data, actor), dump_dir)
         self.placement = placement
+        self.seed, self.engine_dtype = seed, engine_dtype
         self.first = placement.link is not None
-        self.depth = config.rollout.max_staleness + 1
+        self.depth = rollout.max_staleness + 1
         self.in_flight: list[Batch] = []
         self.faults: dict[str, float] = {}
         self.version = 0  # of the weights the rollout ranks hold once the requests sent so far are served
         self.timing = {"trainer_idle": 0.0, "rollout_idle": 0.0, "push": 0.0, "push_gb": 0.0}
         self.sent = 0  # requests sent: the next one's id
-        self.prompts_per_step = config.prompts_per_step
-        self.partial_extra = partial_extra_prompts(config) if config.rollout.partial_rollout else 0
+        self.prompts_per_step = prompts_per_step
+        self.partial_extra = partial_extra_prompts(rollout, prompts_per_step) if rollout.partial_rollout else 0
         self.requested_prompts = False  # whether prompts went to the rollout ranks already (in this run or the one resumed)
         self.arrived: dict[int, object] = {}  # replies taken from the queue before they were asked for
         # SGLang engines take the weights straight from the first trainer, over a group of their own
         # (`rl2.rollout.direct_push`); the hf engines over `link`.
-        self.direct = DirectPush() if config.rollout.engine == "sglang" and self.first else None
+        self.direct = DirectPush() if rollout.engine == "sglang" and self.first else None
         if self.first:
             self.requests: queue.Queue = queue.Queue()
             self.replies: queue.Queue = queue.Queue()
@@ -232,23 +235,24 @@ class RemoteRollout(RolloutRecords):
 
     # ---- the pipeline ---------------------------------------------------------------------------
 
-    def fill(self, next_step: int, prompts_for: Callable[[int], list[dict]], responses: int, seed: int) -> None:
+    def fill(self, next_step: int, draw: Draw, responses_per_prompt: int, seed: int) -> None:
         """Request batches for the steps from `next_step` on until `rollout.max_staleness` + 1 are in flight;
-        `prompts_for(n)` draws the next `n` prompts (in step order): a step's, and with partial rollout
+        `draw(n)` gives the next `n` prompts (in step order): a step's, and with partial rollout
         `rollout.partial_extra_prompts` more with the run's first request (the groups in flight beyond a step's)."""
         step = self.in_flight[-1].step + 1 if self.in_flight else next_step
         while len(self.in_flight) < self.depth:
             count = self.prompts_per_step + (self.partial_extra if not self.requested_prompts else 0)
             self.requested_prompts = True
-            request = {"kind": "generate", "prompts": prompts_for(count), "params": self.train_params,
-                       "responses": responses, "seed": seed + step, "version": self.version}
+            request = {"kind": "generate", "prompts": draw(count), "params": self.train_params,
+                       "responses_per_prompt": responses_per_prompt, "seed": seed + step, "version": self.version}
             self.in_flight.append(Batch(step, self.version, self._request(request)))
             step += 1
 
-    def next_batch(self, step: int, draw: Draw, responses: int, timer: PhaseTimer) -> tuple[list[Trajectory], dict]:
+    def next_batch(self, step: int, draw: Draw, responses_per_prompt: int,
+                   timer: PhaseTimer) -> tuple[list[Trajectory], dict]:
         """Step `step`'s batch: the one the rollout ranks generated `rollout.max_staleness` versions ago (the
         pipeline filled up to step + max_staleness first, prompts `draw`n in step order), and its metrics."""
-        self.fill(step, draw, responses, self.config.trainer.seed)
+        self.fill(step, draw, responses_per_prompt, self.seed)
         batch = self.oldest_batch(timer)
         return batch.trajectories, self.pipeline_metrics(batch, step - 1)
 
@@ -269,11 +273,12 @@ class RemoteRollout(RolloutRecords):
             batch.metrics = reply["metrics"]
 
     def generate(self, prompts: list[dict], params: SamplingParams, responses_per_prompt: int, seed: int,
-                 timer: PhaseTimer | None = None, release_after: bool = False, version: int = 0) -> list[Trajectory]:
+                 timer: PhaseTimer | None = None, sleep_after: bool = False, version: int = 0) -> list[Trajectory]:
         """One batch, right away (outside the pipeline): the synchronous `RolloutService.generate`."""
         with (timer or PhaseTimer())("rollout"):
             request_id = self._request({"kind": "generate", "prompts": prompts, "params": params,
-                                        "responses": responses_per_prompt, "seed": seed, "version": self.version})
+                                        "responses_per_prompt": responses_per_prompt, "seed": seed,
+                                        "version": self.version})
             reply = self._reply(request_id)
         self.faults = reply["faults"]
         return reply["trajectories"]
@@ -282,17 +287,16 @@ class RemoteRollout(RolloutRecords):
         """Push `model`'s weights (policy `version`: the updates it has had) to the rollout ranks, in buckets
         (every trainer joins the gathers); they take them after the requests sent before."""
         start = time.perf_counter()
-        config = self.config
-        dtype = config.engine_dtype
-        if config.rollout.engine == "sglang":
+        rollout, dtype = self.rollout_config, self.engine_dtype
+        if rollout.engine == "sglang":
             self._sync_direct(model, dtype)
             self.version = version
             self.timing["push"] += time.perf_counter() - start
             return
         buckets, tensors, bucket, flat, size = [], [], [], [], 0
-        limit = config.rollout.sync_bucket_mb * 2**20
+        limit = rollout.sync_bucket_mb * 2**20
         adapted_only = is_lora(model)  # the rollout ranks' hf engines keep their weights: LoRA sends what changed
-        for name, tensor in iter_full_weights(model, dtype, config.rollout.sync_bucket_mb, adapted_only):
+        for name, tensor in iter_full_weights(model, dtype, rollout.sync_bucket_mb, adapted_only):
             if not self.first:
                 continue
             bucket.append((name, tuple(tensor.shape), tensor.dtype))
@@ -316,7 +320,7 @@ class RemoteRollout(RolloutRecords):
         request, so the trainers need not wait for the batches in flight before it."""
         names, dtypes, shapes, tensors = [], [], [], []
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        for name, tensor in engine_named_tensors(iter_full_weights(model, dtype, self.config.rollout.sync_bucket_mb), tied):
+        for name, tensor in engine_named_tensors(iter_full_weights(model, dtype, self.rollout_config.sync_bucket_mb), tied):
             if self.first:
                 names.append(name)
                 dtypes.append(str(tensor.dtype).removeprefix("torch."))
@@ -328,19 +332,19 @@ class RemoteRollout(RolloutRecords):
                        "group": self.direct.name}, tensors)
         self.timing["push_gb"] += sum(t.numel() * t.element_size() for t in tensors) / 1e9
 
-    def evaluate(self, prompts: list[dict], seed: int, name: str, require_scores: bool = False) -> dict[str, float]:
+    def evaluate(self, prompts: list[dict], seed: int, name: str, require_rewards: bool = False) -> dict[str, float]:
         """`RolloutService.evaluate` on the rollout ranks, after the requests sent before."""
         return self._reply(self._request({"kind": "evaluate", "prompts": prompts, "seed": seed, "name": name,
-                                          "require_scores": require_scores}))
+                                          "require_rewards": require_rewards}))
 
     @property
     def tools(self) -> dict:
         """The env file's tools by name, for the prompts' chat template (the file is loaded here for them;
         the rollout ranks run them)."""
-        if self.config.rollout.env_path is None:
+        path = self.rollout_config.env_path
+        if path is None:
             return {}
-        path = self.config.rollout.env_path
-        return env_tools(load_env_file(path, EnvArgs(self.config.rollout.env_args, path)), path)
+        return env_tools(load_env_file(path, EnvArgs(self.rollout_config.env_args, path)), path)
 
     def roc_penalties(self, trajectories: list[Trajectory]) -> list[float]:
         return self._reply(self._request({"kind": "roc_penalties", "trajectories": trajectories}))[0]

@@ -30,7 +30,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rl2.compat.rl2_head_api import Sample
-from rl2.config import Config
+from rl2.config import DataConfig, RolloutConfig
 from rl2.engines import Engine, SamplingParams
 from rl2.rollout.env_file import EnvArgs
 from rl2.rollout.rl2_head_worker import load_generate, run_episodes
@@ -77,11 +77,12 @@ class RL2HeadFile:
             self._workers.close()
 
 
-def rl2_rollout_config(config: Config, params: SamplingParams, responses_per_prompt: int, train: bool = True
-                       ) -> DictConfig:
+def rl2_rollout_config(data: DataConfig, rollout: RolloutConfig, save_dir: str | None, params: SamplingParams,
+                       responses_per_prompt: int, train: bool = True) -> DictConfig:
     """The `config` RL2 passes to `generate`: its `rollout.train` (or `rollout.test`) section, with the keys
-    RL2's ppo.yaml gives it, filled from rl2's `config` and the rollout's sampling `params`."""
-    data, section = config.data, "train" if train else "test"
+    RL2's ppo.yaml gives it, filled from rl2's `data` and `rollout` sections, the run's `save_dir`
+    (`actor.save_dir`) and the rollout's sampling `params`."""
+    section = "train" if train else "test"
     return OmegaConf.create({
         "path": data.path if train else data.test_path,
         "prompt_key": data.prompt_key,
@@ -91,9 +92,9 @@ def rl2_rollout_config(config: Config, params: SamplingParams, responses_per_pro
         "responses_per_prompt": responses_per_prompt,
         "sampling_params": {"temperature": params.temperature, "max_new_tokens": params.max_new_tokens,
                             "stop": list(params.stop) or None},
-        "dynamic_filtering": train and config.rollout.dynamic_filtering,
-        "partial_rollout": train and config.rollout.partial_rollout,
-        "save_dir": os.path.join(config.actor.save_dir or "ckpts", section),
+        "dynamic_filtering": train and rollout.dynamic_filtering,
+        "partial_rollout": train and rollout.partial_rollout,
+        "save_dir": os.path.join(save_dir or "ckpts", section),
     })
 
 

@@ -8,6 +8,48 @@ from typing import Any
 
 
 @dataclass
+class RunningState:
+    """Where a trajectory's episode stands while it is rolled out (a partial rollout pauses it here)."""
+
+    stage: str = "generate"  # what it does next: `generate` a turn, or `interact` (call its tool)
+    # Where the turn being generated began in `token_ids` (-1: none is being generated); a paused turn
+    # goes on from there, drawing from `stream` (the random stream its tokens came from).
+    generating_from: int = -1
+    stream: tuple[int, int] | None = None
+    # Native function calling: the last turn's calls not yet answered ({"id", "name", "arguments",
+    # "error"}), and how many calls the episode made (the parser numbers them).
+    pending_calls: list[dict] = field(default_factory=list)
+    calls_made: int = 0
+    # A stateful environment's instance (an env file's ENVIRONMENT, or a gym-style `make_env`'s), from the
+    # episode's start until it is scored.
+    environment: Any = None
+    # The dataset row's other columns, for a gym-style environment's `make_env(row)`; None once it started.
+    row: dict | None = None
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "RunningState":
+        stream, environment = fields.get("stream"), fields.get("environment")
+        if isinstance(environment, str):  # pickled by `state()`
+            environment = pickle.loads(base64.b64decode(environment))
+        return cls(**{**fields, "stream": tuple(stream) if stream is not None else None, "environment": environment})
+
+    def state(self) -> dict:
+        """The fields as JSON holds them; a stateful environment pickled."""
+        environment, self.environment = self.environment, None
+        try:
+            fields = dataclasses.asdict(self)
+        finally:
+            self.environment = environment
+        if environment is not None:
+            fields["environment"] = base64.b64encode(pickle.dumps(environment)).decode()
+        return fields
+
+
+# A checkpoint written before `RunningState` holds its fields in the trajectory's, `generating_from` as `turn_start`.
+OLD_RUNNING_FIELDS = ("stage", "turn_start", "stream", "pending_calls", "calls_made", "environment", "row")
+
+
+@dataclass
 class Trajectory:
     """One episode: the conversation, its token ids, which tokens the policy generated, and its reward."""
 
@@ -24,21 +66,11 @@ class Trajectory:
     errors: list[str] = field(default_factory=list)
     # Per token, the policy version that sampled it (-1 on prompt and tool tokens); empty where untracked.
     versions: list[int] = field(default_factory=list)
-    # A partial rollout's place in the episode: what it does next (`generate` a turn, or `interact`: call
-    # its tool), where the turn being generated began (-1: none begun) and the random stream it draws from.
-    stage: str = "generate"
-    turn_start: int = -1
-    stream: tuple[int, int] | None = None
     started: int = 0  # the policy version when the episode began
-    # Native function calling: the tool schemas the prompt was rendered with, the calls of the last turn
-    # not yet answered ({"id", "name", "arguments", "error"}), how many calls the episode made, and per
-    # call run {"name", "error", "seconds"} for the `tools/*` metrics.
+    # Native function calling: the tool schemas the prompt was rendered with, and per call run
+    # {"name", "error", "seconds"} for the `tools/*` metrics.
     tools: list[dict] | None = None
-    pending_calls: list[dict] = field(default_factory=list)
-    calls_made: int = 0
     tool_stats: list[dict] = field(default_factory=list)
-    # A stateful environment's instance (an env file's ENVIRONMENT), from the episode's start until it is scored.
-    environment: Any = None
     # rollout.trajectory_format=per_turn: where each turn's own sequence (its prompt as the chat template
     # renders the conversation so far, then its generation) begins in `token_ids`; None: one sequence.
     turn_starts: list[int] | None = None
@@ -48,26 +80,29 @@ class Trajectory:
     step_rewards: list[float] = field(default_factory=list)
     # The row's `data_source` (the task or dataset it comes from): test metrics per source; None: none.
     source: str | None = None
-    # The dataset row's other columns, for a gym-style environment's `make_env(row)`; None: not kept.
-    row: dict | None = None
+    # The episode's place while it is rolled out, until it is scored (`RunningState`); None after, and for
+    # the trajectories made whole (an agent's, an RL2 HEAD file's).
+    running: RunningState | None = None
 
     @classmethod
     def from_dict(cls, fields: dict) -> "Trajectory":
-        """A trajectory from its fields as JSON gives them back (`state()`, then a round trip)."""
-        stream, environment = fields.get("stream"), fields.get("environment")
-        if isinstance(environment, str):  # pickled by `state()`
-            environment = pickle.loads(base64.b64decode(environment))
-        return cls(**{**fields, "stream": tuple(stream) if stream is not None else None, "environment": environment})
+        """A trajectory from its fields as JSON gives them back (`state()`, then a round trip); also from a
+        checkpoint written before `running`, whose fields were the trajectory's own then."""
+        fields = dict(fields)
+        running = fields.pop("running", None)
+        flat = {name: fields.pop(name) for name in OLD_RUNNING_FIELDS if name in fields}
+        if flat:
+            running = {("generating_from" if name == "turn_start" else name): value for name, value in flat.items()}
+        return cls(**fields, running=RunningState.from_dict(running) if running is not None else None)
 
     def state(self) -> dict:
         """The trajectory's fields as JSON holds them (a checkpoint); a stateful environment pickled."""
-        environment, self.environment = self.environment, None
+        running, self.running = self.running, None
         try:
             fields = dataclasses.asdict(self)
         finally:
-            self.environment = environment
-        if environment is not None:
-            fields["environment"] = base64.b64encode(pickle.dumps(environment)).decode()
+            self.running = running
+        fields["running"] = running.state() if running is not None else None
         return fields
 
     @property

@@ -270,7 +270,7 @@ class OpenAIServer:
             rollout.served[slot] = rollout.served.get(slot, 0) + n
             return
         if session.requests_started + n > rollout.max_requests:
-            session.at_request_limit = True  # the episode ends here, scored as it stands (`score_unrewarded`)
+            session.at_request_limit = True  # the episode ends here, scored as it stands (`score_unscored`)
             left = rollout.max_requests - session.requests_started
             more = f" ({left} left, {n} asked with 'n')" if 0 < left < n else ""
             raise _Refused(400, "invalid_request_error",

@@ -26,8 +26,8 @@ from rl2.data.conversations import RLDataset
 from rl2.data.rows import Columns, write_jsonl
 from rl2.distributed.process_group import is_rank0
 from rl2.rollout.rollout_metrics import correct_by_prompt
-from rl2.rollout.service import RolloutService
 from rl2.trainer.base import run_main, start_run
+from rl2.trainer.ppo_eval import rollout_service
 
 logger = logging.getLogger("rl2.trainer.difficulty_filter")
 
@@ -44,7 +44,7 @@ class DifficultyFilter:
         check_config(config, "filter")
         self.config = config
         tokenizer = start_run(config)
-        self.rollout = RolloutService(config, tokenizer)
+        self.rollout = rollout_service(config, tokenizer)
         self.dataset = RLDataset(config.data.path, tokenizer, self.rollout.max_length,
                                  columns=Columns.from_config(config.data), tools=self.rollout.tools)
 
@@ -57,7 +57,7 @@ class DifficultyFilter:
         for start in range(0, len(dataset), chunk):
             prompts = [dataset[i] for i in range(start, min(start + chunk, len(dataset)))]
             trajectories = self.rollout.generate(prompts, self.rollout.train_params, n, config.trainer.seed + start)
-            self.rollout.require_scores(trajectories)
+            self.rollout.check_rewards(trajectories)
             pass_rates += correct_by_prompt(trajectories, n).nanmean(dim=1).tolist()
             progress.update(len(prompts))
         progress.close()

@@ -9,7 +9,9 @@ import dataclasses
 import logging
 import os
 
+import torch
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from rl2.config import Config, ConfigError, LoraConfig
 from rl2.config_checks import check_config
@@ -21,11 +23,10 @@ from rl2.metrics import PhaseTimer, read_metrics, run_summary
 from rl2.distributed.placement import ROLLOUT, Placement, init_placement
 from rl2.rollout.interface import Rollout
 from rl2.rollout.partial import partial_extra_prompts
-from rl2.rollout.remote import RemoteRollout, RolloutServer
+from rl2.rollout.remote import RemoteRollout, RolloutServer, log_as_rollout_rank
 from rl2.rollout.rollout_metrics import rollout_metrics
-from rl2.rollout.service import RolloutService
 from rl2.trainer.base import Trainer, run_main
-from rl2.trainer.ppo_eval import PPOEvaluator
+from rl2.trainer.ppo_eval import PPOEvaluator, rollout_service, trajectory_dump_dir
 from rl2.trainer.ppo_stages import (
     StepModels,
     add_advantages,
@@ -60,7 +61,8 @@ class PPOTrainer(Trainer):
         # The env file and the engine before any trained model: a broken env file fails first, and a
         # GPU engine sizes its KV cache from the memory still free.
         # With split placement (`placement`: this rank trains) the rollout ranks serve the batches.
-        self.rollout: Rollout = RemoteRollout(config, placement) if placement else RolloutService(config, self.tokenizer)
+        self.rollout: Rollout = (remote_rollout(config, placement) if placement
+                                 else rollout_service(config, self.tokenizer))
         prompts_per_rollout = config.prompts_per_step
         max_length = self.rollout.max_length
         self.train_data, self.test_data = self.load_datasets(RLDataset, max_length, self.rollout.tools)
@@ -138,7 +140,7 @@ class PPOTrainer(Trainer):
 
     def check_partial_rollout(self, prompts_per_rollout: int) -> None:
         """With `rollout.partial_rollout`: the groups kept in flight fit in the training prompts."""
-        extra = partial_extra_prompts(self.config)
+        extra = partial_extra_prompts(self.config.rollout, prompts_per_rollout)
         if prompts_per_rollout + extra > len(self.train_data):
             raise ConfigError(f"rollout.partial_rollout keeps {prompts_per_rollout} + {extra} groups in flight "
                               f"(rollout.partial_extra_prompts), more than the {len(self.train_data)} training prompts")
@@ -153,7 +155,7 @@ class PPOTrainer(Trainer):
         metrics = {**rollout_metrics(trajectories), **self.rollout.fault_metrics(), **rollout_own}
         self.rollout.dump(trajectories, f"step_{step}")
         if plan.scored_by_env:
-            self.rollout.require_scores(trajectories)
+            self.rollout.check_rewards(trajectories)
         trajectories, shaped = shape_rewards(trajectories, plan, step, self.rollout.roc_penalties)
         metrics.update(shaped)
         if all(t.excluded for t in trajectories):
@@ -256,6 +258,21 @@ def check_teacher_tokenizer(tokenizer, config: Config) -> None:
                           f"at id {token[1]}): the teacher must share the student's tokenizer")
 
 
+def remote_rollout(config: Config, placement: Placement) -> RemoteRollout:
+    """The trainers' side of a split placement's rollout, given the sections and values of `config` it reads."""
+    return RemoteRollout(config.rollout, config.data, config.actor, placement, seed=config.trainer.seed,
+                         engine_dtype=config.engine_dtype, prompts_per_step=config.prompts_per_step,
+                         dump_dir=trajectory_dump_dir(config))
+
+
+def serve_rollouts(config: Config, placement: Placement) -> None:
+    """A split placement's rollout rank: its `RolloutServer` serves the trainers until they stop it."""
+    log_as_rollout_rank(placement)  # before the service is built: its warnings name the rank
+    torch.manual_seed(config.trainer.seed)
+    tokenizer = AutoTokenizer.from_pretrained(config.actor.tokenizer_name or config.actor.model_name)
+    RolloutServer(rollout_service(config, tokenizer), placement).serve()
+
+
 def run(config: Config) -> None:
     """Train (or serve rollouts, on a split placement's rollout ranks)."""
     if config.trainer.eval_only:
@@ -267,7 +284,7 @@ def run(config: Config) -> None:
     check_config(config, "ppo")  # before the world splits: a bad value stops every rank at once
     placement = init_placement(config.rollout.ranks)
     if placement.role == ROLLOUT:
-        RolloutServer(config, placement).serve()
+        serve_rollouts(config, placement)
     else:
         PPOTrainer(config, placement).train()
 

@@ -16,6 +16,20 @@ from rl2.trainer.base import Trainer
 logger = logging.getLogger("rl2.trainer.ppo")
 
 
+def trajectory_dump_dir(config: Config) -> str | None:
+    """Where a run dumps its trajectories: `<actor.save_dir>/trajectories` with `trainer.dump_trajectories`."""
+    return os.path.join(config.actor.save_dir, "trajectories") if config.trainer.dump_trajectories else None
+
+
+def rollout_service(config: Config, tokenizer) -> RolloutService:
+    """A run's `RolloutService` (a training run's, with its partial rollout, unless `trainer.eval_only`), given
+    the sections and values of `config` it reads."""
+    return RolloutService(config.rollout, config.data, config.actor, tokenizer, seed=config.trainer.seed,
+                          step_discount=config.adv.gamma, engine_dtype=config.engine_dtype,
+                          prompts_per_step=config.prompts_per_step, responses_per_prompt=config.generated_per_prompt,
+                          dump_dir=trajectory_dump_dir(config), training=not config.trainer.eval_only)
+
+
 class PPOEvaluator(Trainer):
     """Evaluates `actor.model_name` on `data.test_path` with `rollout.test_responses_per_prompt` responses a
     prompt: the engine alone serves the model (nothing trains, no checkpoint)."""
@@ -25,7 +39,7 @@ class PPOEvaluator(Trainer):
     def __init__(self, config: Config):
         check_config(config, "ppo")
         super().__init__(config)
-        self.rollout = RolloutService(config, self.tokenizer)
+        self.rollout = rollout_service(config, self.tokenizer)
         self.test_data = RLDataset(config.data.test_path, self.tokenizer, self.rollout.max_length,
                                    columns=Columns.for_run(config, "rl"), tools=self.rollout.tools)
         logger.info(
@@ -38,7 +52,7 @@ class PPOEvaluator(Trainer):
         is an error); on rank 0 also `<save_dir>/eval.json` and the report printed as one JSON line."""
         config = self.config
         prompts = [self.test_data[i] for i in range(len(self.test_data))]
-        results = self.rollout.evaluate(prompts, config.trainer.seed - 1, "eval", require_scores=True)
+        results = self.rollout.evaluate(prompts, config.trainer.seed - 1, "eval", require_rewards=True)
         if is_rank0():
             report = {"model": config.actor.model_name, "test_path": config.data.test_path,
                       "prompts": len(self.test_data), "k": config.rollout.test_responses_per_prompt, **results}
