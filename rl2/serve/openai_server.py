@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from rl2.engines import Engine, Generation, SamplingParams, Turn
+from rl2.engines import Engine, SamplingParams, Turn
 from rl2.serve.engine_slots import EngineSlots, Served
 from rl2.serve.session import AgentSession, Kept, Plan, RequestError, openai_messages
 
