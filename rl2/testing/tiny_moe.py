@@ -2,9 +2,10 @@
 
 `build_tiny_moe` makes a Qwen3-MoE, OLMoE or gpt-oss model (8 experts, top-2 by default);
 `build_tiny_hybrid` a Qwen3.5 (gated delta-net layers beside full attention, dense MLP) or Qwen3-Next
-(the same mixers with MoE MLPs) model. Random weights; `rl2.testing.tiny.sharpen_weights` is applied so
-that router logits are far from ties and outputs vary. Nothing is downloaded. `save_tiny_moe` writes one,
-with `rl2.testing.tiny`'s tokenizer, to a folder usable as `actor.model_name`.
+(the same mixers with MoE MLPs) model. Random weights, drawn larger than the init (as
+`rl2.testing.tiny.sharpen_weights` does, the experts' stacked weights too) so that router logits are far
+from ties, routing matters and outputs vary. Nothing is downloaded. `save_tiny_moe` writes one, with
+`rl2.testing.tiny`'s tokenizer, to a folder usable as `actor.model_name`.
 """
 
 import torch
@@ -118,7 +119,14 @@ def _build(model_cls: type, config, seed: int, attn_implementation: str | None) 
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
-    return sharpen_weights(model_cls(config).float(), seed=seed)
+    model = sharpen_weights(model_cls(config).float(), seed=seed)
+    with torch.no_grad():  # the experts' stacked [experts, out, in] weights too, so that routing matters
+        generator = torch.Generator().manual_seed(seed + 1)
+        experts = getattr(config, "num_experts", None)
+        for parameter in model.parameters():
+            if parameter.dim() == 3 and parameter.shape[0] == experts:
+                parameter.normal_(0.0, 0.15, generator=generator)
+    return model
 
 
 def save_tiny_moe(out_dir: str, family: str = "qwen3_moe", vocab_size: int = 1024, seed: int = 0, **model_kwargs) -> str:
