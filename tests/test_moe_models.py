@@ -7,7 +7,15 @@ import torch
 from rl2.distributed.packing import pack_micro_batch
 from rl2.kernels.attention import packed_attention_implementation
 from rl2.models.linear_attention import PerSequenceLinearAttention
-from rl2.models.routing_replay import RoutingReplay, route_dtype, routers, routing_mismatch
+from rl2.models.routing_replay import (
+    UNRECORDED,
+    RoutingReplay,
+    packed_routes,
+    route_dtype,
+    routers,
+    routing_mismatch,
+    sequence_routes,
+)
 from rl2.testing.tiny_moe import build_tiny_hybrid, build_tiny_moe
 
 LENGTHS = (5, 9, 9, 16, 3)
@@ -204,6 +212,50 @@ def test_mismatch_is_zero_with_unchanged_weights_and_positive_after_the_routers_
         free.record()
         forward(model, family, inputs)
         assert torch.equal(free.routes()[0], live[0]) and not torch.equal(free.routes()[0], recorded[0])
+
+
+def test_unrecorded_tokens_go_where_the_live_router_sends_them(varlen):
+    model = model_of("olmoe", varlen)
+    seqs = sequences()
+    inputs = packed_inputs(seqs)
+    last = torch.cumsum(torch.tensor([len(s) for s in seqs]), 0) - 1  # each sequence's last token
+    with RoutingReplay(model) as replay:
+        replay.record()
+        with torch.no_grad():
+            forward(model, "olmoe", inputs)
+        recorded = replay.routes().clone()
+        recorded[:, last] = UNRECORDED
+        perturb_routers(model)
+        seen = ExpertsSeen(model)
+        replay.replay(recorded)
+        with torch.no_grad():
+            forward(model, "olmoe", inputs)
+        seen.close()
+        live, mismatch = replay.routes(), replay.mismatch()
+    recorded_tokens = torch.ones(recorded.shape[1], dtype=torch.bool).index_fill(0, last, False)
+    assert torch.equal(seen.routes()[:, recorded_tokens], recorded[:, recorded_tokens].long())
+    assert torch.equal(seen.routes()[:, last], live[:, last].long())
+    assert mismatch == pytest.approx(routing_mismatch(live, recorded)) and mismatch > 0
+    kept = (recorded[:, recorded_tokens].long().unsqueeze(-1) == live[:, recorded_tokens].long().unsqueeze(-2)).any(-1)
+    assert mismatch == pytest.approx(1 - kept.float().mean().item())
+
+
+def test_a_rows_routes_are_its_sequences_routes_alone_and_split_and_pack_as_its_tokens(varlen):
+    model = model_of("qwen3_moe", varlen)
+    seqs = sequences()
+    inputs = packed_inputs(seqs)
+    with RoutingReplay(model) as replay, torch.no_grad():
+        replay.record()
+        forward(model, "qwen3_moe", inputs)
+        row = replay.routes()
+        replay.record()
+        for s in seqs:
+            forward(model, "qwen3_moe", packed_inputs([s]))
+        one_by_one = replay.routes()
+    per_sequence = sequence_routes(row, inputs["cu_seq_lens_q"])
+    assert [r.shape[1] for r in per_sequence] == [len(s) for s in seqs]
+    assert torch.equal(row, one_by_one)  # a sequence's routes do not depend on its row
+    assert torch.equal(packed_routes(per_sequence), row)
 
 
 def test_replay_under_gradient_checkpointing_gives_the_gradients_without_it(varlen):

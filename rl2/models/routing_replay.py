@@ -52,7 +52,9 @@ GATE_WEIGHTS: dict[str, Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.
     "GptOssTopKRouter": _pick_then_softmax,
 }
 
-MODES = ("off", "record", "replay")
+# In replayed routes: a token with no recorded experts (e.g. the last sampled token, which no engine forward
+# routed), routed by the live router.
+UNRECORDED = -1
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
@@ -72,13 +74,27 @@ def route_dtype(num_experts: int) -> torch.dtype:
 def routing_mismatch(live: torch.Tensor, recorded: torch.Tensor) -> float:
     """The fraction of recorded decisions (layer, token, slot) whose expert is not among the live top-k of
     that token and layer: what the live router would have chosen differently. Slot order does not count
-    (the same experts in another order give the same output)."""
+    (the same experts in another order give the same output); UNRECORDED tokens are not decisions."""
     if live.shape != recorded.shape:
         raise ValueError(f"live routes {tuple(live.shape)} and recorded routes {tuple(recorded.shape)} differ in shape")
-    if recorded.numel() == 0:
-        return 0.0
-    kept = (recorded.long().unsqueeze(-1) == live.long().unsqueeze(-2).to(recorded.device)).any(-1)
-    return 1.0 - kept.float().mean().item()
+    recorded = recorded.long()
+    kept = (recorded.unsqueeze(-1) == live.long().unsqueeze(-2).to(recorded.device)).any(-1)
+    decided = ~(recorded == UNRECORDED).any(-1, keepdim=True).expand_as(kept)
+    return 1.0 - kept[decided].float().mean().item() if decided.any() else 0.0
+
+
+def sequence_routes(routes: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
+    """A packed row's routes [layers, tokens, k] -> each sequence's [layers, length, k] (views)."""
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != routes.shape[1]:
+        raise ValueError(f"cu_seqlens {bounds} do not describe routes of {routes.shape[1]} tokens")
+    return [routes[:, start:end] for start, end in zip(bounds[:-1], bounds[1:])]
+
+
+def packed_routes(routes: list[torch.Tensor]) -> torch.Tensor:
+    """Sequences' routes [layers, length, k] -> their packed row's [layers, tokens, k], in that order (as
+    `rl2.distributed.packing.pack_micro_batch` packs their tokens)."""
+    return torch.cat(routes, dim=1)
 
 
 class RoutingReplay:
@@ -116,7 +132,9 @@ class RoutingReplay:
         self._set_mode("record")
 
     def replay(self, routes: torch.Tensor) -> None:
-        """Route the next forwards' tokens to `routes` [layers, tokens, k] (as `routes()` gives them)."""
+        """Route the next forwards' tokens to `routes` [layers, tokens, k] (as `routes()` gives them; a token
+        whose ids are UNRECORDED goes where the live router sends it). They stay set until the mode
+        changes: a checkpointed forward recomputes its layers with them in backward."""
         if routes.dim() != 3 or routes.shape[0] != self.num_layers or routes.shape[2] != self.top_k:
             raise ValueError(f"routes must be [{self.num_layers} layers, tokens, {self.top_k}], got {tuple(routes.shape)}")
         self._set_mode("replay")
@@ -137,7 +155,8 @@ class RoutingReplay:
     def mismatch(self) -> float:
         """The fraction of replayed decisions the live routers would have changed, over the forwards since
         `replay` (0.0 before any)."""
-        return float(self._mismatched) / self._decisions if self._decisions else 0.0
+        decisions = int(self._decisions)
+        return float(self._mismatched) / decisions if decisions else 0.0
 
     def close(self) -> None:
         """Remove the hooks: the routers are as before."""
@@ -169,7 +188,10 @@ class RoutingReplay:
         if replayed.shape != experts.shape:
             raise ValueError(f"routes for MoE layer {layer} cover {replayed.shape[0]} tokens; this forward "
                              f"routes {experts.shape[0]}")
-        kept = (replayed.unsqueeze(-1) == experts.unsqueeze(-2)).any(-1)
-        self._mismatched = self._mismatched + (~kept).sum()  # a tensor: no host sync per layer
-        self._decisions += kept.numel()
+        unrecorded = (replayed == UNRECORDED).any(-1, keepdim=True)
+        replayed = torch.where(unrecorded, experts, replayed)
+        changed = ~(replayed.unsqueeze(-1) == experts.unsqueeze(-2)).any(-1)
+        # tensors, not numbers: no host sync per layer
+        self._mismatched = self._mismatched + changed.sum()
+        self._decisions = self._decisions + (~unrecorded).sum() * self.top_k
         return logits, GATE_WEIGHTS[type(router).__name__](router, logits, replayed), replayed
