@@ -11,6 +11,8 @@ from rl2.testing.tiny_moe import HYBRID_FAMILIES, build_tiny_hybrid, build_tiny_
 
 # two sequences of one length (batched together), one longer than the delta rule's 64-token chunk
 LENGTHS = (7, 7, 13, 70, 5)
+# the same lengths with those two apart (as rl2 leaves a row of preference pairs: not sorted by length)
+APART = (7, 13, 7, 70, 5)
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +50,11 @@ def alone(model: torch.nn.Module, seqs: list[torch.Tensor], weights: list[torch.
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
-@pytest.mark.parametrize("bounds", ["cu_seqlens", "position_ids"])
-def test_a_packed_hybrid_row_gives_each_sequence_its_logits_alone(family, bounds, varlen):
+@pytest.mark.parametrize("bounds,lengths", [("cu_seqlens", LENGTHS), ("position_ids", LENGTHS), ("cu_seqlens", APART)],
+                         ids=["cu_seqlens", "position_ids", "lengths-apart"])
+def test_a_packed_hybrid_row_gives_each_sequence_its_logits_alone(family, bounds, lengths, varlen):
     model = build_tiny_hybrid(family, attn_implementation=varlen)
-    seqs = sequences()
+    seqs = sequences(lengths)
     inputs = packed_inputs(seqs) if bounds == "cu_seqlens" else positions_only(packed_inputs(seqs))
     with PerSequenceLinearAttention(model), torch.no_grad():
         packed = model(**inputs).logits[0]
@@ -60,9 +63,10 @@ def test_a_packed_hybrid_row_gives_each_sequence_its_logits_alone(family, bounds
     torch.testing.assert_close(packed, expected, rtol=0, atol=2e-5)
 
 
-def test_a_packed_hybrid_row_gives_each_sequence_its_gradients_alone(varlen):
+@pytest.mark.parametrize("lengths", [LENGTHS, APART], ids=["by-length", "lengths-apart"])
+def test_a_packed_hybrid_row_gives_each_sequence_its_gradients_alone(lengths, varlen):
     model = build_tiny_hybrid("qwen3_5", attn_implementation=varlen)
-    seqs = sequences()
+    seqs = sequences(lengths)
     weights = [torch.randn(len(s), 1024, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(seqs)]
     with PerSequenceLinearAttention(model):
         (model(**packed_inputs(seqs)).logits[0] * torch.cat(weights)).sum().backward()

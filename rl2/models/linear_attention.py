@@ -83,19 +83,32 @@ def _per_sequence_forward(layer_forward, *args, **kwargs) -> torch.Tensor:
     else:
         hidden_states, rest = args[0], args[1:]
     cache = kwargs.get("cache", kwargs.get("cache_params"))
-    starts = bounds.tolist() if bounds is not None else [0, hidden_states.shape[1]]
-    if cache is not None or hidden_states.shape[0] != 1 or len(starts) <= 2:
+    edges = bounds.tolist() if bounds is not None else [0, hidden_states.shape[1]]
+    if cache is not None or hidden_states.shape[0] != 1 or len(edges) <= 2:
         return layer_forward(hidden_states, *rest, **kwargs)
     mask = kwargs.pop("attention_mask", None)
-    by_length: dict[int, list[int]] = {}
-    for start, end in zip(starts[:-1], starts[1:]):
-        by_length.setdefault(end - start, []).append(start)
+
+    def run(take) -> torch.Tensor:
+        """The layer on sequences of one length, batched (`take`: [1, T, ...] -> [count, length, ...])."""
+        piece = {"attention_mask": take(mask)} if mask is not None else {}
+        out = layer_forward(take(hidden_states), *rest, **kwargs, **piece)  # [count, length, hidden]
+        return out.reshape(-1, out.shape[-1])
+
+    starts_of: dict[int, list[int]] = {}  # sequences by length: those of one length run as one batch
+    runs: list[list[int]] = []  # [length, start, count] of consecutive sequences of one length
+    for start, end in zip(edges[:-1], edges[1:]):
+        starts_of.setdefault(end - start, []).append(start)
+        if runs and runs[-1][0] == end - start:
+            runs[-1][2] += 1
+        else:
+            runs.append([end - start, start, 1])
+    if len(runs) == len(starts_of):  # each length in one run (rl2 packs a row by length): slices, in order
+        return torch.cat([run(lambda t: t[0, start:start + count * length].unflatten(0, (count, length)))
+                          for length, start, count in runs]).unsqueeze(0)
     outputs, positions = [], []
-    for length, first in by_length.items():
-        index = (torch.tensor(first).unsqueeze(1) + torch.arange(length)).to(hidden_states.device)  # [count, length]
-        piece = {"attention_mask": mask[0, index]} if mask is not None else {}
-        out = layer_forward(hidden_states[0, index], *rest, **kwargs, **piece)  # [count, length, hidden]
-        outputs.append(out.reshape(-1, out.shape[-1]))
+    for length, starts in starts_of.items():
+        index = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).to(hidden_states.device)  # [count, length]
+        outputs.append(run(lambda t: t[0, index]))
         positions.append(index.reshape(-1))
     order = torch.argsort(torch.cat(positions))
     return torch.cat(outputs)[order].unsqueeze(0)
