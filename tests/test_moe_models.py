@@ -329,3 +329,22 @@ def test_a_dense_model_is_refused():
 
     with pytest.raises(ValueError, match="no MoE router"):
         RoutingReplay(build_tiny_model(build_tiny_tokenizer(vocab_size=300)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_routes_recorded_while_generating_are_a_forwards_routes_on_the_sample(family, varlen):
+    """What the `hf` engine's recording will rest on: generation's forwards (prefill, then one token per step
+    with a cache) route each token as one forward over the whole sample does. The last sampled token goes
+    through no generation forward: it is UNRECORDED, and replaying the rest gives the sample's forward."""
+    model = build_tiny_hybrid(family) if family == "qwen3_next" else build_tiny_moe(family)
+    prompt = sequences((6,))[0][None]
+    with RoutingReplay(model) as replay, torch.no_grad():
+        replay.record()
+        torch.manual_seed(0)
+        sample = model.generate(prompt, max_new_tokens=10, do_sample=True, top_k=0, pad_token_id=0, eos_token_id=None)
+        generated = replay.routes()
+        replay.record()
+        free = model(input_ids=sample).logits
+        assert torch.equal(generated, replay.routes()[:, :-1])
+        replay.replay(torch.cat([generated, torch.full_like(generated[:, :1], UNRECORDED)], dim=1))
+        assert torch.equal(model(input_ids=sample).logits, free)
