@@ -136,7 +136,8 @@ class RoutingReplay:
         whose ids are UNRECORDED goes where the live router sends it). They stay set until the mode
         changes: a checkpointed forward recomputes its layers with them in backward."""
         if routes.dim() != 3 or routes.shape[0] != self.num_layers or routes.shape[2] != self.top_k:
-            raise ValueError(f"routes must be [{self.num_layers} layers, tokens, {self.top_k}], got {tuple(routes.shape)}")
+            raise ValueError(f"routes must be [{self.num_layers} layers, tokens, {self.top_k}], "
+                             f"got {tuple(routes.shape)}")
         self._set_mode("replay")
         self._replayed = routes
 

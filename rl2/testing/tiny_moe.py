@@ -5,8 +5,11 @@
 (the same mixers with MoE MLPs) model. Random weights, drawn larger than the init (as
 `rl2.testing.tiny.sharpen_weights` does, the experts' stacked weights too) so that router logits are far
 from ties, routing matters and outputs vary. Nothing is downloaded. `save_tiny_moe` writes one, with
-`rl2.testing.tiny`'s tokenizer, to a folder usable as `actor.model_name`.
+`rl2.testing.tiny`'s tokenizer, to a folder usable as `actor.model_name` (`python -m rl2.testing.tiny_moe OUT_DIR
+--family F`).
 """
+
+import argparse
 
 import torch
 from transformers import (
@@ -129,7 +132,8 @@ def _build(model_cls: type, config, seed: int, attn_implementation: str | None) 
     return model
 
 
-def save_tiny_moe(out_dir: str, family: str = "qwen3_moe", vocab_size: int = 1024, seed: int = 0, **model_kwargs) -> str:
+def save_tiny_moe(out_dir: str, family: str = "qwen3_moe", vocab_size: int = 1024, seed: int = 0,
+                  **model_kwargs) -> str:
     """Build `rl2.testing.tiny`'s tokenizer and a tiny MoE or hybrid model of `family` sized to it (its
     eos, bos and pad ids set) and save both to `out_dir`; returns `out_dir`."""
     tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, seed=seed)
@@ -140,3 +144,23 @@ def save_tiny_moe(out_dir: str, family: str = "qwen3_moe", vocab_size: int = 102
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write a tiny random-init MoE or hybrid model and its tokenizer.")
+    parser.add_argument("out_dir")
+    parser.add_argument("--family", choices=MOE_FAMILIES + HYBRID_FAMILIES, default="qwen3_moe")
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    save_tiny_moe(args.out_dir, args.family, vocab_size=args.vocab_size, seed=args.seed, hidden_size=args.hidden_size,
+                  num_layers=args.layers, num_experts=args.experts, top_k=args.top_k)
+    print(f"tiny {args.family} model written to {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
