@@ -4,6 +4,7 @@ frozen; a bad row stops the run naming the row and field."""
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -65,7 +66,7 @@ def sft_args(model_dir: str, data: str, save_dir: str, steps: int, *extra: str) 
 @pytest.fixture(scope="module")
 def two_rank_run(vlm_dir, colour_rows, tmp_path_factory) -> str:
     save_dir = str(tmp_path_factory.mktemp("two_ranks"))
-    run_torchrun(sft_args(vlm_dir, colour_rows, save_dir, STEPS), nproc=2, timeout=300)
+    run_torchrun(sft_args(vlm_dir, colour_rows, save_dir, STEPS, f"actor.save_freq={STEPS // 2}"), nproc=2, timeout=300)
     return save_dir
 
 
@@ -88,6 +89,18 @@ def test_the_frozen_vision_tower_is_unchanged_in_the_checkpoint_and_the_rest_tra
     assert all(not torch.equal(trained[name], start[name]) for name in start
                if name.startswith("model.language_model.layers."))
     assert AutoImageProcessor.from_pretrained(final, backend="pil").patch_size == 14  # it reloads as a VLM
+
+
+def test_a_resumed_run_trains_on_the_same_batches_to_the_same_losses(two_rank_run, vlm_dir, colour_rows, tmp_path):
+    """Rows are built a batch ahead on a data thread; the checkpoint's data position is still the step's."""
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(two_rank_run, resumed)
+    shutil.rmtree(os.path.join(resumed, f"step{STEPS}"))
+    run_torchrun(sft_args(vlm_dir, colour_rows, resumed, STEPS, "trainer.load_ckpt_from=latest"), nproc=2, timeout=300)
+    expected = read_metrics(os.path.join(two_rank_run, "metrics.jsonl"))
+    again = read_metrics(os.path.join(resumed, "metrics.jsonl"))
+    assert [m["step"] for m in again] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in again] == [m["loss"] for m in expected]
 
 
 def test_one_rank_gives_the_first_step_loss_of_two(two_rank_run, vlm_dir, colour_rows, tmp_path):
