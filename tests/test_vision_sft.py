@@ -164,3 +164,11 @@ def test_the_image_keys_belong_to_sft_only_for_now():
         for command in ("ppo", "dpo", "rm"):
             with pytest.raises(ConfigError):
                 load_config([key], command)
+
+
+def test_qwen3_vl_with_its_deepstack_features_trains_beside_an_image_free_rank(colour_rows, tmp_path):
+    model_dir = str(tmp_path / "qwen3_vl")
+    run_python(["-m", "rl2.testing.tiny_vlm", model_dir, "--family", "qwen3_vl"])
+    run_torchrun(sft_args(model_dir, colour_rows, str(tmp_path / "run"), 4), nproc=2, timeout=300)
+    losses = [m["loss"] for m in read_metrics(str(tmp_path / "run" / "metrics.jsonl"))]
+    assert len(losses) == 4 and losses[-1] < losses[0]
