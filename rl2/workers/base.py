@@ -59,7 +59,10 @@ class ModelWorker:
     keeps the shards in CPU memory except while `compute` runs (on GPU). `model_cls` and
     `config_overrides` (set on the model's config) choose the head; `prepare` may then change the
     model before it is sharded. With `config.lora.rank` > 0 only LoRA adapters (and
-    `lora_modules_to_save`, a head) train (`rl2.lora`).
+    `lora_modules_to_save`, a head) train (`rl2.lora`). A vision-language model (`vlm_config`, its
+    config; None for a text model) loads as an image-text-to-text model and packs its samples with their
+    images and mRoPE positions (`rl2.vision`); trained, its vision tower is frozen unless `freeze_vision`
+    is false.
     """
 
     def __init__(
@@ -89,11 +92,11 @@ class ModelWorker:
             logger.info(f"sequence parallelism over {self.sp_size} ranks: ring attention with {ring_kernel(compute)} pieces")
         self.mesh = build_fsdp_mesh(config.fsdp_size)
         # A vision-language model (Qwen2.5-VL, Qwen3-VL): rows carry images and 3 more position rows (mRoPE).
-        self.vision_config = AutoConfig.from_pretrained(config.model_name)
-        if not is_vision_config(self.vision_config):
-            self.vision_config = None
+        self.vlm_config = AutoConfig.from_pretrained(config.model_name)
+        if not is_vision_config(self.vlm_config):
+            self.vlm_config = None
         attn_implementation = ring_attention_implementation(self.sp_group) if self.sp_group else None
-        if self.vision_config is not None:
+        if self.vlm_config is not None:
             model_cls, attn_implementation = self._vision_model(model_cls)
         self.model = load_fsdp_model(
             config.model_name,
@@ -111,7 +114,7 @@ class ModelWorker:
             lora_modules_to_save=lora_modules_to_save,
             **(config_overrides or {}),
         )
-        if self.vision_config is not None and trainable and getattr(config, "freeze_vision", True):
+        if self.vlm_config is not None and trainable and getattr(config, "freeze_vision", True):
             frozen = freeze_vision_tower(self.model)  # before the optimizer is built and FSDP's lazy init
             logger.info(f"vision tower frozen: {len(frozen)} parameter tensors (actor.freeze_vision)")
         self.optimizer = self.scheduler = None
@@ -176,7 +179,7 @@ class ModelWorker:
         plan = plan_grouped_micro_batches(lengths, group_size, self.dp_size, max_tokens * self.sp_size)[self.dp_rank]
         if group_size == 1:  # a row's sequences by length: CPU attention batches each length as one slice of the row
             plan = [sorted(indices, key=lambda i: lengths[i]) for indices in plan]
-        if self.vision_config is not None:
+        if self.vlm_config is not None:
             rows = [self._pack_vision([sequences[i] for i in indices], sequences[0], group_size) for indices in plan]
         else:
             placeholder = [_placeholder_like(sequences[0])] * group_size
@@ -192,7 +195,7 @@ class ModelWorker:
             per_token = {k: v for k, v in first.items() if k not in IMAGE_KEYS and k != VISION_POSITIONS}
             samples = [_placeholder_like(per_token)] * group_size
         rope_index = rope_index_of(base_model(self.model))
-        return pack_vision_samples(with_placeholder_image(samples, self.vision_config), rope_index)
+        return pack_vision_samples(with_placeholder_image(samples, self.vlm_config), rope_index)
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """The model's per-token outputs [1, T] for a packed row, by name (e.g. "logps", "values")."""
@@ -203,7 +206,7 @@ class ModelWorker:
         follows each of them [1, T] (the row's next token; meaningless at a sequence's last token)."""
         input_ids, cu_seqlens = micro_batch["input_ids"], micro_batch["cu_seqlens"]
         next_ids = F.pad(input_ids[:, 1:], (0, 1))
-        if self.vision_config is not None:  # 4-row positions (text, then mRoPE's), the row's images
+        if self.vlm_config is not None:  # 4-row positions (text, then mRoPE's), the row's images
             return packed_vision_inputs(micro_batch), next_ids
         if self.sp_group is None:
             longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # one host sync here, not one per layer
