@@ -12,6 +12,10 @@ from torch import nn
 
 from rl2.config import LoraConfig
 
+# peft `exclude_modules` (a regex over full module names) for a vision-language model's vision tower
+# (Qwen-VL's `model.visual`) and everything in it: `target_modules="all-linear"` alone adapts the tower too.
+VISION_TOWER_MODULES = r".*\.visual(\..*)?"
+
 
 def is_lora(model: nn.Module) -> bool:
     """Whether `model` is a peft model with LoRA adapters."""
@@ -26,14 +30,20 @@ def add_lora(model: nn.Module, settings: LoraConfig, modules_to_save: list[str] 
     from peft import get_peft_model
 
     targets = settings.target_modules.strip()
+    # A vision-language model's vision tower gets no adapters (it is frozen by default: `actor.freeze_vision`).
+    exclude = {"exclude_modules": VISION_TOWER_MODULES} if _has_vision_tower(model) else {}
     config = PeftLoraConfig(
         r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
         target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()],
-        modules_to_save=modules_to_save,
+        modules_to_save=modules_to_save, **exclude,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return get_peft_model(model, config)
+
+
+def _has_vision_tower(model: nn.Module) -> bool:
+    return getattr(getattr(model, "model", None), "visual", None) is not None
 
 
 def base_model(model: nn.Module) -> nn.Module:

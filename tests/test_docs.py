@@ -175,6 +175,7 @@ def test_yaml_blocks_load_through_the_config_loader(block, tmp_path, monkeypatch
 
 
 ROW_KINDS = {"RL": ("rl", Columns()), "SFT": ("sft", Columns()), "RM, DPO": ("pair", Columns()),
+             "SFT, images": ("sft", Columns(image_key="images")),
              "RL, data.apply_chat_template=false": ("rl", Columns(apply_chat_template=False))}
 
 

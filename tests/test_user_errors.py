@@ -17,7 +17,7 @@ import torch
 
 from conftest import REPO, run_python, run_torchrun
 from rl2.config import Config, ConfigError, config_help, load_config
-from rl2.config.commands import COMMANDS, DPO, POLICY_LOSS, RL, SAMPLING, TRAINING
+from rl2.config.commands import COMMANDS, DPO, IMAGES, POLICY_LOSS, RL, SAMPLING, TRAINING
 from rl2.config_checks import check_config
 from rl2.engines.base import SamplingParams
 from rl2.rollout.env import Env, EnvResult
@@ -81,7 +81,7 @@ def test_every_key_a_command_reads_exists():
 def test_every_tag_is_one_the_commands_know():
     """A key's `only` tag is one of rl2.config.commands' (a misspelt one would leave the key read everywhere),
     and every tag a command skips is one some key carries."""
-    known = {SAMPLING, TRAINING, RL, POLICY_LOSS, DPO}
+    known = {SAMPLING, TRAINING, RL, POLICY_LOSS, DPO, IMAGES}
 
     def tags(cls):
         for f in fields(cls):

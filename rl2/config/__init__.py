@@ -12,7 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException, ValidationError
 
-from rl2.config.commands import DPO, POLICY_LOSS, RL, SAMPLING, TRAINING, Command, command_named
+from rl2.config.commands import DPO, IMAGES, POLICY_LOSS, RL, SAMPLING, TRAINING, Command, command_named
 from rl2.config.env_interface import rl2_sample_interface
 from rl2.config.rl2_keys import RL2_KEYS, rl2_keys_help, translate_rl2_keys
 from rl2.config.suggest import did_you_mean
@@ -46,6 +46,9 @@ class DataConfig:
     messages_key: str = _f("messages", "the column holding a row's conversation (RL2's messages_key)")
     apply_chat_template: bool = _f(True, "RL: render the prompt's messages with the chat template; false = the prompt_key column is the model's input as is (RL2's apply_chat_template=false)")
     prompt_key: str = _f("prompt", "RL with apply_chat_template=false: the column holding the raw prompt text", only=SAMPLING)
+    image_key: str = _f("images", "vision-language models: the column holding a row's images (paths, bytes, data URIs), which fill the messages' <image> placeholders and image parts without an image of their own, in order", only=IMAGES)
+    min_pixels: Optional[int] = _f(None, "vision-language models: images with fewer pixels are scaled up to about this many; null = the model's image processor's", only=IMAGES)
+    max_pixels: Optional[int] = _f(None, "vision-language models: images with more pixels are scaled down to at most this many (each 28x28 pixels of Qwen2.5-VL is one token); null = the model's image processor's", only=IMAGES)
 
 
 # The allowed values of the settings with choices: their types, and as lists for the code that checks them.
@@ -130,6 +133,7 @@ class ActorConfig(DPOKeys, ModelConfig):
     rejected_tokens: Literal["drop", "keep_in_denominator"] = _f("drop", "tokens a rollout correction rejects: drop = out of the loss and of its denominator (verl's rejection sampling); keep_in_denominator = weight 0, still counted in the mean (verl's IcePop, TRL's *_mask modes, slime, AReaL)", only=POLICY_LOSS)
     tis_coef: float = _f(0.0, "RL2's actor.tis_coef: > 0 is rollout_correction=tis with correction_threshold=tis_coef", only=POLICY_LOSS)
     entropy_coef: float = _f(0.0, "RL: entropy bonus: the loss minus this times each token's entropy (RL2's actor.entropy.coef)", only=POLICY_LOSS)
+    freeze_vision: bool = _f(True, "vision-language models: the vision tower (and its merger into the text model) does not train; ignored for text-only models", only=IMAGES)
 
 
 @dataclass

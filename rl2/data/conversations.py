@@ -8,7 +8,9 @@ import torch
 
 from rl2.chat.template import _tokenize_conversation, render_chat, tokenize_conversation
 from rl2.chat.tools import Tool, row_tools, warn_row_tools_render_differently
+from rl2.data.image_rows import ImageInputs
 from rl2.data.rows import Columns, DataError, load_rows, row_messages, row_prompt_text, validate_rows
+from rl2.vision.inputs import build_vision_sample_truncated
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +73,40 @@ class _ConversationDataset(torch.utils.data.Dataset):
 
 
 class SFTDataset(_ConversationDataset):
-    """SFT conversations; item: {"input_ids", "loss_mask"} as LongTensors of at most max_length tokens."""
+    """SFT conversations; item: {"input_ids", "loss_mask"} as LongTensors of at most max_length tokens.
+
+    For a vision-language model (`reading_images`) an item is `rl2.vision.inputs.build_vision_sample`'s,
+    with its mRoPE positions: images decoded and processed when the item is built (a data thread's work,
+    `rl2.trainer.offline`), a bad image or image count a DataError naming the row and field."""
 
     kind = "sft"
+    images: ImageInputs | None = None  # set on the class `reading_images` returns
+
+    @classmethod
+    def reading_images(cls, images: ImageInputs) -> type:
+        """This dataset class for rows with images, turned into samples by `images`."""
+        return type(cls.__name__, (cls,), {"images": images})
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self.images is not None:
+            return self._image_sample(i)
         tokens = tokenize_conversation(self._messages(i), self.tokenizer, self.max_length, self._tools(i))
         self.num_truncated += tokens["truncated"]
         return {"input_ids": torch.tensor(tokens["input_ids"]), "loss_mask": torch.tensor(tokens["loss_mask"])}
+
+
+    def _image_sample(self, i: int) -> dict[str, torch.Tensor]:
+        where = f"{self.source}, row {i + 1}"
+        if self._tools(i):
+            raise DataError(f"{where}: rows with tool schemas are not supported with a vision-language model yet")
+        image_key = self.columns.image_key or "images"
+        key = self.columns.key_of(self.rows[i]) or self.columns.messages_key  # named in errors
+        row = {key: self._messages(i), image_key: self.rows[i].get(image_key)}
+        sample, truncated = build_vision_sample_truncated(
+            row, i, self.tokenizer, self.images.image_processor, self.max_length, key, image_key,
+            min_pixels=self.images.min_pixels, max_pixels=self.images.max_pixels, where=where)
+        self.num_truncated += truncated
+        return self.images.positioned(sample)
 
 
 class PairDataset(_ConversationDataset):

@@ -36,6 +36,8 @@ from rl2.config import Config, DataConfig
 from rl2.config.env_interface import rl2_sample_interface
 from rl2.distributed.process_group import rank
 from rl2.errors import DataError
+from rl2.vision.detect import is_vision_model
+from rl2.vision.inputs import text_messages
 
 logger = logging.getLogger(__name__)
 
@@ -52,25 +54,31 @@ class Columns:
     `data.apply_chat_template`, `data.prompt_key`): with the chat template, the `messages_key` column, or
     the `prompt_key` column where a row has no messages (a string in either is one user message); with
     `apply_chat_template=False` (RL only), the raw prompt text of the `prompt_key` column.
-    `prompt_optional`: RL rows may have no prompt at all (the env file's own `generate` makes it, RL2 HEAD)."""
+    `prompt_optional`: RL rows may have no prompt at all (the env file's own `generate` makes it, RL2 HEAD).
+    `image_key`: the column of a row's images, set when the model reads images (`data.image_key`); message
+    content may then also be a list of text and image parts (`rl2.vision.inputs`)."""
 
     messages_key: str = "messages"
     apply_chat_template: bool = True
     prompt_key: str = "prompt"
     prompt_optional: bool = False
+    image_key: str | None = None
 
     @classmethod
-    def from_config(cls, data: DataConfig, prompt_optional: bool = False) -> "Columns":
-        """The columns named by a `DataConfig`."""
-        return cls(data.messages_key, data.apply_chat_template, data.prompt_key, prompt_optional)
+    def from_config(cls, data: DataConfig, prompt_optional: bool = False, images: bool = False) -> "Columns":
+        """The columns named by a `DataConfig`; with `images`, its `image_key` too."""
+        return cls(data.messages_key, data.apply_chat_template, data.prompt_key, prompt_optional,
+                   data.image_key if images else None)
 
     @classmethod
     def for_run(cls, config: Config, kind: str) -> "Columns":
         """The columns of a run's `kind` rows: RL rows need no prompt when `rollout.env_path` is written to RL2
-        HEAD's interface (its `generate` reads the row, `sample.sample`, and makes the prompt itself)."""
+        HEAD's interface (its `generate` reads the row, `sample.sample`, and makes the prompt itself); SFT rows
+        for a vision-language actor have images (`image_key`)."""
         env_path = config.rollout.env_path
         makes_prompts = kind == "rl" and env_path is not None and rl2_sample_interface(env_path) is not None
-        return cls.from_config(config.data, prompt_optional=makes_prompts)
+        images = kind == "sft" and is_vision_model(config.actor.model_name)
+        return cls.from_config(config.data, prompt_optional=makes_prompts, images=images)
 
     def prompt_columns(self) -> tuple[str, ...]:
         """The columns a prompt or conversation is read from, the first one with a value."""
@@ -321,6 +329,10 @@ def _validate_row(row: dict, kind: str, where: str, columns: Columns) -> None:
     key = columns.key_of(row) or columns.conversation_key()
     if kind == "sft" and not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}, field {key!r}: SFT rows need at least one assistant message")
+    if columns.image_key is not None and messages:  # images counted against the placeholders (none decoded)
+        images = row.get(columns.image_key) or []
+        text_messages(messages, images if isinstance(images, (list, tuple)) else [images], where,
+                      columns.image_key, key)
     if kind == "rl" and "answer" in row:
         answer = row["answer"]
         if answer is None or (isinstance(answer, float) and math.isnan(answer)):
@@ -354,7 +366,7 @@ def row_messages(row: Mapping[str, Any], columns: Columns, where: str) -> list[d
         if columns.prompt_optional:
             return []
         raise _no_prompt(row, columns, where)
-    return read_messages(row[key], where, key)
+    return read_messages(row[key], where, key, content_parts=columns.image_key is not None)
 
 
 def row_prompt_text(row: Mapping[str, Any], columns: Columns, where: str) -> str | None:
@@ -368,12 +380,12 @@ def row_prompt_text(row: Mapping[str, Any], columns: Columns, where: str) -> str
     return parse_prompt(row[key], where, key)
 
 
-def read_messages(value: Any, where: str, key: str = "messages") -> list[dict]:
+def read_messages(value: Any, where: str, key: str = "messages", content_parts: bool = False) -> list[dict]:
     """A prompt or conversation cell as messages: a list of messages (or its JSON text, as CSV / parquet
     cells hold it) through `parse_messages`; other text is one user message (a plain question column, as
     TRL and verl read it). Text that is a JSON object, or looks like messages but is not JSON, is an error."""
     if not isinstance(value, str):
-        return parse_messages(value, where, key)
+        return parse_messages(value, where, key, content_parts)
     try:
         decoded = json.loads(value)
     except json.JSONDecodeError as e:
@@ -382,7 +394,7 @@ def read_messages(value: Any, where: str, key: str = "messages") -> list[dict]:
                             f"({e.msg})") from None
         decoded = None
     if isinstance(decoded, (list, dict)):
-        return parse_messages(decoded, where, key)
+        return parse_messages(decoded, where, key, content_parts)
     if not value.strip():
         raise DataError(f"{where}, field {key!r}: the prompt text is empty")
     return [{"role": "user", "content": value}]
@@ -402,10 +414,11 @@ def parse_prompt(value: Any, where: str, key: str = "prompt") -> str:
     )
 
 
-def parse_messages(value: Any, where: str, key: str = "messages") -> list[dict]:
+def parse_messages(value: Any, where: str, key: str = "messages", content_parts: bool = False) -> list[dict]:
     """The messages of a row (its `key` column) as a list of dicts, decoding a JSON string (CSV /
     parquet cells) and dropping null keys that arrow adds when messages have different keys;
-    DataError if malformed."""
+    DataError if malformed. With `content_parts` (a model that reads images) a message's content may also
+    be a list of parts (dicts with a "type"), which `rl2.vision.inputs` checks."""
     expected = _EXPECTED_MESSAGES
     if isinstance(value, str):
         try:
@@ -428,7 +441,10 @@ def parse_messages(value: Any, where: str, key: str = "messages") -> list[dict]:
         if "tool_calls" in message:
             message["tool_calls"] = _parse_tool_calls(message["tool_calls"], f"{where}, field {key!r}: messages[{i}]")
             message.setdefault("content", "")  # OpenAI's null content beside tool calls
-        if not isinstance(message.get("content"), str):
+        content = message.get("content")
+        if content_parts and isinstance(content, list) and content and all(isinstance(p, dict) for p in content):
+            message["content"] = [{name: item for name, item in part.items() if item is not None} for part in content]
+        elif not isinstance(content, str):
             raise DataError(
                 f"{where}, field {key!r}: messages[{i}] 'content' should be a string, "
                 f"got {_type_name(message.get('content'))}"

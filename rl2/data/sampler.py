@@ -47,6 +47,14 @@ class BatchSampler:
         """The next batch's indices; rolls over to a new epoch when one ends."""
         return self.next_rows(self.batch_size)
 
+    def peek_batch(self) -> list[int]:
+        """The indices `next_batch` will return, without moving on."""
+        epoch, position = self.epoch, self.position
+        try:
+            return self.next_batch()
+        finally:
+            self.epoch, self.position = epoch, position
+
     def next_rows(self, n: int) -> list[int]:
         """The next `n` indices (at most the dataset's rows) of this epoch's order; when fewer than `n`
         are left, a new epoch starts and the rest are left out (as an incomplete batch is)."""

@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from rl2.config import Config
 from rl2.config_checks import check_config
+from rl2.data.prefetch import BatchPrefetcher
 from rl2.data.rows import DataError
 from rl2.data.sampler import BatchSampler
 from rl2.distributed.process_group import is_rank0
@@ -36,7 +37,9 @@ class OfflineTrainer(Trainer):
     def __init__(self, config: Config):
         check_config(config, self.name.lower())
         super().__init__(config)
-        self.train_data, self.test_data = self.load_datasets(self.dataset_cls, config.data.max_length)
+        self.train_data, self.test_data = self.load_datasets(self.dataset_class(), config.data.max_length)
+        # Rows with images are built (decoded, processed) on a data thread, a batch ahead of the step.
+        self.prefetcher = BatchPrefetcher(self.train_data) if getattr(self.train_data, "images", None) else None
         self.sampler = BatchSampler(len(self.train_data), config.data.batch_size, config.data.shuffle,
                                     config.trainer.seed, source=f"training rows of {config.data.path}")
         self.total_steps = config.trainer.total_steps or config.trainer.n_epochs * self.sampler.batches_per_epoch
@@ -51,6 +54,10 @@ class OfflineTrainer(Trainer):
         )
 
     # ---- what subclasses define --------------------------------------------------------------
+
+    def dataset_class(self) -> type:
+        """The dataset class of this run's rows (`dataset_cls`, unless the model calls for another)."""
+        return self.dataset_cls
 
     def build_models(self) -> ModelWorker:
         """Build the models and set `loss_fn`; return the model being trained."""
@@ -107,6 +114,8 @@ class OfflineTrainer(Trainer):
                         f"train on ({cause}); checkpoints saved so far are kept")
 
     def test_metrics(self) -> dict[str, float]:
+        if self.prefetcher is not None:
+            self.prefetcher.wait()  # the tokenizer is not shared between threads
         return {f"test/{key}": value for key, value in self.evaluate().items()}
 
     def train(self) -> None:
@@ -119,11 +128,11 @@ class OfflineTrainer(Trainer):
             while self.step < self.total_steps:
                 self.step += 1
                 start = time.perf_counter()
-                truncated_before = self.train_data.num_truncated
-                sequences = self.sequences([self.train_data[i] for i in self.sampler.next_batch()])
-                self.require_trained_tokens(sequences, self.train_data.num_truncated - truncated_before)
+                items, truncated = self.batch_items(self.sampler.next_batch())
+                sequences = self.sequences(items)
+                self.require_trained_tokens(sequences, truncated)
                 metrics = self.train_batch(sequences)
-                metrics["truncated"] = self.train_data.num_truncated - truncated_before
+                metrics["truncated"] = truncated
                 metrics["step_time"] = time.perf_counter() - start
                 metrics["tokens_per_second"] = sum(len(s["input_ids"]) for s in sequences) / metrics["step_time"]
                 if testing and self.is_test_step(self.step):
@@ -134,3 +143,20 @@ class OfflineTrainer(Trainer):
                 if self.should_save(self.step):
                     self.save(self.step)
         self.close()
+
+    def batch_items(self, indices: list[int]) -> tuple[list, int]:
+        """The training rows' items at `indices` and how many were truncated; with a prefetcher, built on its
+        thread, which then starts on the next batch's (unless this is the last step's)."""
+        if self.prefetcher is None:
+            truncated_before = self.train_data.num_truncated
+            items = [self.train_data[i] for i in indices]
+            return items, self.train_data.num_truncated - truncated_before
+        result = self.prefetcher.items(indices)
+        if self.step < self.total_steps:
+            self.prefetcher.prefetch(self.sampler.peek_batch())
+        return result
+
+    def release(self) -> None:
+        if getattr(self, "prefetcher", None) is not None:
+            self.prefetcher.close()
+        super().release()

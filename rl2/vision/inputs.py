@@ -112,14 +112,34 @@ def build_vision_sample(
     add_generation_prompt: bool = False,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    where: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """One row's model inputs: `input_ids`, `loss_mask` and `mm_token_type_ids` ([L] each), plus
     `pixel_values` [patches, dim] and `image_grid_thw` [images, 3] where the row has images.
 
     With `add_generation_prompt` the messages are a prompt (loss mask all 0); otherwise the loss covers the
     assistant turns (never an image token). A sample longer than `max_length` is cut at it unless that
-    would cut an image: then a DataError names the row, the image's field and its token count."""
-    where = f"row {row_index}"
+    would cut an image: then a DataError names the row, the image's field and its token count. Errors
+    name the row as `where` (default "row <row_index>")."""
+    return build_vision_sample_truncated(row, row_index, tokenizer, image_processor, max_length, messages_key,
+                                         image_key, add_generation_prompt, min_pixels, max_pixels, where)[0]
+
+
+def build_vision_sample_truncated(
+    row: Mapping[str, Any],
+    row_index: int,
+    tokenizer,
+    image_processor,
+    max_length: int | None = None,
+    messages_key: str = "messages",
+    image_key: str = "images",
+    add_generation_prompt: bool = False,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    where: str | None = None,
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """`build_vision_sample`'s sample, and whether it was cut at `max_length`."""
+    where = where or f"row {row_index}"
     messages = row.get(messages_key)
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: {messages_key!r} must be a non-empty list of messages")
@@ -168,7 +188,8 @@ def build_vision_sample(
         image_ends.append(len(expanded_ids))
         images_seen += 1
 
-    if max_length is not None and len(expanded_ids) > max_length:
+    truncated = max_length is not None and len(expanded_ids) > max_length
+    if truncated:
         for k, end in enumerate(image_ends):
             if end > max_length:
                 thw = sample["image_grid_thw"][k].tolist()
@@ -179,4 +200,4 @@ def build_vision_sample(
     sample["input_ids"] = torch.tensor(expanded_ids, dtype=torch.long)
     sample["loss_mask"] = torch.tensor(expanded_mask, dtype=torch.long)
     sample["mm_token_type_ids"] = torch.tensor(types, dtype=torch.long)
-    return sample
+    return sample, truncated

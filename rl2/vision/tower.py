@@ -2,11 +2,7 @@
 
 from torch import nn
 
-from rl2.lora import base_model
-
-# peft `exclude_modules` (a regex over full module names) for the vision tower and everything in it:
-# with `target_modules="all-linear"` alone, peft puts adapters on the tower's linear layers too.
-VISION_TOWER_MODULES = r".*\.visual(\..*)?"
+from rl2.lora import VISION_TOWER_MODULES, base_model  # noqa: F401 (the tower's LoRA exclusion, re-exported)
 # The tower's projectors into the text model's width: Qwen2.5-VL's `merger`, Qwen3-VL's also `deepstack_merger_list`.
 MERGERS = ("merger", "deepstack_merger_list")
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from rl2.config import ModelConfig
+from rl2.config import ConfigError, ModelConfig
 from rl2.distributed.fsdp import DTYPES, gathered_while_accumulating, load_fsdp_model, move_optimizer
 from rl2.distributed.packing import pack_micro_batch, plan_grouped_micro_batches, unpack_row
 from rl2.distributed.process_group import all_reduce_sum, build_fsdp_mesh, build_sp_group, device, rank, world_size
@@ -21,6 +21,12 @@ from rl2.distributed.ring_attention import (
     zigzag_position_ids,
     zigzag_split,
 )
+from rl2.lora import base_model
+from rl2.vision.detect import is_vision_config
+from rl2.vision.forward import packed_vision_inputs, vision_attention_implementation
+from rl2.vision.placeholder import with_placeholder_image
+from rl2.vision.positions import IMAGE_KEYS, VISION_POSITIONS, pack_vision_samples, rope_index_of
+from rl2.vision.tower import freeze_vision_tower
 from rl2.workers.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -53,7 +59,10 @@ class ModelWorker:
     keeps the shards in CPU memory except while `compute` runs (on GPU). `model_cls` and
     `config_overrides` (set on the model's config) choose the head; `prepare` may then change the
     model before it is sharded. With `config.lora.rank` > 0 only LoRA adapters (and
-    `lora_modules_to_save`, a head) train (`rl2.lora`).
+    `lora_modules_to_save`, a head) train (`rl2.lora`). A vision-language model (`vlm_config`, its
+    config; None for a text model) loads as an image-text-to-text model and packs its samples with their
+    images and mRoPE positions (`rl2.vision`); trained, its vision tower is frozen unless `freeze_vision`
+    is false.
     """
 
     def __init__(
@@ -82,6 +91,13 @@ class ModelWorker:
             compute = torch.empty(0, 1, device=self.device, dtype=DTYPES[config.dtype])
             logger.info(f"sequence parallelism over {self.sp_size} ranks: ring attention with {ring_kernel(compute)} pieces")
         self.mesh = build_fsdp_mesh(config.fsdp_size)
+        # A vision-language model (Qwen2.5-VL, Qwen3-VL): rows carry images and 3 more position rows (mRoPE).
+        self.vlm_config = AutoConfig.from_pretrained(config.model_name)
+        if not is_vision_config(self.vlm_config):
+            self.vlm_config = None
+        attn_implementation = ring_attention_implementation(self.sp_group) if self.sp_group else None
+        if self.vlm_config is not None:
+            model_cls, attn_implementation = self._vision_model(model_cls)
         self.model = load_fsdp_model(
             config.model_name,
             self.mesh,
@@ -89,7 +105,7 @@ class ModelWorker:
             dtype=config.dtype,
             gradient_checkpointing=config.gradient_checkpointing and trainable,
             model_cls=model_cls,
-            attn_implementation=ring_attention_implementation(self.sp_group) if self.sp_group else None,
+            attn_implementation=attn_implementation,
             attention=config.attn_implementation,
             compile_layers=config.compile,
             logps_chunk_size=logps_chunk_size,
@@ -98,6 +114,9 @@ class ModelWorker:
             lora_modules_to_save=lora_modules_to_save,
             **(config_overrides or {}),
         )
+        if self.vlm_config is not None and trainable and getattr(config, "freeze_vision", True):
+            frozen = freeze_vision_tower(self.model)  # before the optimizer is built and FSDP's lazy init
+            logger.info(f"vision tower frozen: {len(frozen)} parameter tensors (actor.freeze_vision)")
         self.optimizer = self.scheduler = None
         if trainable:
             self.optimizer, self.scheduler = build_optimizer(
@@ -113,6 +132,21 @@ class ModelWorker:
         elif config.offload_model and trainable:
             logger.warning("offload_model is implemented for frozen models (ref_actor.offload_model) only: "
                            "this trained model stays on the device")
+
+    def _vision_model(self, model_cls: type) -> tuple[type, dict[str, str]]:
+        """The model class and attention of a vision-language model: the image-text-to-text class, rl2's
+        packed-row attention for its text model and bidirectional sdpa for its vision tower."""
+        if model_cls is not AutoModelForCausalLM:
+            raise ConfigError(f"{self.config.model_name} is a vision-language model: rl2 trains those as "
+                              f"policies only (SFT), not with a {model_cls.__name__} head yet")
+        if self.sp_group is not None:
+            raise ConfigError(f"{self.config.model_name} is a vision-language model: sp_size > 1 (ring attention) "
+                              f"is not supported for those yet; set sp_size=1")
+        dtype = DTYPES[self.config.dtype]
+        try:
+            return AutoModelForImageTextToText, vision_attention_implementation(self.device, self.config.attn_implementation, dtype)
+        except ValueError as error:
+            raise ConfigError(f"{self.config.model_name}: {error}") from None
 
     @contextlib.contextmanager
     def on_device(self):
@@ -145,9 +179,23 @@ class ModelWorker:
         plan = plan_grouped_micro_batches(lengths, group_size, self.dp_size, max_tokens * self.sp_size)[self.dp_rank]
         if group_size == 1:  # a row's sequences by length: CPU attention batches each length as one slice of the row
             plan = [sorted(indices, key=lambda i: lengths[i]) for indices in plan]
-        placeholder = [_placeholder_like(sequences[0])] * group_size
-        rows = [pack_micro_batch([sequences[i] for i in indices] or placeholder) for indices in plan]
+        if self.vlm_config is not None:
+            rows = [self._pack_vision([sequences[i] for i in indices], sequences[0], group_size) for indices in plan]
+        else:
+            placeholder = [_placeholder_like(sequences[0])] * group_size
+            rows = [pack_micro_batch([sequences[i] for i in indices] or placeholder) for indices in plan]
         return plan, [{k: v.to(self.device) for k, v in row.items()} for row in rows]
+
+    def _pack_vision(self, samples: list[dict[str, torch.Tensor]], first: dict[str, torch.Tensor],
+                     group_size: int) -> dict[str, torch.Tensor]:
+        """A vision-language row: per-sample mRoPE positions and the samples' images; a row without an
+        image gets a placeholder image as its last sequence (`rl2.vision.placeholder`: every rank runs the
+        vision tower, FSDP's collectives line up), whose outputs nothing reads (`unpack_row` by the plan)."""
+        if not samples:
+            per_token = {k: v for k, v in first.items() if k not in IMAGE_KEYS and k != VISION_POSITIONS}
+            samples = [_placeholder_like(per_token)] * group_size
+        rope_index = rope_index_of(base_model(self.model))
+        return pack_vision_samples(with_placeholder_image(samples, self.vlm_config), rope_index)
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """The model's per-token outputs [1, T] for a packed row, by name (e.g. "logps", "values")."""
@@ -158,6 +206,8 @@ class ModelWorker:
         follows each of them [1, T] (the row's next token; meaningless at a sequence's last token)."""
         input_ids, cu_seqlens = micro_batch["input_ids"], micro_batch["cu_seqlens"]
         next_ids = F.pad(input_ids[:, 1:], (0, 1))
+        if self.vlm_config is not None:  # 4-row positions (text, then mRoPE's), the row's images
+            return packed_vision_inputs(micro_batch), next_ids
         if self.sp_group is None:
             longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # one host sync here, not one per layer
             inputs = {
