@@ -9,6 +9,8 @@ from typing import Union
 
 import torch
 
+from rl2.vision.image_inputs import ImageInputs
+
 
 @dataclass
 class SamplingParams:
@@ -98,6 +100,8 @@ class Turn:
     max_new_tokens: int
     stream: tuple[int, int] | None = None
     offset: int = 0
+    # A vision-language model's prompt: the images its image-pad tokens stand for, in order; None: none.
+    images: ImageInputs | None = None
 
 
 # Called with (request index, finished generation): None when the request is done, else a future

@@ -6,6 +6,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl2.vision.image_inputs import ImageInputs
+
 
 @dataclass
 class RunningState:
@@ -83,6 +85,9 @@ class Trajectory:
     # The episode's place while it is rolled out, until it is scored (`RunningState`); None after, and for
     # the trajectories made whole (an agent's, an RL2 HEAD file's).
     running: RunningState | None = None
+    # A vision-language model's trajectory: the images its image-pad tokens stand for, in order (the
+    # prompt's, then those tool results added); None: none.
+    images: ImageInputs | None = None
 
     @classmethod
     def from_dict(cls, fields: dict) -> "Trajectory":
@@ -93,16 +98,19 @@ class Trajectory:
         flat = {name: fields.pop(name) for name in OLD_RUNNING_FIELDS if name in fields}
         if flat:
             running = {("generating_from" if name == "turn_start" else name): value for name, value in flat.items()}
-        return cls(**fields, running=RunningState.from_dict(running) if running is not None else None)
+        images = fields.pop("images", None)
+        return cls(**fields, running=RunningState.from_dict(running) if running is not None else None,
+                   images=ImageInputs.from_state(images) if images is not None else None)
 
     def state(self) -> dict:
         """The trajectory's fields as JSON holds them (a checkpoint); a stateful environment pickled."""
-        running, self.running = self.running, None
+        running, images, self.running, self.images = self.running, self.images, None, None
         try:
             fields = dataclasses.asdict(self)
         finally:
-            self.running = running
+            self.running, self.images = running, images
         fields["running"] = running.state() if running is not None else None
+        fields["images"] = images.state() if images is not None else None
         return fields
 
     @property
