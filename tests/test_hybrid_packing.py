@@ -4,8 +4,8 @@ through `rl2.models.linear_attention`'s per-sequence path, on tiny models built 
 import pytest
 import torch
 
-from rl2.distributed.packing import pack_micro_batch
-from rl2.kernels.attention import packed_attention_implementation
+import packed_rows
+from packed_rows import packed_inputs, varlen  # noqa: F401  (varlen: the fixture)
 from rl2.models.linear_attention import PACKING_KWARGS, PerSequenceLinearAttention
 from rl2.testing.tiny_moe import HYBRID_FAMILIES, build_tiny_hybrid, build_tiny_moe
 
@@ -15,23 +15,8 @@ LENGTHS = (7, 7, 13, 70, 5)
 APART = (7, 13, 7, 70, 5)
 
 
-@pytest.fixture(scope="module")
-def varlen() -> str:
-    return packed_attention_implementation(torch.device("cpu"))
-
-
-def sequences(lengths=LENGTHS, seed: int = 0) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 1024, (n,), generator=generator) for n in lengths]
-
-
-def packed_inputs(seqs: list[torch.Tensor]) -> dict:
-    """A packed row's model inputs, as rl2's `ModelWorker._model_inputs` gives them."""
-    row = pack_micro_batch([{"input_ids": s} for s in seqs])
-    cu_seqlens = row["cu_seqlens"]
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return dict(input_ids=row["input_ids"], position_ids=row["position_ids"], cu_seq_lens_q=cu_seqlens,
-                cu_seq_lens_k=cu_seqlens, max_length_q=longest, max_length_k=longest, use_cache=False)
+def sequences(lengths: tuple[int, ...] = LENGTHS, seed: int = 0) -> list[torch.Tensor]:
+    return packed_rows.sequences(lengths, seed)
 
 
 def positions_only(inputs: dict) -> dict:

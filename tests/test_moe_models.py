@@ -4,8 +4,8 @@ Qwen3-MoE, OLMoE, gpt-oss and Qwen3-Next models built offline (`rl2.testing.tiny
 import pytest
 import torch
 
-from rl2.distributed.packing import pack_micro_batch
-from rl2.kernels.attention import packed_attention_implementation
+import packed_rows
+from packed_rows import packed_inputs, varlen  # noqa: F401  (varlen: the fixture)
 from rl2.models.linear_attention import PerSequenceLinearAttention
 from rl2.models.routing_replay import (
     UNRECORDED,
@@ -21,23 +21,8 @@ from rl2.testing.tiny_moe import build_tiny_hybrid, build_tiny_moe
 LENGTHS = (5, 9, 9, 16, 3)
 
 
-@pytest.fixture(scope="module")
-def varlen() -> str:
-    return packed_attention_implementation(torch.device("cpu"))
-
-
-def sequences(lengths=LENGTHS, seed: int = 0) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 1024, (n,), generator=generator) for n in lengths]
-
-
-def packed_inputs(seqs: list[torch.Tensor]) -> dict:
-    """A packed row's model inputs, as rl2's `ModelWorker._model_inputs` gives them."""
-    row = pack_micro_batch([{"input_ids": s} for s in seqs])
-    cu_seqlens = row["cu_seqlens"]
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return dict(input_ids=row["input_ids"], position_ids=row["position_ids"], cu_seq_lens_q=cu_seqlens,
-                cu_seq_lens_k=cu_seqlens, max_length_q=longest, max_length_k=longest, use_cache=False)
+def sequences(lengths: tuple[int, ...] = LENGTHS, seed: int = 0) -> list[torch.Tensor]:
+    return packed_rows.sequences(lengths, seed)
 
 
 def model_of(family: str, varlen: str) -> torch.nn.Module:
