@@ -1,0 +1,179 @@
+"""The `hf` engine on vision-language models (issue 68): tiny random Qwen2.5-VL and Qwen3-VL (DeepStack), built
+offline. Prompts with images (beside one without, in one call) generate the tokens the model's own greedy
+`generate` gives, with the log-probs of a full forward; sampling is reproducible; a weight push then generate
+equals a fresh engine on those weights; a cached prefix is reused only where the images are equal."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+from rl2.engines import HFEngine, SamplingParams, Turn
+from rl2.testing.tiny import sharpen_weights
+from rl2.testing.tiny_vlm import build_tiny_image_processor, build_tiny_vlm, build_tiny_vlm_tokenizer
+from rl2.vision.image_inputs import ImageInputs
+from rl2.vision.inputs import build_vision_sample
+
+FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+CPU = torch.device("cpu")
+NEW_TOKENS = 12
+
+
+def save_vlm(folder: str, family: str, seed: int) -> str:
+    tokenizer = build_tiny_vlm_tokenizer()
+    sharpen_weights(build_tiny_vlm(tokenizer, family=family, seed=seed)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    build_tiny_image_processor(family).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def vlm_dir(request, tmp_path_factory) -> str:
+    return save_vlm(str(tmp_path_factory.mktemp(request.param)), request.param, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(vlm_dir):
+    return AutoTokenizer.from_pretrained(vlm_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(vlm_dir, tokenizer) -> HFEngine:
+    return HFEngine(vlm_dir, tokenizer, CPU, dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(vlm_dir) -> torch.nn.Module:
+    return AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def prompt_sample(vlm_dir, tokenizer, text: str, images: list) -> dict:
+    row = {"messages": [{"role": "user", "content": text}], "images": images}
+    return build_vision_sample(row, 0, tokenizer, AutoImageProcessor.from_pretrained(vlm_dir),
+                               add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def samples(vlm_dir, tokenizer) -> list[dict]:
+    """Two images of different grids in one prompt, one image, and a prompt without images."""
+    return [prompt_sample(vlm_dir, tokenizer, "<image> and <image>: what differs?", [picture(56, 84, 1), picture(64, 48, 2)]),
+            prompt_sample(vlm_dir, tokenizer, "what is in <image>?", [picture(70, 70, 3)]),
+            prompt_sample(vlm_dir, tokenizer, "say something without a picture", [])]
+
+
+def generate(engine, samples, params) -> list:
+    return engine.generate([s["input_ids"].tolist() for s in samples], params,
+                           images=[ImageInputs.of_sample(s) for s in samples])
+
+
+def model_inputs(sample: dict, tokens: list[int] = ()) -> dict:
+    ids = torch.cat([sample["input_ids"], torch.tensor(tokens, dtype=torch.long)])[None]
+    inputs = {"input_ids": ids, "mm_token_type_ids": torch.cat(
+        [sample["mm_token_type_ids"], torch.zeros(len(tokens), dtype=torch.long)])[None]}
+    if "pixel_values" in sample:
+        inputs.update(pixel_values=sample["pixel_values"], image_grid_thw=sample["image_grid_thw"])
+    return inputs
+
+
+def full_forward_logprobs(model, sample: dict, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(**model_inputs(sample, tokens), use_cache=False).logits[0]
+    prompt = sample["input_ids"].shape[0]
+    return torch.log_softmax(logits[prompt - 1 : -1].float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_greedy_tokens_and_logprobs_equal_the_models_generate_and_forward(engine, reference, samples):
+    generations = generate(engine, samples, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    for sample, generation in zip(samples, generations):
+        assert generation.finish_reason == "length" and len(generation.token_ids) == NEW_TOKENS
+        with torch.no_grad():
+            expected = reference.generate(**model_inputs(sample), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                          min_new_tokens=NEW_TOKENS)
+        assert generation.token_ids == expected[0, sample["input_ids"].shape[0] :].tolist()
+        logprobs = full_forward_logprobs(reference, sample, generation.token_ids)
+        assert (logprobs - torch.tensor(generation.logprobs)).abs().max() < 1e-4
+
+
+def test_sampled_logprobs_equal_a_full_forward_and_a_fixed_stream_repeats(engine, reference, samples):
+    params = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS)
+    engine.reseed(7)
+    first = generate(engine, samples, params)
+    engine.reseed(7)
+    again = generate(engine, samples, params)
+    assert [g.token_ids for g in first] == [g.token_ids for g in again]
+    for sample, generation in zip(samples, first):
+        logprobs = full_forward_logprobs(reference, sample, generation.token_ids)
+        assert (logprobs - torch.tensor(generation.logprobs)).abs().max() < 1e-4
+    streams = [Turn(s["input_ids"].tolist(), NEW_TOKENS, stream=g.stream, images=ImageInputs.of_sample(s))
+               for s, g in zip(samples, first)]
+    replayed = [None] * len(streams)
+    engine.generate_turns(streams, params, lambda i, g: replayed.__setitem__(i, g), max_turns=1)
+    assert [g.token_ids for g in replayed] == [g.token_ids for g in first]
+
+
+def test_a_prefix_is_shared_only_where_the_images_are_equal(engine, reference, vlm_dir, tokenizer):
+    """The same prompt tokens with another image (equal grid) must not reuse the first image's cache;
+    the same image again reuses it."""
+    text = "a long question about <image> that goes on for a while so that blocks of tokens are shared"
+    one = prompt_sample(vlm_dir, tokenizer, text, [picture(56, 56, 10)])
+    other = prompt_sample(vlm_dir, tokenizer, text, [picture(56, 56, 11)])
+    assert one["input_ids"].tolist() == other["input_ids"].tolist()
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    engine.flush_cache()
+    generate(engine, [one], params)
+    reused = engine.stats["reused_tokens"]
+    got = generate(engine, [other], params)[0]
+    assert engine.stats["reused_tokens"] - reused < one["input_ids"].tolist().index(engine.image_pad_id) + 1
+    assert (full_forward_logprobs(reference, other, got.token_ids) - torch.tensor(got.logprobs)).abs().max() < 1e-4
+    reused = engine.stats["reused_tokens"]
+    generate(engine, [other], params)
+    assert engine.stats["reused_tokens"] - reused == len(other["input_ids"]) - 1
+
+
+def test_a_later_turn_continues_the_slot_with_the_rope_delta(engine, reference, vlm_dir, tokenizer):
+    """A second turn (the first's answer plus a new image) equals a full forward of the whole conversation."""
+    first = prompt_sample(vlm_dir, tokenizer, "look at <image>", [picture(56, 84, 20)])
+    params = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+    answer = generate(engine, [first], params)[0].token_ids
+    follow = prompt_sample(vlm_dir, tokenizer, "now <image>", [picture(84, 56, 21)])
+    ids = first["input_ids"].tolist() + answer + follow["input_ids"].tolist()
+    whole = {"input_ids": torch.tensor(ids),
+             "mm_token_type_ids": (torch.tensor(ids) == engine.image_pad_id).long(),
+             "pixel_values": torch.cat([first["pixel_values"], follow["pixel_values"]]),
+             "image_grid_thw": torch.cat([first["image_grid_thw"], follow["image_grid_thw"]])}
+    reused = engine.stats["reused_tokens"]
+    got = engine.generate([ids], params, images=[ImageInputs.of_sample(whole)])[0]
+    assert engine.stats["reused_tokens"] - reused >= len(first["input_ids"])
+    assert (full_forward_logprobs(reference, whole, got.token_ids) - torch.tensor(got.logprobs)).abs().max() < 1e-4
+    with torch.no_grad():
+        expected = reference.generate(**model_inputs(whole), max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    assert got.token_ids == expected[0, len(ids) :].tolist()
+
+
+def test_a_weight_push_then_generate_equals_a_fresh_engine(vlm_dir, tokenizer, samples, tmp_path, request):
+    family = "qwen3_vl" if "qwen3_vl" in vlm_dir else "qwen2_5_vl"
+    other_dir = save_vlm(str(tmp_path / "other"), family, seed=1)
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    pushed = HFEngine(vlm_dir, tokenizer, CPU, dtype="float32", seed=0)
+    before = generate(pushed, samples, params)
+    actor = AutoModelForImageTextToText.from_pretrained(other_dir, dtype=torch.float32)  # as the actor loads it
+    pushed.update_weights(actor.state_dict().items())
+    fresh = HFEngine(other_dir, tokenizer, CPU, dtype="float32", seed=0)
+    after, expected = generate(pushed, samples, params), generate(fresh, samples, params)
+    assert [g.token_ids for g in after] == [g.token_ids for g in expected]
+    assert [g.logprobs for g in after] == [g.logprobs for g in expected]
+    assert [g.token_ids for g in after] != [g.token_ids for g in before]
+
+
+def test_images_that_do_not_match_the_pads_are_refused_and_the_others_go_on(engine, samples):
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    prompts = [s["input_ids"].tolist() for s in samples[:2]]
+    got = engine.generate(prompts, params, images=[None, ImageInputs.of_sample(samples[1])])
+    assert got[0].was_refused and "image pad tokens" in got[0].error
+    assert not got[1].was_refused and got[1].token_ids
