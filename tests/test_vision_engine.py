@@ -177,3 +177,35 @@ def test_images_that_do_not_match_the_pads_are_refused_and_the_others_go_on(engi
     got = engine.generate(prompts, params, images=[None, ImageInputs.of_sample(samples[1])])
     assert got[0].was_refused and "image pad tokens" in got[0].error
     assert not got[1].was_refused and got[1].token_ids
+
+
+# ---- SGLang adapter (against the stand-in) -------------------------------------------------------
+
+
+def test_sglang_adapter_sends_images_as_processor_output_and_generates_as_the_embedded_engine(
+        vlm_dir, tokenizer, engine, samples):
+    from rl2.engines.sglang import SGLangEngine, image_data
+    from test_sglang_engine import _stand_in_modules
+
+    item = image_data(ImageInputs.of_sample(samples[0]))[0]
+    assert item["format"] == "processor_output" and item["image_grid_thw"].shape == (2, 3)
+    assert image_data(None) is None
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
+    with _stand_in_modules() as api:
+        adapter = SGLangEngine(vlm_dir, tokenizer, dtype="float32", api=api)
+        try:
+            got = generate(adapter, samples, params)
+            calls = [details for name, details in adapter.engine.calls if name == "generate"]
+            assert calls[-1]["images"] == [2, 1, 0]
+            text_only = adapter.generate([samples[2]["input_ids"].tolist()], params)  # no image_data sent
+            assert [details for name, details in adapter.engine.calls if name == "generate"][-1]["image_data"] is False
+            with pytest.raises(RuntimeError, match="image features and image tokens do not match"):
+                adapter.generate([samples[1]["input_ids"].tolist()], params,
+                                 images=[ImageInputs.of_sample(samples[0])])
+        finally:
+            adapter.shutdown()
+    want = generate(engine, samples, params)
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    for g, w in zip(got, want):
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-6)
+    assert text_only[0].token_ids == want[2].token_ids
