@@ -129,7 +129,8 @@ def test_image_parts_render_as_rl2_renders_them_and_reach_the_engine_and_traject
                        mm_token_type_ids=(torch.tensor([trajectory.token_ids]) == pad).long(),
                        pixel_values=trajectory.images.pixel_values,
                        image_grid_thw=trajectory.images.image_grid_thw).logits[0]
-    logprobs = torch.log_softmax(logits[:-1].float(), -1).gather(-1, torch.tensor(trajectory.token_ids[1:])[:, None])[:, 0]
+    targets = torch.tensor(trajectory.token_ids[1:])[:, None]
+    logprobs = torch.log_softmax(logits[:-1].float(), -1).gather(-1, targets)[:, 0]
     generated = [i for i, m in enumerate(trajectory.action_mask) if m]
     got = torch.tensor([trajectory.logprobs[i] for i in generated])
     assert (logprobs[[i - 1 for i in generated]] - got).abs().max() < 1e-4

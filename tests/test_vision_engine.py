@@ -62,7 +62,8 @@ def prompt_sample(vlm_dir, tokenizer, text: str, images: list) -> dict:
 @pytest.fixture(scope="module")
 def samples(vlm_dir, tokenizer) -> list[dict]:
     """Two images of different grids in one prompt, one image, and a prompt without images."""
-    return [prompt_sample(vlm_dir, tokenizer, "<image> and <image>: what differs?", [picture(56, 84, 1), picture(64, 48, 2)]),
+    return [prompt_sample(vlm_dir, tokenizer, "<image> and <image>: what differs?",
+                          [picture(56, 84, 1), picture(64, 48, 2)]),
             prompt_sample(vlm_dir, tokenizer, "what is in <image>?", [picture(70, 70, 3)]),
             prompt_sample(vlm_dir, tokenizer, "say something without a picture", [])]
 
@@ -255,7 +256,8 @@ def test_vllm_adapter_sends_collapsed_pads_and_images_that_vllm_processes_to_rl2
     pad_id = AutoTokenizer.from_pretrained(vlm_dir).convert_tokens_to_ids("<|image_pad|>")
     adapter.engine, adapter.image_processor, adapter.image_pad_id = FakeVLLMEngine(), processor, pad_id
     adapter._params_class, adapter._output_kind, adapter._prompt = dict, SimpleNamespace(DELTA="delta"), dict
-    adapter.generator, adapter.aborting, adapter._ids = torch.Generator().manual_seed(0), threading.Event(), itertools.count()
+    adapter.generator, adapter.aborting = torch.Generator().manual_seed(0), threading.Event()
+    adapter._ids = itertools.count()
     got = generate(adapter, samples, SamplingParams(temperature=1.0, max_new_tokens=4))
     assert [g.token_ids for g in got] == [[7]] * 3
     requests = adapter.engine.requests

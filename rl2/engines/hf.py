@@ -58,6 +58,11 @@ class _Request:
     vision: VisionPrompt | None = None  # a vision-language model's prompt: its images and where they lie
     key: list[int] | None = None  # the prompt as its slot is indexed (`VisionPrompt.keys`); None: the prompt
 
+    @property
+    def indexed(self) -> list[int]:
+        """The prompt as the slot table indexes it."""
+        return self.key if self.key is not None else self.prompt
+
 
 @dataclass
 class _DeviceState:
@@ -307,8 +312,7 @@ class HFEngine(Engine):
         while waiting and self.slots.free_slots():
             request = waiting.popleft()
             # At least the last prompt token is computed: its logits give the first new token.
-            key = request.key if request.key is not None else request.prompt
-            reusable = key[: len(key) - 1]
+            reusable = request.indexed[: len(request.prompt) - 1]
             hashes = block_hashes(reusable)
             source, shared = self.slots.longest_prefix(reusable, hashes)
             if request.vision is not None:
@@ -361,7 +365,7 @@ class HFEngine(Engine):
         state.limit[rows] = as_tensor([request.max_new for request, _ in admitted])
         state.record(rows, torch.ones_like(rows, dtype=torch.bool), next_tokens, logprobs)
         for request, _ in admitted:
-            self.slots.start(request.slot, request.key if request.key is not None else request.prompt)
+            self.slots.start(request.slot, request.indexed)
             request.fed_bound = len(request.prompt)
         return [request for request, _ in admitted]
 
@@ -443,7 +447,7 @@ class HFEngine(Engine):
             else:
                 continue  # only searched for stop strings, none yet
             # The cache holds the prompt and every generated token but the last (never fed back).
-            self.slots.keep(request.slot, (request.key if request.key is not None else request.prompt) + row_tokens[:-1])
+            self.slots.keep(request.slot, request.indexed + row_tokens[:-1])
             request.slot = -1
             finished(request, Generation(row_tokens, row_logprobs, reason, error, (request.call_key, request.sample_key)))
         if stopped_rows:

@@ -295,7 +295,8 @@ def image_data(images: ImageInputs | None) -> list[dict] | None:
     prompt's image-pad tokens (rl2 expanded them, one per merged patch) match its grids; None without images."""
     if images is None:
         return None
-    return [{"format": "processor_output", "pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw}]
+    return [{"format": "processor_output", "pixel_values": images.pixel_values,
+             "image_grid_thw": images.image_grid_thw}]
 
 
 def check_result(result: Any, what: str) -> None:

