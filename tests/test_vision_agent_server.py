@@ -145,3 +145,21 @@ def test_an_image_url_that_is_not_a_data_uri_is_refused_naming_the_part(server, 
     error = out.read_text()
     assert error.startswith("400 ") and "messages[0].content[1]" in error and "data URI" in error
     assert trajectory.errors == ["the agent made no request"]
+
+
+def test_a_turns_images_survive_a_snapshot_and_the_rest_of_a_cut_turn():
+    """A paused agent request with images: its snapshot is JSON (images saved), restores equal, and the rest
+    of a cut turn keeps its images; a text turn's state has no images key (as before)."""
+    from rl2.engines import Generation, Turn
+    from rl2.serve.engine_slots import _rest, _same_turn, _turn, _turn_state
+    from rl2.vision.image_inputs import ImageInputs
+
+    images = ImageInputs(torch.randn(16, 1176), torch.tensor([[1, 4, 4]]))
+    turn = Turn([1, 2, 3, 4], 8, (5, 6), 0, images)
+    restored = _turn(json.loads(json.dumps(_turn_state(turn))))
+    assert _same_turn(restored, turn) and restored.images is not images
+    other = Turn([1, 2, 3, 4], 8, (5, 6), 0, ImageInputs(images.pixel_values + 1, images.image_grid_thw))
+    assert not _same_turn(other, turn) and not _same_turn(Turn([1, 2, 3, 4], 8, (5, 6)), turn)
+    rest = _rest(turn, [(Generation([9, 9], [-1.0, -1.0], "abort", None, (5, 6)), 0)])
+    assert rest.prompt == [1, 2, 3, 4, 9, 9] and rest.offset == 2 and rest.images is images
+    assert "images" not in _turn_state(Turn([1], 4)) and _turn(_turn_state(Turn([1], 4))) == Turn([1], 4)
