@@ -125,7 +125,8 @@ class Engine(ABC):
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """One generation per prompt, in the order of `prompts`."""
+        """One generation per prompt, in the order of `prompts`. An engine that serves vision-language models
+        also takes `images=[ImageInputs | None per prompt]` (passed only when some prompt has images)."""
 
     def generate_turns(
         self, turns: list[FirstTurn], params: SamplingParams, on_generation: OnGeneration, max_turns: int
@@ -162,7 +163,8 @@ class Engine(ABC):
                 continue
             room = max(turn.max_new_tokens for turn in batch.values())
             call_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
-            generations = self.generate([turn.prompt for turn in batch.values()], call_params)
+            generations = self.generate([turn.prompt for turn in batch.values()], call_params,
+                                        **_images_of(batch.values()))
             for (index, turn), generation in zip(batch.items(), generations):
                 generated[index] += 1
                 future = on_generation(index, _within(generation, turn.max_new_tokens))
@@ -177,7 +179,8 @@ class Engine(ABC):
         for _ in range(max_turns):
             room = max((turn.max_new_tokens for turn in pending.values()), default=1)
             call_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
-            generations = self.generate([turn.prompt for turn in pending.values()], call_params)
+            generations = self.generate([turn.prompt for turn in pending.values()], call_params,
+                                        **_images_of(pending.values()))
             futures = [
                 (index, on_generation(index, _within(generation, turn.max_new_tokens)))
                 for (index, turn), generation in zip(pending.items(), generations)
@@ -212,6 +215,13 @@ class Engine(ABC):
 
     def shutdown(self) -> None:
         """Free the engine's memory and processes; it cannot be used afterwards (no-op by default)."""
+
+
+def _images_of(turns: Iterable[Turn]) -> dict:
+    """`generate`'s `images` argument for `turns`, where any turn has images (an engine without images in
+    its signature is never passed one for text-only turns)."""
+    images = [turn.images for turn in turns]
+    return {"images": images} if any(image is not None for image in images) else {}
 
 
 def _within(generation: Generation, max_new_tokens: int) -> Generation:

@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import nn
 
-from rl2.engines.kv_slots import NO_MASKS, DecodePlan, KVSlots
+from rl2.engines.kv_slots import DecodePlan, KVSlots, no_masks
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +35,19 @@ class DecodeStep:
     finished ones lie among them); a row whose write position is the cache's scratch column is idle
     (its output is meaningless but finite). With `use_graphs` the returned logits live in a static
     buffer, overwritten by the next step.
+
+    With `mrope` (a Qwen-VL model) a token at cache position p is rotated by p + `rope_deltas[slot]` in
+    its three mRoPE rows: the engine sets a slot's delta when it prefills the slot's prompt.
     """
 
-    def __init__(self, model: nn.Module, kv: KVSlots, use_graphs: bool):
-        self.model, self.kv, self.use_graphs = model, kv, use_graphs
+    def __init__(self, model: nn.Module, kv: KVSlots, use_graphs: bool, mrope: bool = False):
+        self.model, self.kv, self.use_graphs, self.mrope = model, kv, use_graphs, mrope
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.static_ids = torch.zeros(kv.num_slots, dtype=torch.long, device=kv.device)
         self.static_positions = torch.zeros(kv.num_slots, dtype=torch.long, device=kv.device)
+        self.rope_deltas = torch.zeros(kv.num_slots, dtype=torch.long, device=kv.device)  # read in place by graphs
+        self.no_masks = no_masks(mrope, kv.device)
 
     def reset(self) -> None:
         """Drop the captured graphs (the cache was reallocated or released, or the model moved)."""
@@ -76,10 +81,15 @@ class DecodeStep:
         positions = torch.arange(kv_length, device=input_ids.device)
         mask = (positions[None, :] <= write_positions[:, None])[:, None, None, :]
         plan = DecodePlan(write_positions=write_positions, mask=mask, kv_length=kv_length, slots=slots)
+        position_ids = write_positions[:, None]
+        if self.mrope:  # [4, R, 1]: the cache positions, then the three mRoPE rows
+            rows = input_ids.shape[0]
+            rotated = position_ids + (self.rope_deltas[:rows] if slots is None else self.rope_deltas[slots])[:, None]
+            position_ids = torch.stack([position_ids, rotated, rotated, rotated])
         return self.model(
             input_ids=input_ids[:, None],
-            position_ids=write_positions[:, None],
-            attention_mask=NO_MASKS,
+            position_ids=position_ids,
+            attention_mask=self.no_masks,
             kv_slots=self.kv,
             kv_plan=plan,
             use_cache=False,

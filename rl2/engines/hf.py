@@ -22,15 +22,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from rl2.distributed.fsdp import DTYPES
 from rl2.engines.base import Engine, FirstTurn, Generation, OnGeneration, SamplingParams, Turn
 from rl2.engines.decode_step import DecodeStep
-from rl2.engines.kv_slots import NO_MASKS, KVSlots, PrefillPlan, prefill_attention, register_slot_attention
+from rl2.engines.kv_slots import KVSlots, PrefillPlan, prefill_attention, register_slot_attention
 from rl2.engines.sampling import request_uniforms, sample
 from rl2.engines.slot_table import BLOCK, SlotTable, block_hashes
+from rl2.engines.vision_prompt import VisionPrompt, mrope_positions
 from rl2.engines.weight_names import engine_named_tensors
+from rl2.vision.detect import is_vision_config
+from rl2.vision.image_inputs import ImageInputs
+from rl2.vision.positions import rope_index_of
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,13 @@ class _Request:
     slot: int = -1
     fed_bound: int = 0  # at least the positions its slot holds: for sizing the decode's kv_length
     checked: int = 0  # generated tokens already checked for stop strings
+    vision: VisionPrompt | None = None  # a vision-language model's prompt: its images and where they lie
+    key: list[int] | None = None  # the prompt as its slot is indexed (`VisionPrompt.keys`); None: the prompt
+
+    @property
+    def indexed(self) -> list[int]:
+        """The prompt as the slot table indexes it."""
+        return self.key if self.key is not None else self.prompt
 
 
 @dataclass
@@ -103,6 +114,12 @@ class HFEngine(Engine):
     from captured graphs; `max_prefill_tokens` bounds one prefill forward, whose attention
     `attn_implementation` picks (`kv_slots.prefill_attention`: auto = a variable-length kernel on
     CUDA, one sdpa call per sequence on CPU).
+
+    A vision-language model (a config with a `vision_config`: Qwen2.5-VL, Qwen3-VL) loads as
+    `AutoModelForImageTextToText` with the slot attention for its text model and sdpa for its vision tower.
+    A turn's `images` prefill through the model's own forward (merged embeddings, mRoPE positions); each
+    slot keeps its rope delta so decode positions continue the prompt's; a cached prefix is shared only
+    up to where the images differ (`VisionPrompt.keys`).
     """
 
     def __init__(
@@ -129,13 +146,21 @@ class HFEngine(Engine):
         self.prefill_attention = prefill_attention(self.device, attn_implementation, dtype=DTYPES[dtype])
         logger.info(f"hf engine prefill attention on {self.device.type}: {self.prefill_attention}"
                     + (" (auto)" if attn_implementation == "auto" else ""))
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=DTYPES[dtype], attn_implementation=register_slot_attention()
-        ).to(self.device)
+        config = AutoConfig.from_pretrained(model_path)
+        self.vision = is_vision_config(config)
+        model_cls, attention = AutoModelForCausalLM, register_slot_attention()
+        if self.vision:  # the vision tower's attention stays bidirectional (the slot attention is causal)
+            model_cls, attention = AutoModelForImageTextToText, {"text_config": attention, "vision_config": "sdpa"}
+        self.model = model_cls.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=attention)
+        self.model.to(self.device)
         self.model.eval()
+        if self.vision:
+            self.image_pad_id = config.image_token_id
+            self.merge_size = config.vision_config.spatial_merge_size
+            self.rope_index = rope_index_of(self.model)
         self.kv = KVSlots.for_model(self.model, max_batch_size)
         self.slots = SlotTable(max_batch_size)
-        self.decode = DecodeStep(self.model, self.kv, use_graphs=cuda and cuda_graphs)
+        self.decode = DecodeStep(self.model, self.kv, use_graphs=cuda and cuda_graphs, mrope=self.vision)
         self.eos_ids = _eos_ids(tokenizer, self.model)
         self.generator = torch.Generator().manual_seed(seed)  # draws one key per `generate` call
         self.asleep = False
@@ -146,14 +171,18 @@ class HFEngine(Engine):
 
     # ---- generation ------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """One generation per prompt, in the order of `prompts`."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[ImageInputs | None] | None = None) -> list[Generation]:
+        """One generation per prompt, in the order of `prompts`; `images[i]`: prompt i's images (a
+        vision-language model)."""
         results: list[Generation | None] = [None] * len(prompts)
 
         def keep(index: int, generation: Generation) -> None:
             results[index] = generation
 
-        self._schedule([Turn(list(p), params.max_new_tokens) for p in prompts], params, keep, max_turns=1)
+        images = images or [None] * len(prompts)
+        turns = [Turn(list(p), params.max_new_tokens, images=i) for p, i in zip(prompts, images, strict=True)]
+        self._schedule(turns, params, keep, max_turns=1)
         return results
 
     def generate_turns(
@@ -226,12 +255,23 @@ class HFEngine(Engine):
         if min(turn.prompt) < 0 or max(turn.prompt) >= embedded:  # a lookup would raise in the middle of the batch
             outside = next(t for t in turn.prompt if not 0 <= t < embedded)
             raise _Refusal(f"request {index}: token id {outside} is outside the vocabulary (0 to {embedded - 1})")
+        vision = None
+        if self.vision:
+            try:
+                vision = VisionPrompt.of(turn.prompt, turn.images, self.image_pad_id, self.merge_size)
+            except ValueError as why:
+                raise _Refusal(f"request {index}: {why}") from None
+        elif turn.images is not None:
+            raise _Refusal(f"request {index}: has images but the model is not a vision-language model")
         max_new = min(turn.max_new_tokens, params.max_new_tokens)
         if turn.stream is not None:
             call_key, sample_key = turn.stream
         else:
             sample_key = turn_number * requests + index
-        return _Request(index, turn_number, list(turn.prompt), max_new, call_key, sample_key, turn.offset)
+        request = _Request(index, turn_number, list(turn.prompt), max_new, call_key, sample_key, turn.offset)
+        if vision is not None:
+            request.vision, request.key = vision, vision.keys(request.prompt)
+        return request
 
     def _collect_turns(self, tools: list, waiting: deque, params: SamplingParams, requests: int, max_turns: int,
                        call_key: int, finished: Callable[[_Request, Generation], None], block: bool) -> None:
@@ -272,9 +312,11 @@ class HFEngine(Engine):
         while waiting and self.slots.free_slots():
             request = waiting.popleft()
             # At least the last prompt token is computed: its logits give the first new token.
-            reusable = request.prompt[: len(request.prompt) - 1]
+            reusable = request.indexed[: len(request.prompt) - 1]
             hashes = block_hashes(reusable)
             source, shared = self.slots.longest_prefix(reusable, hashes)
+            if request.vision is not None:
+                shared = request.vision.shareable(shared)
             if any(h in round_blocks for h in hashes[shared // BLOCK :]):
                 deferred.append(request)
                 continue
@@ -301,16 +343,19 @@ class HFEngine(Engine):
             last.append(len(ids) - 1)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         plan = PrefillPlan.build(segments, self.device, self.prefill_attention)
+        inputs = {"position_ids": plan.positions[None]}
+        rows = as_tensor([request.slot for request, _ in admitted])
+        if self.vision:
+            inputs = self._vision_inputs(admitted, plan, rows)
         logits = self.model(
             input_ids=as_tensor(ids)[None],
-            position_ids=plan.positions[None],
-            attention_mask=NO_MASKS,
+            attention_mask=self.decode.no_masks,
             kv_slots=self.kv,
             kv_plan=plan,
             use_cache=False,
             logits_to_keep=as_tensor(last),
+            **inputs,
         ).logits[0]
-        rows = as_tensor([request.slot for request, _ in admitted])
         state.call_key[rows] = as_tensor([request.call_key for request, _ in admitted])
         state.sample_key[rows] = as_tensor([request.sample_key for request, _ in admitted])
         state.offset[rows] = as_tensor([request.offset for request, _ in admitted])
@@ -320,9 +365,28 @@ class HFEngine(Engine):
         state.limit[rows] = as_tensor([request.max_new for request, _ in admitted])
         state.record(rows, torch.ones_like(rows, dtype=torch.bool), next_tokens, logprobs)
         for request, _ in admitted:
-            self.slots.start(request.slot, request.prompt)
+            self.slots.start(request.slot, request.indexed)
             request.fed_bound = len(request.prompt)
         return [request for request, _ in admitted]
+
+    def _vision_inputs(self, admitted: list[tuple[_Request, int]], plan: PrefillPlan, rows: torch.Tensor) -> dict:
+        """A vision-language model's prefill inputs: 4-row positions (the cache positions, then each
+        prompt's mRoPE rows from its first computed token) and the images of the computed tokens; each
+        slot's rope delta is set for its decode."""
+        mrope, deltas, images = [], [], []
+        for request, shared in admitted:
+            positions, delta = mrope_positions(self.rope_index, request.prompt, request.vision, self.image_pad_id,
+                                               self.device)
+            mrope.append(positions[:, shared:])
+            deltas.append(delta)
+            images.append(request.vision.images_from(shared))
+        self.decode.rope_deltas[rows] = torch.tensor(deltas, dtype=torch.long, device=self.device)
+        inputs = {"position_ids": torch.cat([plan.positions[None], torch.cat(mrope, dim=1)])[:, None]}
+        images = ImageInputs.concat(images)
+        if images is not None:
+            inputs["pixel_values"] = images.pixel_values.to(self.device, self.model.dtype)
+            inputs["image_grid_thw"] = images.image_grid_thw.to(self.device)
+        return inputs
 
     def _reserve(self, positions: int) -> None:
         """Room for `positions` per slot; the cache at least doubles when it grows."""
@@ -383,7 +447,7 @@ class HFEngine(Engine):
             else:
                 continue  # only searched for stop strings, none yet
             # The cache holds the prompt and every generated token but the last (never fed back).
-            self.slots.keep(request.slot, request.prompt + row_tokens[:-1])
+            self.slots.keep(request.slot, request.indexed + row_tokens[:-1])
             request.slot = -1
             finished(request, Generation(row_tokens, row_logprobs, reason, error, (request.call_key, request.sample_key)))
         if stopped_rows:

@@ -29,6 +29,13 @@ SLOT_ATTENTION = "rl2_kv_slots"
 NO_MASKS = {"full_attention": None, "sliding_attention": None}
 
 
+def no_masks(mrope: bool, device) -> dict | torch.Tensor:
+    """The `attention_mask` that makes the model build no mask: `NO_MASKS`, or for a Qwen-VL model (whose
+    text model builds its mask whatever the dict says) a 4-D placeholder it passes on as is; the slot
+    attention ignores either."""
+    return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device) if mrope else NO_MASKS
+
+
 @dataclass
 class DecodePlan:
     """One new token per row; row r is slot r, or slot `slots[r]` when given (the live slots only)."""
@@ -95,7 +102,7 @@ class KVSlots:
 
     @classmethod
     def for_model(cls, model: nn.Module, num_slots: int) -> "KVSlots":
-        config = model.config
+        config = model.config.get_text_config()  # a vision-language model's text model holds the cache
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         return cls(config.num_hidden_layers, num_slots, kv_heads, head_dim, model.dtype, model.device)

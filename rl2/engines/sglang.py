@@ -33,6 +33,12 @@ then fails an assertion in the scheduler, which ends the engine and this process
 idle (`_flush_when_idle`). SGLang refuses a whole `generate` call when one prompt does not fit the context, or its
 prompt plus max_new_tokens does not: such a prompt is refused alone and the others' max_new_tokens cut to their room.
 
+Images (a vision-language model): a prompt's images go as SGLang's `image_data`, one `processor_output` item
+per request (`image_data`) beside its `input_ids`, whose image-pad tokens rl2 has expanded itself (one per merged
+patch). SGLang's multimodal path decodes the ids and tokenizes the text again with its processor's tokenizer,
+splitting it at each `<|vision_start|><|image_pad|>+<|vision_end|>`; the pixels are rl2's, so the grids match the
+pads. Checked against the stand-in only (which checks the items and the pad counts); not yet on the real engine.
+
 `sglang` is imported only when this engine is built (`pip install -e ".[gpu]"`). Tests run the adapter against a
 stand-in package that follows SGLang's API (its calls recorded) and, in `make test-sglang`'s venv, against SGLang's
 own CPU engine (`CPU_SERVER_ARGS`).
@@ -60,6 +66,7 @@ from rl2.distributed.process_group import world_size
 from rl2.engines.base import Engine, Generation, SamplingParams
 from rl2.engines.tp_group import TPGroupLayout, new_tp_group, plan_this_rank
 from rl2.engines.weight_names import bucketed, engine_named_tensors
+from rl2.vision.image_inputs import ImageInputs
 
 logger = logging.getLogger(__name__)
 
@@ -281,6 +288,17 @@ def cut_at_stop_string(generation: Generation, stops: list[str], tokenizer) -> G
     return Generation(generation.token_ids[:high], generation.logprobs[:high], "stop")
 
 
+def image_data(images: ImageInputs | None) -> list[dict] | None:
+    """One request's `image_data` for `sglang.Engine.generate`: its images as one `processor_output` item
+    (the image processor's `pixel_values` and `image_grid_thw`, as SGLang's offline API takes a Hugging
+    Face processor's output beside pre-expanded `input_ids`), so SGLang runs rl2's own preprocessing and the
+    prompt's image-pad tokens (rl2 expanded them, one per merged patch) match its grids; None without images."""
+    if images is None:
+        return None
+    return [{"format": "processor_output", "pixel_values": images.pixel_values,
+             "image_grid_thw": images.image_grid_thw}]
+
+
 def check_result(result: Any, what: str) -> None:
     """Raise if an SGLang control call reports failure ((success, message), a dict or an object)."""
     if result is None:
@@ -426,32 +444,39 @@ class SGLangEngine(Engine):
 
     # ---- generation ------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """One generation per prompt; collective over the group (an empty list takes part too)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[ImageInputs | None] | None = None) -> list[Generation]:
+        """One generation per prompt; collective over the group (an empty list takes part too). `images[i]`:
+        prompt i's images (a vision-language model; its image-pad tokens already expanded, as rl2 builds them)."""
         prompts = [list(map(int, prompt)) for prompt in prompts]
         if any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("every prompt needs at least one token")
-        parts = [(prompts, params)]
+        images = list(images) if images is not None else [None] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(images)} image entries for {len(prompts)} prompts")
+        parts = [(prompts, params, images)]
         if self.group is not None:  # ranks may differ in prompts and in room left (max_new_tokens)
             parts = [None] * self.layout.tp_size
-            dist.all_gather_object(parts, (prompts, params), group=self.group)
+            dist.all_gather_object(parts, (prompts, params, images), group=self.group)
 
         def run() -> list[list[Generation]]:
             # One SGLang parameter dict per rank (its stop strings tokenised once), shared by its prompts.
             requests = []
-            for part_prompts, part_params in parts:
+            for part_prompts, part_params, part_images in parts:
                 sglang_params = self._sampling_params(part_params)
-                requests += [(prompt, part_params, sglang_params) for prompt in part_prompts]
+                requests += [(prompt, part_params, sglang_params, image)
+                             for prompt, image in zip(part_prompts, part_images)]
             generations = self._generate_batch(requests) if requests else []
             split, start = [], 0
-            for part_prompts, _ in parts:
+            for part_prompts, _, _ in parts:
                 split.append(generations[start : start + len(part_prompts)])
                 start += len(part_prompts)
             return split
 
         return self._on_leader(run, "generate")[self.layout.tp_rank]
 
-    def _generate_batch(self, requests: list[tuple[list[int], SamplingParams, dict]]) -> list[Generation]:
+    def _generate_batch(self, requests: list[tuple[list[int], SamplingParams, dict, ImageInputs | None]]
+                        ) -> list[Generation]:
         if self.released:
             raise RuntimeError(f"generate while SGLang's {sorted(self.released)} memory is released: call wake() first")
         # SGLang refuses the whole batch (ValueError) when one prompt does not fit the model's context, or its
@@ -463,7 +488,7 @@ class SGLangEngine(Engine):
         longest = getattr(manager, "max_req_input_len", None) or context
         generations: list[Generation | None] = [None] * len(requests)
         sent = []
-        for index, (prompt, _, sglang_params) in enumerate(requests):
+        for index, (prompt, _, sglang_params, images) in enumerate(requests):
             if longest is not None and len(prompt) >= longest:
                 generations[index] = Generation.refused(
                     f"a prompt of {len(prompt)} tokens does not fit the model's context length ({context} tokens; "
@@ -471,15 +496,19 @@ class SGLangEngine(Engine):
                 continue
             if context is not None and len(prompt) + sglang_params["max_new_tokens"] > context:
                 sglang_params = {**sglang_params, "max_new_tokens": context - len(prompt)}
-            sent.append((index, prompt, sglang_params))
+            sent.append((index, prompt, sglang_params, images))
+        multimodal = {}
+        if any(images is not None for *_, images in sent):
+            multimodal["image_data"] = [image_data(images) for *_, images in sent]
         outputs = self.engine.generate(
-            input_ids=[prompt for _, prompt, _ in sent],
-            sampling_params=[sglang_params for _, _, sglang_params in sent],
+            input_ids=[prompt for _, prompt, _, _ in sent],
+            sampling_params=[sglang_params for _, _, sglang_params, _ in sent],
             return_logprob=True,
+            **multimodal,
         ) if sent else []
         if len(outputs) != len(sent):
             raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(sent)} prompts")
-        for output, (index, _, _) in zip(outputs, sent):
+        for output, (index, *_) in zip(outputs, sent):
             generations[index] = cut_at_stop_string(to_generation(output), requests[index][1].stop, self.tokenizer)
         return generations
 

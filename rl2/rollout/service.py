@@ -118,7 +118,12 @@ class RolloutService(RolloutRecords):
         if agent or self.rl2_head:
             from rl2.serve.openai_server import OpenAIServer
 
-            self.server = OpenAIServer(tokenizer, actor.model_name, rollout.agent_max_request_mb)
+            from rl2.vision.detect import is_vision_model
+            from rl2.vision.processing import ImageProcessing
+
+            images = (ImageProcessing.from_pretrained(actor.model_name, data.min_pixels, data.max_pixels)
+                      if is_vision_model(actor.model_name) else None)  # chat requests may then hold images
+            self.server = OpenAIServer(tokenizer, actor.model_name, rollout.agent_max_request_mb, images)
         self.faults_logged: dict[str, int] = {}  # the env's fault totals already in the metrics
         # With partial rollout (a training run): the unfinished groups this rank carries from step to step.
         self.partial = partial_rollout(self, rollout, prompts_per_step, responses_per_prompt) if training else None

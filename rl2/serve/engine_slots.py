@@ -15,12 +15,16 @@ logged, and a cut turn goes on from its stream: rerun from its start, a determin
 same state without generating anything again.
 """
 
+import dataclasses
 import threading
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from rl2.engines.base import FirstTurn, Generation, Turn
+from rl2.vision.image_inputs import ImageInputs
 
 
 @dataclass
@@ -140,11 +144,11 @@ class EngineSlots:
         is, or None (live), where a request that is not the logged one ends the replay."""
         if slot.replay:
             logged, served = slot.replay[0]
-            if logged == turn:
+            if _same_turn(logged, turn):
                 slot.replay.popleft()
                 slot.log.append((logged, served))
                 return served
-        elif slot.cut is not None and slot.cut[0] == turn:
+        elif slot.cut is not None and _same_turn(slot.cut[0], turn):
             (_, pieces), slot.cut = slot.cut, None
             return pieces
         if slot.replay or slot.cut is not None:
@@ -162,8 +166,9 @@ class EngineSlots:
                 slot = self._slots[slot_id]
                 cut = (slot.current[0], slot.drawn) if slot.current is not None and slot.drawn else slot.cut
                 saved.append({
-                    "log": [{"turn": asdict(turn), "served": asdict(served)} for turn, served in slot.log + list(slot.replay)],
-                    "cut": None if cut is None else {"turn": asdict(cut[0]), "pieces": [
+                    "log": [{"turn": _turn_state(turn), "served": asdict(served)}
+                            for turn, served in slot.log + list(slot.replay)],
+                    "cut": None if cut is None else {"turn": _turn_state(cut[0]), "pieces": [
                         {"generation": asdict(generation), "version": version} for generation, version in cut[1]]},
                 })
             return saved
@@ -261,8 +266,29 @@ def _stream(stream) -> tuple[int, int] | None:
     return None if stream is None else tuple(stream)
 
 
+def _turn_state(turn: Turn) -> dict:
+    """`turn` as JSON holds it (its images, if any, as `ImageInputs.state`)."""
+    state = asdict(dataclasses.replace(turn, images=None))
+    del state["images"]  # a text turn's state is as it was before turns had images
+    if turn.images is not None:
+        state["images"] = turn.images.state()
+    return state
+
+
 def _turn(saved: dict) -> Turn:
-    return Turn(list(saved["prompt"]), saved["max_new_tokens"], _stream(saved["stream"]), saved["offset"])
+    images = saved.get("images")
+    return Turn(list(saved["prompt"]), saved["max_new_tokens"], _stream(saved["stream"]), saved["offset"],
+                ImageInputs.from_state(images) if images is not None else None)
+
+
+def _same_turn(a: Turn, b: Turn) -> bool:
+    """Whether two turns ask for the same generation (their images compared by value)."""
+    if (a.prompt, a.max_new_tokens, a.stream, a.offset) != (b.prompt, b.max_new_tokens, b.stream, b.offset):
+        return False
+    if a.images is None or b.images is None:
+        return a.images is b.images
+    return (torch.equal(a.images.pixel_values, b.images.pixel_values)
+            and torch.equal(a.images.image_grid_thw, b.images.image_grid_thw))
 
 
 def _generation(saved: dict) -> Generation:
@@ -276,7 +302,7 @@ def _rest(turn: Turn, pieces: list[tuple[Generation, int]]) -> Turn | None:
     drawn = [token for piece, _ in pieces for token in piece.token_ids]
     if len(drawn) >= turn.max_new_tokens:
         return None
-    return Turn(turn.prompt + drawn, turn.max_new_tokens - len(drawn), pieces[-1][0].stream, len(drawn))
+    return Turn(turn.prompt + drawn, turn.max_new_tokens - len(drawn), pieces[-1][0].stream, len(drawn), turn.images)
 
 
 def _joined(pieces: list[tuple[Generation, int]]) -> Served:

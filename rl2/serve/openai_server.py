@@ -7,7 +7,10 @@ Each trajectory has its own API key: the key says which trajectory a request bel
 and an unknown key is refused (401). Generation uses the run's sampling parameters (a request's
 `temperature`, `top_p` or `stop` would make the behaviour policy another one than the one trained: they
 are ignored and counted); a request's `max_tokens` is honoured. vLLM's `return_token_ids` extension
-returns the prompt's and the completion's token ids.
+returns the prompt's and the completion's token ids. For a vision-language model (`image_processing` given),
+chat messages may hold `image_url` parts with base64 data URIs (a URL is refused, 400 naming the part): the
+prompt's tokens are rl2's rendering of the messages, image pads expanded, and the images go to the engine with
+the prompt and to the trajectory (`chat_images`).
 
 What the server refuses, so that no request of one agent can end the run or stall the others: a body past
 `max_request_mb` (413), any request but `/v1/models` without its trajectory's key (401), token ids outside
@@ -33,7 +36,10 @@ from aiohttp import web
 
 from rl2.engines import Engine, SamplingParams, Turn
 from rl2.serve.engine_slots import EngineSlots, Served
+from rl2.serve.chat_images import ChatImages
 from rl2.serve.session import AgentSession, Kept, Plan, RequestError, openai_messages
+from rl2.vision.inputs import image_pad_id
+from rl2.vision.processing import ImageProcessing
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +79,13 @@ class Rollout:
 class OpenAIServer:
     """The server, on an event loop of its own thread; `open` makes a rollout's sessions reachable."""
 
-    def __init__(self, tokenizer, model_name: str = "rl2-policy", max_request_mb: float = 4.0):
+    def __init__(self, tokenizer, model_name: str = "rl2-policy", max_request_mb: float = 4.0,
+                 image_processing: ImageProcessing | None = None):
         if not max_request_mb > 0:
             raise ValueError(f"rollout.agent_max_request_mb must be a positive number of MB, not {max_request_mb!r}")
         self.tokenizer, self.model_name = tokenizer, model_name
+        self.image_processing = image_processing  # a vision-language model's: chat messages may hold images
+        self.image_pad_id = image_pad_id(tokenizer) if image_processing is not None else None
         self.max_request_bytes = int(max_request_mb * 2**20)  # a longer body is refused (413)
         self.vocab_size = len(tokenizer)  # token ids a request may hold: 0 to vocab_size - 1
         self.sessions: dict[str, tuple[Rollout, int, AgentSession]] = {}  # by API key: its rollout, slot, session
@@ -290,18 +299,32 @@ class OpenAIServer:
             session.truncated = True
             return None
         try:
-            served = await asyncio.wrap_future(rollout.slots.submit(slot, Turn(plan.prompt_ids, room)))
+            served = await asyncio.wrap_future(rollout.slots.submit(slot, Turn(plan.prompt_ids, room,
+                                                                                images=plan.images)))
         except Exception as error:  # noqa: BLE001 - the engine call failed (`EngineSlots.fail`)
             raise _Refused(500, "engine_error", f"the engine failed: {type(error).__name__}: {error}"[:500]) from None
         if served.generation.was_refused:  # this request alone: the engine went on with the others
             raise _Refused(400, "invalid_request_error", served.generation.error[:500])
         return served
 
-    async def _plan(self, session: AgentSession, messages: list[dict], tools: list[dict] | None, large: bool) -> Plan:
+    async def _plan(self, session: AgentSession, messages: list[dict], tools: list[dict] | None, large: bool,
+                    images: ChatImages | None = None) -> Plan:
         """`session.plan`, rendered and tokenised off the event loop for a large request."""
         if large:
-            return await asyncio.to_thread(session.plan, messages, tools)
-        return session.plan(messages, tools)
+            return await asyncio.to_thread(session.plan, messages, tools, images)
+        return session.plan(messages, tools, images)
+
+    def _chat_images(self) -> ChatImages | None:
+        """A request's images, to be filled by `openai_messages`: None for a text model."""
+        if self.image_processing is None:
+            return None
+        return ChatImages(self.image_processing, self.image_pad_id)
+
+    async def _messages(self, value, images: ChatImages | None, large: bool) -> list[dict]:
+        """`openai_messages`, off the event loop for a large request (its images are decoded and processed)."""
+        if large:
+            return await asyncio.to_thread(openai_messages, value, images)
+        return openai_messages(value, images)
 
     async def _send(self, request: web.Request, response: web.StreamResponse, session: AgentSession,
                     kept: list[Kept]) -> web.StreamResponse:
@@ -322,17 +345,18 @@ class OpenAIServer:
         try:
             rollout, slot, session = self._session(request)
             body = await self._body(request)
-            messages = openai_messages(body.get("messages"))
+            large = request.get(BODY_BYTES, 0) > OFF_LOOP_BYTES
+            images = self._chat_images()
+            messages = await self._messages(body.get("messages"), images, large)
             tools = _tools(body)
             n, max_tokens = _count(body, "n", 1), _max_tokens(body)
             if not isinstance(body.get("stream_options") or {}, dict):  # read once the stream has begun
                 raise RequestError("'stream_options' must be an object")
             _count_ignored(rollout, body)
-            large = request.get(BODY_BYTES, 0) > OFF_LOOP_BYTES
             choices, prompt_ids = [], []
             self._reserve(rollout, slot, session, n, "key" in request.match_info)
             for index in range(n):
-                plan = await self._plan(session, messages, tools, large)
+                plan = await self._plan(session, messages, tools, large, images)
                 prompt_ids = plan.prompt_ids
                 served = await self._generate(rollout, slot, session, plan, max_tokens)
                 if served is None:
@@ -568,17 +592,23 @@ class OpenAIServer:
             if "messages" in body:
                 from rl2.chat.template import render_chat
 
-                messages, tools = openai_messages(body["messages"]), _tools(body)
+                images = self._chat_images()
+                messages, tools = await self._messages(body["messages"], images, large), _tools(body)
                 generation_prompt = bool(body.get("add_generation_prompt", True))
                 if large:
                     text = await asyncio.to_thread(render_chat, messages, self.tokenizer, generation_prompt, tools)
                 else:
                     text = render_chat(messages, self.tokenizer, generation_prompt, tools)
             elif isinstance(body.get("prompt"), str):
-                text = body["prompt"]
+                text, images = body["prompt"], None
             else:
                 raise RequestError("give 'prompt' (a string) or 'messages'")
             tokens = await self._encode(text, large)
+            if images is not None:
+                try:
+                    tokens, _ = images.expand(tokens, messages)
+                except ValueError as error:
+                    raise RequestError(str(error)) from None
         except _Refused as refused:
             return refused.response()
         except RequestError as error:

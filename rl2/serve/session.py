@@ -9,6 +9,11 @@ an agent that only extends its conversation); otherwise every request is a seque
 prompt still built from the sampled ids. A request that continues nothing (a rewritten history, a
 sub-agent, a summariser) is rendered by the template; the assistant turns it holds are then re-encoded,
 which is counted (`drift`).
+
+A vision-language model's request may hold images (`image_url` parts with data URIs, `chat_images`): each
+becomes the vision tokens' text in its message and its pad token is expanded as rl2's rendering expands it; a
+sequence keeps the images its tokens stand for, and a conversation is continued only where its images are
+the same.
 """
 
 import copy
@@ -21,6 +26,9 @@ from rl2.data.rows import parse_messages
 from rl2.engines import Generation
 from rl2.chat.bridge import observation_tokens
 from rl2.chat.template import render_chat, template_renders_tools, tools_not_rendered
+from rl2.serve.chat_images import IMAGE_DIGESTS, ChatImages
+from rl2.vision.image_inputs import ImageInputs
+from rl2.vision.inputs import IMAGE_TEXT
 
 
 class RequestError(ValueError):
@@ -38,6 +46,7 @@ class AgentSequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     calls_made: int = 0  # tool-call ids given so far (the parser numbers them)
+    images: ImageInputs | None = None  # the images its image-pad tokens stand for, in order
 
     def append(self, tokens: list[int], generated: bool, logprobs: list[float] | None = None,
                versions: list[int] | None = None) -> None:
@@ -61,6 +70,7 @@ class Kept:
     reused: int
     rendered: int
     truncated: bool  # the session's `truncated` before it
+    images: ImageInputs | None = None  # the sequence's images before it
 
 
 @dataclass
@@ -74,11 +84,14 @@ class Plan:
     base: AgentSequence | None = None
     base_length: int = 0
     reused: int = 0  # prompt tokens taken from sampled sequences rather than rendered
+    images: ImageInputs | None = None  # the prompt's images, in order
 
 
-def openai_messages(value: Any) -> list[dict]:
+def openai_messages(value: Any, images: ChatImages | None = None) -> list[dict]:
     """OpenAI chat messages in the form chat templates take: text parts joined, `developer` as `system`,
-    `tool_calls` arguments decoded from their JSON strings; RequestError where malformed."""
+    `tool_calls` arguments decoded from their JSON strings; RequestError where malformed. With `images` (a
+    vision-language model) an `image_url` part becomes the vision tokens' text, its image kept in `images` and
+    its digest in the message's `image_digests`."""
     if not isinstance(value, list) or not value:
         raise RequestError("'messages' must be a non-empty list")
     plain = []
@@ -90,10 +103,25 @@ def openai_messages(value: Any) -> list[dict]:
             message["role"] = "system"
         content = message.get("content")
         if isinstance(content, list):
-            texts = [part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text")]
-            if len(texts) != len(content):
-                raise RequestError(f"messages[{i}]: only text content parts are supported")
+            texts, digests = [], []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("text", "input_text", "output_text"):
+                    texts.append(part.get("text", ""))
+                elif kind == "image_url" and images is not None:
+                    try:
+                        digests.append(images.part(part, f"messages[{i}].content[{j}]"))
+                    except ValueError as error:
+                        raise RequestError(str(error)) from None
+                    texts.append(IMAGE_TEXT)
+                elif kind == "image_url":
+                    raise RequestError(f"messages[{i}].content[{j}] is an image: this model reads text only")
+                else:
+                    raise RequestError(f"messages[{i}]: only text content parts are supported"
+                                       + (" (and image_url parts)" if images is not None else ""))
             message["content"] = "".join(texts)
+            if digests:
+                message[IMAGE_DIGESTS] = digests
         elif content is None:
             message["content"] = ""
         plain.append(message)
@@ -112,9 +140,20 @@ def same_message(ours: dict, theirs: dict) -> bool:
     def key(message: dict) -> tuple:
         calls = tuple((call["function"]["name"], json.dumps(call["function"].get("arguments") or {}, sort_keys=True))
                       for call in message.get("tool_calls") or [])
-        return message["role"], (message.get("content") or "").strip(), calls, message.get("tool_call_id")
+        return (message["role"], (message.get("content") or "").strip(), calls, message.get("tool_call_id"),
+                tuple(message.get(IMAGE_DIGESTS, ())))
 
     return key(ours) == key(theirs)
+
+
+def _expanded(ids: list[int], messages: list[dict], images: ChatImages | None) -> tuple[list[int], ImageInputs | None]:
+    """`ids` rendered from `messages` with their images' pads expanded (`ChatImages.expand`), and those images."""
+    if images is None:
+        return ids, None
+    try:
+        return images.expand(ids, messages)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
 
 
 class AgentSession:
@@ -139,9 +178,10 @@ class AgentSession:
         self.errors: list[str] = []
         self.tools_rendered = False  # the template was found to render tools (checked at the first request with some)
 
-    def plan(self, messages: list[dict], tools: list[dict] | None) -> Plan:
+    def plan(self, messages: list[dict], tools: list[dict] | None, images: ChatImages | None = None) -> Plan:
         """The prompt ids of a request for `messages` (in template form) with `tools`; RequestError where the
-        chat template would drop the tools."""
+        chat template would drop the tools. `images`: the request's images (a vision-language model), whose
+        pad tokens are expanded."""
         if tools and not self.tools_rendered:
             if not template_renders_tools(self.tokenizer):
                 raise RequestError(tools_not_rendered(self.tokenizer))
@@ -153,17 +193,20 @@ class AgentSession:
                     and all(m["role"] != "assistant" for m in messages[continued:])):
                 new = messages[continued:]
                 bridge = observation_tokens(self.tokenizer, sequence.token_ids, sequence.messages, new, True, tools)
+                bridge, new_images = _expanded(bridge, new, images)
                 prompt = sequence.token_ids + bridge
-                return Plan(messages, tools, prompt, sequence, len(sequence.token_ids), reused=len(sequence.token_ids))
-        if self.row_prompt is not None and not self.sequences:
+                return Plan(messages, tools, prompt, sequence, len(sequence.token_ids), reused=len(sequence.token_ids),
+                            images=ImageInputs.concat([sequence.images, new_images]))
+        if self.row_prompt is not None and not self.sequences and images is None:
             row_messages, row_tools, row_ids = self.row_prompt
             if row_tools == tools and len(row_messages) == len(messages) and all(
                     a == b for a, b in zip(row_messages, messages)):
                 return Plan(messages, tools, list(row_ids))
         text = render_chat(messages, self.tokenizer, True, tools)
-        prompt = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        prompt, prompt_images = _expanded(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), messages,
+                                          images)
         self.drift += any(m["role"] == "assistant" for m in messages)
-        return Plan(messages, tools, prompt)
+        return Plan(messages, tools, prompt, images=prompt_images)
 
     def plan_tokens(self, prompt_ids: list[int]) -> Plan:
         """The plan of a raw completion (`/v1/completions`): a prompt that starts with one of the
@@ -173,7 +216,7 @@ class AgentSession:
         for sequence in sorted(self.sequences, key=lambda s: -len(s.token_ids)):
             if len(prompt_ids) > len(sequence.token_ids) and prompt_ids[:len(sequence.token_ids)] == sequence.token_ids:
                 return Plan(messages, None, list(prompt_ids), sequence, len(sequence.token_ids),
-                            reused=len(sequence.token_ids))
+                            reused=len(sequence.token_ids), images=sequence.images)
         return Plan(messages, None, list(prompt_ids))
 
     def record_tokens(self, plan: Plan, generation: Generation, versions: list[int],
@@ -195,20 +238,21 @@ class AgentSession:
         base = plan.base
         if base is not None and self.merge and len(base.token_ids) == plan.base_length:
             sequence, new = base, False  # the conversation goes on: one sequence
-            undo = (sequence.messages, sequence.calls_made, len(sequence.token_ids))
+            undo = (sequence.messages, sequence.calls_made, len(sequence.token_ids), sequence.images)
             sequence.append(plan.prompt_ids[plan.base_length:], generated=False)
         else:  # a new request, a branch (n > 1, or two requests continuing one conversation), or each its own
             sequence, new = AgentSequence(copy.deepcopy(plan.messages), plan.tools,
                                           calls_made=base.calls_made if base else 0), True
-            undo = (sequence.messages, sequence.calls_made, 0)
+            undo = (sequence.messages, sequence.calls_made, 0, None)
             sequence.append(plan.prompt_ids, generated=False)
             self.sequences.append(sequence)
+        sequence.images = plan.images
         sequence.append(list(generation.token_ids), generated=True, logprobs=list(generation.logprobs),
                         versions=list(versions))
         self.truncated |= generation.finish_reason == "length"
         if kept is not None:
             kept.append(Kept(sequence, new, undo[2], len(sequence.token_ids), undo[0], undo[1], plan.reused,
-                             len(plan.prompt_ids) - plan.reused, truncated))
+                             len(plan.prompt_ids) - plan.reused, truncated, undo[3]))
         return sequence
 
     def drop(self, kept: list[Kept]) -> None:
@@ -228,7 +272,7 @@ class AgentSession:
                 continue
             for values in (sequence.token_ids, sequence.action_mask, sequence.logprobs, sequence.versions):
                 del values[entry.start:]
-            sequence.messages, sequence.calls_made = entry.messages, entry.calls_made
+            sequence.messages, sequence.calls_made, sequence.images = entry.messages, entry.calls_made, entry.images
         kept.clear()
 
     def record(self, plan: Plan, generation: Generation, versions: list[int], stop_ids: set[int],

@@ -74,7 +74,7 @@ class Engine:
 
     # ---- generation ------------------------------------------------------------------------
 
-    def generate(self, input_ids=None, sampling_params=None, return_logprob=False, **kwargs):
+    def generate(self, input_ids=None, sampling_params=None, return_logprob=False, image_data=None, **kwargs):
         from rl2.engines.base import SamplingParams
 
         if self.released:
@@ -82,7 +82,10 @@ class Engine:
         single = bool(input_ids) and isinstance(input_ids[0], int)
         prompts = [input_ids] if single else list(input_ids)
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params or {}] * len(prompts)
-        self._record("generate", prompts=len(prompts), max_new_tokens=sorted({p.get("max_new_tokens") for p in params_list}))
+        images = self._images(prompts, [image_data] if single and image_data is not None else image_data)
+        self._record("generate", prompts=len(prompts),
+                     max_new_tokens=sorted({p.get("max_new_tokens") for p in params_list}),
+                     images=[0 if i is None else i.count for i in images], image_data=image_data is not None)
         outputs = [None] * len(prompts)
         by_params: dict[str, list[int]] = {}
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
@@ -100,8 +103,9 @@ class Engine:
                 max_new_tokens=params.get("max_new_tokens", 128), stop_token_ids=params.get("stop_token_ids") or [],
                 ignore_eos=params.get("ignore_eos", False),
             )
-            generated = self.loop.run_until_complete(
-                self.loop.run_in_executor(None, self.hf.generate, [prompts[i] for i in indices], ours))
+            batch = [prompts[i] for i in indices], ours, [images[i] for i in indices]
+            generated = self.loop.run_until_complete(self.loop.run_in_executor(
+                None, lambda: self.hf.generate(batch[0], batch[1], images=batch[2])))
             for i, generation in zip(indices, generated):
                 if generation.finish_reason == "stop":
                     reason = {"type": "stop", "matched": generation.token_ids[-1]}
@@ -111,6 +115,43 @@ class Engine:
                     reason = {"type": "abort", "message": "Abort in waiting queue"}
                 outputs[i] = _output(generation.token_ids, generation.logprobs, reason, return_logprob)
         return outputs[0] if single else outputs
+
+    def _images(self, prompts, image_data) -> list:
+        """Each request's images from `image_data` (one entry per request: None, or a list of `processor_output`
+        dicts with `pixel_values` and `image_grid_thw`, as SGLang's offline API takes a processor's output beside
+        pre-expanded `input_ids`). Strict where SGLang would fail: a length that is not the batch's, an item of
+        another format, image-pad tokens that do not match the grids (SGLang's "image features and image tokens do
+        not match"), images for a model without a vision tower."""
+        from rl2.vision.image_inputs import ImageInputs
+
+        if image_data is None:
+            return [None] * len(prompts)
+        if len(image_data) != len(prompts):
+            raise ValueError(f"image_data has {len(image_data)} entries for {len(prompts)} requests")
+        config = self.hf.model.config
+        if not getattr(self.hf, "vision", False):
+            raise ValueError("image_data for a model that is not multimodal")
+        images = []
+        for prompt, items in zip(prompts, image_data):
+            if items is None:
+                images.append(None)
+                continue
+            parts = []
+            for item in items:
+                if not isinstance(item, dict) or item.get("format") != "processor_output":
+                    raise ValueError(f"stand-in: image_data items must be processor_output dicts, got {item!r:.80}")
+                if not isinstance(item.get("pixel_values"), torch.Tensor) or not isinstance(
+                        item.get("image_grid_thw"), torch.Tensor):
+                    raise ValueError("a processor_output item needs pixel_values and image_grid_thw tensors")
+                parts.append(ImageInputs(item["pixel_values"], item["image_grid_thw"]))
+            request_images = ImageInputs.concat(parts)
+            pads = sum(1 for token in prompt if token == config.image_token_id)
+            merge = config.vision_config.spatial_merge_size
+            expected = int((request_images.image_grid_thw.prod(-1) // merge**2).sum()) if request_images else 0
+            if pads != expected:
+                raise ValueError(f"image features and image tokens do not match: tokens {pads}, features {expected}")
+            images.append(request_images)
+        return images
 
     def _abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         if not self.loop.is_running() or asyncio.get_running_loop() is not self.loop:
