@@ -63,14 +63,20 @@ def run_step(model_dir, tmp_path, nproc: int, *extra: str) -> dict:
     return torch.load(out, weights_only=False)
 
 
+def reference_and_teacher(model_dir: str) -> list[str]:
+    """A KL loss to the reference and a distillation loss to a teacher, both vision-language models (the
+    starting model: every KL term starts at 0, but each model's log-probs are computed with the images)."""
+    return ["kl.coef=0.01", "kl.type=loss", f"teacher.model_name={model_dir}", "distill.coef=0.1", "distill.mode=loss"]
+
+
 @pytest.fixture(scope="module")
 def one_rank(vlm_dir, tmp_path_factory) -> dict:
-    return run_step(vlm_dir, tmp_path_factory.mktemp("one"), 1, "kl.coef=0.01", "kl.type=loss")
+    return run_step(vlm_dir, tmp_path_factory.mktemp("one"), 1, *reference_and_teacher(vlm_dir))
 
 
 @pytest.fixture(scope="module")
 def two_ranks(vlm_dir, tmp_path_factory) -> dict:
-    return run_step(vlm_dir, tmp_path_factory.mktemp("two"), 2, "kl.coef=0.01", "kl.type=loss")
+    return run_step(vlm_dir, tmp_path_factory.mktemp("two"), 2, *reference_and_teacher(vlm_dir))
 
 
 def hf_logps(model_dir: str, trajectory: dict) -> torch.Tensor:
@@ -91,13 +97,14 @@ def test_the_batch_has_images_on_one_rank_only(vlm_dir):
     assert sorted(with_images) == [False, True]
 
 
-def test_old_and_reference_logps_equal_each_sequence_alone_with_its_images(one_rank, vlm_dir):
+def test_old_reference_and_teacher_logps_equal_each_sequence_alone_with_its_images(one_rank, vlm_dir):
     batch = trajectories(vlm_dir)
-    for trajectory, old, ref in zip(batch, one_rank["old_logps"], one_rank["ref_logps"]):
+    outputs = zip(one_rank["old_logps"], one_rank["ref_logps"], one_rank["teacher_logps"])
+    for trajectory, (old, ref, teacher) in zip(batch, outputs):
         mask = torch.tensor(trajectory["action_mask"], dtype=torch.bool)
         expected = hf_logps(vlm_dir, trajectory)
-        torch.testing.assert_close(old[mask], expected[mask], rtol=0, atol=1e-5)
-        torch.testing.assert_close(ref[mask], expected[mask], rtol=0, atol=1e-5)
+        for logps in (old, ref, teacher):
+            torch.testing.assert_close(logps[mask], expected[mask], rtol=0, atol=1e-5)
         assert (old[~mask] == 0).all()
     # With other pixels the log-probs are others: the equality above holds because the images are read.
     images = batch[0]["images"]
@@ -110,7 +117,7 @@ def test_two_ranks_one_without_images_update_as_one_rank(one_rank, two_ranks):
     assert one_rank["grads"].keys() == two_ranks["grads"].keys()
     for name, grad in one_rank["grads"].items():
         torch.testing.assert_close(two_ranks["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
-    for name in ("actor/loss", "actor/grad_norm", "kl", "advantage/mean"):
+    for name in ("actor/loss", "actor/grad_norm", "actor/kl_loss", "actor/distill_loss", "advantage/mean"):
         assert two_ranks["metrics"][name] == pytest.approx(one_rank["metrics"][name], rel=1e-5, abs=1e-7), name
     assert one_rank["metrics"]["actor/loss_tokens"] == two_ranks["metrics"]["actor/loss_tokens"]
 
