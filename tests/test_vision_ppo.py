@@ -122,6 +122,16 @@ def test_two_ranks_one_without_images_update_as_one_rank(one_rank, two_ranks):
     assert one_rank["metrics"]["actor/loss_tokens"] == two_ranks["metrics"]["actor/loss_tokens"]
 
 
+def test_old_logps_from_the_update_pass_step_as_from_their_own_pass(one_rank, vlm_dir, tmp_path):
+    """The default proximal_from_update=true (the batch trains once: its forward pass gives the old log-probs).
+    At the first update the reference and the teacher equal the policy, so their KL losses add no gradient: the
+    gradients are those of the run with them."""
+    default = run_step(vlm_dir, tmp_path, 1, "actor.proximal_from_update=true")
+    assert default["old_logps"] == [None] * 4  # not computed before the update
+    for name, grad in one_rank["grads"].items():
+        torch.testing.assert_close(default["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_the_vision_tower_is_frozen_and_the_text_model_trains(one_rank):
     before, after = one_rank["before"], one_rank["after"]
     visual = [name for name in before if ".visual." in name or name.startswith("visual.")]
