@@ -141,6 +141,14 @@ def test_the_vision_tower_is_frozen_and_the_text_model_trains(one_rank):
     assert all(not torch.equal(before[name], after[name]) for name in text)
 
 
+def test_lora_on_two_ranks_trains_the_text_models_adapters_against_the_base_as_reference(vlm_dir, tmp_path):
+    run = run_step(vlm_dir, tmp_path, 2, "actor.lora.rank=4", "kl.coef=0.01", "kl.type=loss")
+    changed = [name for name in run["before"] if not torch.equal(run["before"][name], run["after"][name])]
+    assert len(changed) == 28 and all("lora_" in name and ".language_model." in name for name in changed)
+    for old, ref in zip(run["old_logps"], run["ref_logps"]):  # the adapters start as a no-op
+        assert torch.equal(old, ref)
+
+
 def test_runs_rl2_cannot_train_with_images_yet_are_refused(vlm_dir, tiny_model_dir):
     base = [f"actor.model_name={vlm_dir}"]
     for extra, words in ((["adv.estimator=gae"], "critic"), (["rollout.trajectory_format=per_turn"], "per_turn"),

@@ -19,6 +19,7 @@ import torch
 from rl2.config import LoraConfig, load_config
 from rl2.distributed.fsdp import gather_full_state_dict
 from rl2.distributed.process_group import exit_process, init_distributed, is_rank0
+from rl2.lora import AdaptersOff
 from rl2.rollout.trajectory import Trajectory
 from rl2.trainer.ppo_stages import StepModels, add_advantages, compute_logps, sequences_of, update
 from rl2.trainer.step_plan import StepPlan
@@ -34,7 +35,9 @@ def main() -> None:
     plan = StepPlan.from_config(config, train_max_new_tokens=16)
     actor = Policy(config.actor, 1)
     reference = teacher = None
-    if plan.kl is not None:
+    if plan.kl is not None and config.actor.lora.rank > 0:
+        reference = AdaptersOff(actor)
+    elif plan.kl is not None:
         reference = Policy(dataclasses.replace(config.actor, offload_model=False), 0, trainable=False)
     if plan.distill is not None:  # as PPOTrainer builds it
         teacher = Policy(dataclasses.replace(config.actor, model_name=config.teacher.model_name,
