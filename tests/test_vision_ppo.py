@@ -17,8 +17,8 @@ from rl2.vision.inputs import build_vision_sample
 
 WORKER = "tests/workers/vision_ppo_step.py"
 GROUP_SIZE = 2
-ARGS = [f"data.responses_per_prompt={GROUP_SIZE}", "adv.estimator=reinforce", "adv.norm_var=true", "actor.lr=1e-2", "actor.warmup_ratio=0",
-        "actor.proximal_from_update=false", "actor.max_length_per_device=512"]
+ARGS = [f"data.responses_per_prompt={GROUP_SIZE}", "adv.estimator=reinforce", "adv.norm_var=true",  # GRPO
+        "actor.lr=1e-2", "actor.warmup_ratio=0", "actor.proximal_from_update=false", "actor.max_length_per_device=512"]
 
 
 @pytest.fixture(scope="module")

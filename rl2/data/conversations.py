@@ -77,7 +77,6 @@ class _ConversationDataset(torch.utils.data.Dataset):
         except ValueError as exc:
             raise DataError(str(exc)) from None
 
-
     def _vision_sample(self, i: int, messages: list[dict]) -> tuple[dict[str, torch.Tensor], bool]:
         """Row `i` with `messages` as a vision-language sample (`build_vision_sample`, with its mRoPE
         positions), and whether it was cut at max_length."""
@@ -118,7 +117,8 @@ class SFTDataset(_ConversationDataset):
 
 class PairDataset(_ConversationDataset):
     """Preference pairs; item: {"chosen": {"input_ids", "loss_mask"}, "rejected": {...}} as LongTensors.
-    Only the chosen / rejected response (with its end-of-turn token) is in the loss mask."""
+    Only the chosen / rejected response (with its end-of-turn token) is in the loss mask. For a vision-language
+    model (`reading_images`) each is a `build_vision_sample` sample holding the prompt's images."""
 
     kind = "pair"
 

@@ -36,6 +36,7 @@ class OfflineTrainer(Trainer):
     group_size = 1  # sequences kept together in one packed row (a preference pair: 2)
     # Log the test metrics once before the first step (step 0), the start of the test curve.
     evaluate_before_training = False
+    image_inputs: ImageInputs | None = None  # a vision-language actor's (`reading_images`)
 
     def __init__(self, config: Config):
         check_config(config, self.name.lower())
@@ -68,7 +69,7 @@ class OfflineTrainer(Trainer):
         return dataset_cls if self.image_inputs is None else dataset_cls.reading_images(self.image_inputs)
 
     def save(self, step: int) -> str:
-        if getattr(self, "image_inputs", None) is not None and is_rank0():  # the checkpoint loads as a model that reads images
+        if self.image_inputs is not None and is_rank0():  # the checkpoint loads as a model that reads images
             path = checkpoint_dir(self.main_config.save_dir, step)
             os.makedirs(path, exist_ok=True)
             self.image_inputs.image_processor.save_pretrained(path)

@@ -257,7 +257,8 @@ def check_vision_run(config: Config) -> None:
     if config.adv.estimator == "gae":
         raise ConfigError(f"adv.estimator=gae needs a critic, and {actor} is a vision-language model: rl2 has no "
                           f"critic (value head) for those yet (transformers has no token-classification class for "
-                          f"Qwen-VL models); use a critic-free estimator (reinforce with adv.norm_var=true is GRPO; rloo, ...)")
+                          f"Qwen-VL models); use a critic-free estimator (GRPO is adv.estimator=reinforce "
+                          f"adv.norm_var=true; rloo, ...)")
     if config.distill.coef > 0 and not is_vision_model(config.teacher.model_name):
         raise ConfigError(f"teacher.model_name={config.teacher.model_name} is a text-only model and "
                           f"actor.model_name={actor} a vision-language one: the teacher must read the trajectories' "

@@ -1,7 +1,7 @@
 """One PPO/GRPO step of a vision-language actor on a fixed batch of trajectories with images: the stages of
 `PPOTrainer.train_step` between its rollout and its weight sync (`sequences_of`, `compute_logps`,
-`add_advantages`, `update`), run on a `Policy` (and a reference with kl.coef > 0, a teacher with distill.coef > 0) as the trainer
-builds them; rank 0 saves what an independent reference needs to check it. (The trainer itself needs an
+`add_advantages`, `update`), run on a `Policy` (and a reference with kl.coef > 0, a teacher with
+distill.coef > 0) as the trainer builds them; rank 0 saves what an independent reference needs to check it. (The trainer itself needs an
 engine that generates with images, which is another part of issue 68.)
 
 Usage: vision_ppo_step.py MODEL_DIR BATCH_FILE OUT_FILE [key=value ...]
