@@ -158,12 +158,12 @@ def test_lora_adapters_stay_off_the_vision_tower(vlm_dir):
     assert len(adapted) == 14 and not any(".visual." in name for name in adapted)  # 2 layers x 7 projections
 
 
-def test_the_image_keys_belong_to_sft_only_for_now():
+def test_the_image_keys_belong_to_sft_ppo_and_dpo():
     for key in ("data.image_key=pics", "data.max_pixels=1000", "actor.freeze_vision=false"):
-        load_config([key], "sft")
-        for command in ("ppo", "dpo", "rm"):
-            with pytest.raises(ConfigError):
-                load_config([key], command)
+        for command in ("sft", "ppo", "dpo"):
+            load_config([key], command)
+        with pytest.raises(ConfigError):
+            load_config([key], "rm")
 
 
 def test_qwen3_vl_with_its_deepstack_features_trains_beside_an_image_free_rank(colour_rows, tmp_path):

@@ -23,6 +23,12 @@ class _ConversationDataset(torch.utils.data.Dataset):
     else with all of `tools`, else with none."""
 
     kind: str
+    images: ImageInputs | None = None  # set on the class `reading_images` returns (SFT and pair rows)
+
+    @classmethod
+    def reading_images(cls, images: ImageInputs) -> type:
+        """This dataset class for rows with images, turned into samples by `images`."""
+        return type(cls.__name__, (cls,), {"images": images})
 
     def __init__(
         self,
@@ -71,6 +77,20 @@ class _ConversationDataset(torch.utils.data.Dataset):
         except ValueError as exc:
             raise DataError(str(exc)) from None
 
+    def _vision_sample(self, i: int, messages: list[dict]) -> tuple[dict[str, torch.Tensor], bool]:
+        """Row `i` with `messages` as a vision-language sample (`build_vision_sample`, with its mRoPE
+        positions), and whether it was cut at max_length."""
+        where = f"{self.source}, row {i + 1}"
+        if self._tools(i):
+            raise DataError(f"{where}: rows with tool schemas are not supported with a vision-language model yet")
+        image_key = self.columns.image_key or "images"
+        key = self.columns.key_of(self.rows[i]) or self.columns.messages_key  # named in errors
+        row = {key: messages, image_key: self.rows[i].get(image_key)}
+        sample, truncated = build_vision_sample_truncated(
+            row, i, self.tokenizer, self.images.image_processor, self.max_length, key, image_key,
+            min_pixels=self.images.min_pixels, max_pixels=self.images.max_pixels, where=where)
+        return self.images.positioned(sample), truncated
+
 
 class SFTDataset(_ConversationDataset):
     """SFT conversations; item: {"input_ids", "loss_mask"} as LongTensors of at most max_length tokens.
@@ -80,12 +100,6 @@ class SFTDataset(_ConversationDataset):
     `rl2.trainer.offline`), a bad image or image count a DataError naming the row and field."""
 
     kind = "sft"
-    images: ImageInputs | None = None  # set on the class `reading_images` returns
-
-    @classmethod
-    def reading_images(cls, images: ImageInputs) -> type:
-        """This dataset class for rows with images, turned into samples by `images`."""
-        return type(cls.__name__, (cls,), {"images": images})
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if self.images is not None:
@@ -96,22 +110,15 @@ class SFTDataset(_ConversationDataset):
 
 
     def _image_sample(self, i: int) -> dict[str, torch.Tensor]:
-        where = f"{self.source}, row {i + 1}"
-        if self._tools(i):
-            raise DataError(f"{where}: rows with tool schemas are not supported with a vision-language model yet")
-        image_key = self.columns.image_key or "images"
-        key = self.columns.key_of(self.rows[i]) or self.columns.messages_key  # named in errors
-        row = {key: self._messages(i), image_key: self.rows[i].get(image_key)}
-        sample, truncated = build_vision_sample_truncated(
-            row, i, self.tokenizer, self.images.image_processor, self.max_length, key, image_key,
-            min_pixels=self.images.min_pixels, max_pixels=self.images.max_pixels, where=where)
+        sample, truncated = self._vision_sample(i, self._messages(i))
         self.num_truncated += truncated
-        return self.images.positioned(sample)
+        return sample
 
 
 class PairDataset(_ConversationDataset):
     """Preference pairs; item: {"chosen": {"input_ids", "loss_mask"}, "rejected": {...}} as LongTensors.
-    Only the chosen / rejected response (with its end-of-turn token) is in the loss mask."""
+    Only the chosen / rejected response (with its end-of-turn token) is in the loss mask. For a vision-language
+    model (`reading_images`) each is a `build_vision_sample` sample holding the prompt's images."""
 
     kind = "pair"
 
@@ -121,6 +128,11 @@ class PairDataset(_ConversationDataset):
         item, truncated = {}, False
         for field in ("chosen", "rejected"):
             conversation = messages + [{"role": "assistant", "content": row[field]}]
+            if self.images is not None:  # the prompt's images in both; the loss on the response only
+                sample, cut = self._vision_sample(i, conversation)
+                item[field] = {**sample, "loss_mask": last_run(sample["loss_mask"])}
+                truncated |= cut
+                continue
             tokens = _tokenize_conversation(conversation, self.tokenizer, self.max_length, loss_from=len(messages),
                                             tools=self._tools(i))
             truncated |= tokens["truncated"]
@@ -211,3 +223,17 @@ class RLDataset(_ConversationDataset):
             "source": self._source(row_index),  # the `data_source` column: per-source test metrics
             "row": dict(self.rows[row_index]),  # every column, as RL2 HEAD's env files read it (`sample.sample`)
         }
+
+
+def last_run(mask: torch.Tensor) -> torch.Tensor:
+    """`mask` with only its last run of ones kept: a conversation's loss mask reduced to its last assistant
+    message (the chosen or rejected response, with its end-of-turn token)."""
+    ones = mask.nonzero().flatten()
+    kept = torch.zeros_like(mask)
+    if len(ones):
+        end = int(ones[-1]) + 1
+        start = end
+        while start > 0 and mask[start - 1]:
+            start -= 1
+        kept[start:end] = mask[start:end]
+    return kept

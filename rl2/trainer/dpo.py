@@ -28,6 +28,9 @@ class DPOTrainer(OfflineTrainer):
     group_size = PAIR
     evaluate_before_training = True
 
+    def dataset_class(self) -> type:
+        return self.reading_images(PairDataset)
+
     def build_models(self) -> Policy:
         config = self.config
         self.actor = Policy(config.actor, self.total_steps)

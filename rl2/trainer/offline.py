@@ -1,13 +1,16 @@
 """The loop shared by the trainers that step through a fixed dataset: SFT, reward modelling, DPO."""
 
 import logging
+import os
 import time
 
 import torch
 from tqdm import tqdm
 
+from rl2.checkpoint import checkpoint_dir
 from rl2.config import Config
 from rl2.config_checks import check_config
+from rl2.data.image_rows import ImageInputs
 from rl2.data.prefetch import BatchPrefetcher
 from rl2.data.rows import DataError
 from rl2.data.sampler import BatchSampler
@@ -33,6 +36,7 @@ class OfflineTrainer(Trainer):
     group_size = 1  # sequences kept together in one packed row (a preference pair: 2)
     # Log the test metrics once before the first step (step 0), the start of the test curve.
     evaluate_before_training = False
+    image_inputs: ImageInputs | None = None  # a vision-language actor's (`reading_images`)
 
     def __init__(self, config: Config):
         check_config(config, self.name.lower())
@@ -58,6 +62,18 @@ class OfflineTrainer(Trainer):
     def dataset_class(self) -> type:
         """The dataset class of this run's rows (`dataset_cls`, unless the model calls for another)."""
         return self.dataset_cls
+
+    def reading_images(self, dataset_cls: type) -> type:
+        """`dataset_cls`, reading the rows' images where the actor is a vision-language model (`image_inputs`)."""
+        self.image_inputs = ImageInputs.for_model(self.config.actor.model_name, self.config.data)
+        return dataset_cls if self.image_inputs is None else dataset_cls.reading_images(self.image_inputs)
+
+    def save(self, step: int) -> str:
+        if self.image_inputs is not None and is_rank0():  # the checkpoint loads as a model that reads images
+            path = checkpoint_dir(self.main_config.save_dir, step)
+            os.makedirs(path, exist_ok=True)
+            self.image_inputs.image_processor.save_pretrained(path)
+        return super().save(step)
 
     def build_models(self) -> ModelWorker:
         """Build the models and set `loss_fn`; return the model being trained."""

@@ -36,6 +36,7 @@ from rl2.trainer.ppo_stages import (
     update,
 )
 from rl2.trainer.step_plan import StepPlan
+from rl2.vision.detect import is_vision_model
 from rl2.workers.critic import Critic
 from rl2.workers.optim import resume_schedule
 from rl2.workers.policy import Policy
@@ -56,8 +57,9 @@ class PPOTrainer(Trainer):
             raise ConfigError("trainer.eval_only=true is an evaluation, not a training run: "
                               "rl2.trainer.ppo_eval.PPOEvaluator(config).train() runs it (as python -m rl2.trainer.ppo does)")
         super().__init__(config)
+        check_vision_run(config)  # before any model loads
         if config.distill.coef > 0:
-            check_teacher_tokenizer(self.tokenizer, config)  # before any model loads
+            check_teacher_tokenizer(self.tokenizer, config)
         # The env file and the engine before any trained model: a broken env file fails first, and a
         # GPU engine sizes its KV cache from the memory still free.
         # With split placement (`placement`: this rank trains) the rollout ranks serve the batches.
@@ -236,6 +238,31 @@ class PPOTrainer(Trainer):
     def release(self) -> None:
         """The engine and the env's worker processes stopped."""
         self.rollout.close()
+
+
+def check_vision_run(config: Config) -> None:
+    """A vision-language actor trains on whole trajectories (one sequence each, its images with it), with a
+    reference of its own kind (a copy of it) and a teacher that reads images too; no critic (transformers has
+    no value-head class for Qwen-VL models). Refuse the rest before any model loads."""
+    if not is_vision_model(config.actor.model_name):
+        if config.distill.coef > 0 and is_vision_model(config.teacher.model_name):
+            raise ConfigError(f"teacher.model_name={config.teacher.model_name} is a vision-language model and "
+                              f"actor.model_name={config.actor.model_name} a text-only one: distil from a text model")
+        return
+    actor = config.actor.model_name
+    if config.rollout.trajectory_format == "per_turn":
+        raise ConfigError(f"rollout.trajectory_format=per_turn with the vision-language model {actor}: a turn's "
+                          f"sequence would need its own share of the trajectory's images, which rl2 does not split "
+                          f"yet; use rollout.trajectory_format=whole")
+    if config.adv.estimator == "gae":
+        raise ConfigError(f"adv.estimator=gae needs a critic, and {actor} is a vision-language model: rl2 has no "
+                          f"critic (value head) for those yet (transformers has no token-classification class for "
+                          f"Qwen-VL models); use a critic-free estimator (GRPO is adv.estimator=reinforce "
+                          f"adv.norm_var=true; rloo, ...)")
+    if config.distill.coef > 0 and not is_vision_model(config.teacher.model_name):
+        raise ConfigError(f"teacher.model_name={config.teacher.model_name} is a text-only model and "
+                          f"actor.model_name={actor} a vision-language one: the teacher must read the trajectories' "
+                          f"images too (use a vision-language teacher of the same tokenizer)")
 
 
 def check_teacher_tokenizer(tokenizer, config: Config) -> None:

@@ -28,6 +28,7 @@ from rl2.algorithms.losses import (
 from rl2.algorithms.off_policy import correction_weights, mismatch_metrics
 from rl2.algorithms.overlong import overlong_penalty
 from rl2.algorithms.sequences import RLSequence, computed_per_turn, joined_per_turn, per_turn_sequences, turn_start_mask
+from rl2.config import ConfigError
 from rl2.rollout.trajectory import Trajectory
 from rl2.tools.roc_penalty import roc_error_rates
 from rl2.trainer.step_plan import StepPlan
@@ -123,9 +124,22 @@ def sequences_of(trajectories: list[Trajectory], plan: StepPlan) -> list[RLSeque
             * (not (t.excluded or plan.overlong_filtering and t.truncated)),
             "engine_logps": torch.tensor(t.logprobs, dtype=torch.float32),
             **({"turn_starts": turn_start_mask(t.turn_starts, len(t.token_ids))} if t.turn_starts is not None else {}),
+            **image_fields(t),
         }
         for t in trajectories
     ]
+
+
+def image_fields(trajectory: Trajectory) -> dict[str, torch.Tensor]:
+    """A vision-language trajectory's images as its sequence carries them into the packed rows
+    (`RLSequence.pixel_values`, `image_grid_thw`); none for a trajectory without images."""
+    if trajectory.images is None:
+        return {}
+    if trajectory.turn_starts is not None:
+        raise ConfigError("a trajectory of several sequences (rollout.trajectory_format=per_turn, an agent's) with "
+                          "images: each sequence would need its own share of the trajectory's images, which rl2 "
+                          "does not split yet; use rollout.trajectory_format=whole with a vision-language model")
+    return {"pixel_values": trajectory.images.pixel_values, "image_grid_thw": trajectory.images.image_grid_thw}
 
 
 def compute_logps(sequences: list[RLSequence], plan: StepPlan, models: StepModels, step: int) -> dict[str, float]:

@@ -8,9 +8,11 @@ The reward model is trained in the `critic` section (`critic.model_name`, `criti
 import torch
 
 from rl2.algorithms.preference import PAIR, count_pairs, pair_sequences, reward_model_loss, with_pair_weights
+from rl2.config import ConfigError
 from rl2.data.conversations import PairDataset
 from rl2.trainer.base import run_main
 from rl2.trainer.offline import OfflineTrainer
+from rl2.vision.detect import is_vision_model
 from rl2.workers.reward_model import RewardModel
 
 
@@ -25,6 +27,14 @@ class RMTrainer(OfflineTrainer):
     group_size = PAIR
     main_section = "critic"
     evaluate_before_training = True
+
+    def dataset_class(self) -> type:
+        if is_vision_model(self.config.critic.model_name):
+            raise ConfigError(f"critic.model_name={self.config.critic.model_name} is a vision-language model: rl2 "
+                              f"trains no reward model on those yet (transformers has no sequence- or "
+                              f"token-classification class for Qwen-VL models, which rl2's reward-model checkpoints "
+                              f"load with)")
+        return PairDataset
 
     def build_models(self) -> RewardModel:
         self.reward_model = RewardModel(self.config.critic, self.total_steps)

@@ -138,7 +138,8 @@ class ModelWorker:
         packed-row attention for its text model and bidirectional sdpa for its vision tower."""
         if model_cls is not AutoModelForCausalLM:
             raise ConfigError(f"{self.config.model_name} is a vision-language model: rl2 trains those as "
-                              f"policies only (SFT), not with a {model_cls.__name__} head yet")
+                              f"policies only (SFT, PPO/GRPO, DPO), not with a {model_cls.__name__} head (a critic, "
+                              f"a reward model): transformers has no such class for Qwen-VL models")
         if self.sp_group is not None:
             raise ConfigError(f"{self.config.model_name} is a vision-language model: sp_size > 1 (ring attention) "
                               f"is not supported for those yet; set sp_size=1")
@@ -181,6 +182,8 @@ class ModelWorker:
             plan = [sorted(indices, key=lambda i: lengths[i]) for indices in plan]
         if self.vlm_config is not None:
             rows = [self._pack_vision([sequences[i] for i in indices], sequences[0], group_size) for indices in plan]
+        elif any("pixel_values" in seq for seq in sequences):
+            raise ValueError(f"{self.config.model_name} is a text-only model: it cannot read sequences with images")
         else:
             placeholder = [_placeholder_like(sequences[0])] * group_size
             rows = [pack_micro_batch([sequences[i] for i in indices] or placeholder) for indices in plan]
@@ -189,13 +192,27 @@ class ModelWorker:
     def _pack_vision(self, samples: list[dict[str, torch.Tensor]], first: dict[str, torch.Tensor],
                      group_size: int) -> dict[str, torch.Tensor]:
         """A vision-language row: per-sample mRoPE positions and the samples' images; a row without an
-        image gets a placeholder image as its last sequence (`rl2.vision.placeholder`: every rank runs the
-        vision tower, FSDP's collectives line up), whose outputs nothing reads (`unpack_row` by the plan)."""
+        image gets a placeholder image as its next sequence (`rl2.vision.placeholder`: every rank runs the
+        vision tower, FSDP's collectives line up), then `group_size` − 1 one-token sequences so the row still
+        holds whole groups (a preference pair: chosen, rejected); nothing reads their outputs (`unpack_row`
+        by the plan). Sequences without `mm_token_type_ids` (an RL trajectory's) get it from their image-pad
+        tokens."""
         if not samples:
             per_token = {k: v for k, v in first.items() if k not in IMAGE_KEYS and k != VISION_POSITIONS}
             samples = [_placeholder_like(per_token)] * group_size
+        samples = [self._with_token_types(sample) for sample in samples]
+        with_image = with_placeholder_image(samples, self.vlm_config)
+        if len(with_image) > len(samples) and group_size > 1:
+            per_token = {k: v for k, v in samples[0].items() if k not in IMAGE_KEYS and k != VISION_POSITIONS}
+            with_image += [_placeholder_like(per_token)] * (group_size - 1)
         rope_index = rope_index_of(base_model(self.model))
-        return pack_vision_samples(with_placeholder_image(samples, self.vlm_config), rope_index)
+        return pack_vision_samples(with_image, rope_index)
+
+    def _with_token_types(self, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`sample` with `mm_token_type_ids` (1 on image-pad tokens), which mRoPE positions are computed from."""
+        if "mm_token_type_ids" in sample:
+            return sample
+        return {**sample, "mm_token_type_ids": (sample["input_ids"] == self.vlm_config.image_token_id).long()}
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """The model's per-token outputs [1, T] for a packed row, by name (e.g. "logps", "values")."""

@@ -1,0 +1,164 @@
+"""PPO/GRPO with images (issue 68): a fixed batch of trajectories whose prompts hold images goes through the
+stages of a PPO step on a tiny random Qwen2.5-VL. The log-probs the trainer computes equal a plain transformers
+forward of each sequence alone with its images; 2 gloo ranks, one of them without an image, update the policy
+as 1 rank does; the vision tower stays frozen while the text model trains. A vision-language run that rl2
+cannot train yet (a critic, per-turn sequences, a text-only teacher) is refused before any model loads."""
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+from conftest import run_python, run_torchrun
+from rl2.config import ConfigError, load_config
+from rl2.distributed.packing import plan_grouped_micro_batches
+from rl2.trainer.ppo import check_vision_run
+from rl2.vision.inputs import build_vision_sample
+
+WORKER = "tests/workers/vision_ppo_step.py"
+GROUP_SIZE = 2
+ARGS = [f"data.responses_per_prompt={GROUP_SIZE}", "adv.estimator=reinforce", "adv.norm_var=true",  # GRPO
+        "actor.lr=1e-2", "actor.warmup_ratio=0", "actor.proximal_from_update=false", "actor.max_length_per_device=512"]
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("qwen2_5_vl"))
+    run_python(["-m", "rl2.testing.tiny_vlm", folder, "--family", "qwen2_5_vl"])
+    return folder
+
+
+def trajectories(model_dir: str) -> list[dict]:
+    """Two groups of two: the first group's prompts hold images (two of different sizes, then one), the
+    second group's none; responses are random tokens, rewards differ within each group."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    images = [Image.new("RGB", (56, 56), (200, 30, 30)), Image.new("RGB", (84, 56), (30, 30, 200))]
+    prompts = [
+        {"messages": [{"role": "user", "content": "<image> and <image>: which is red?"}], "images": images},
+        {"messages": [{"role": "user", "content": "<image> what colour?"}], "images": images[1:]},
+        {"messages": [{"role": "user", "content": "say a word"}], "images": []},
+        {"messages": [{"role": "user", "content": "say another word please"}], "images": []},
+    ]
+    generator = torch.Generator().manual_seed(0)
+    batch = []
+    for i, row in enumerate(prompts):
+        sample = build_vision_sample(row, i, tokenizer, processor, add_generation_prompt=True)
+        prompt = sample["input_ids"].tolist()
+        response = torch.randint(10, 900, ([6, 8, 60, 4][i],), generator=generator).tolist()
+        has_images = "pixel_values" in sample
+        batch.append({
+            "token_ids": prompt + response, "action_mask": [0] * len(prompt) + [1] * len(response),
+            "logprobs": [0.0] * (len(prompt) + len(response)), "reward": [1.0, 0.0, 0.0, 1.0][i], "group": i // 2,
+            "images": {"pixel_values": sample["pixel_values"], "image_grid_thw": sample["image_grid_thw"]}
+            if has_images else None,
+        })
+    return batch
+
+
+def run_step(model_dir, tmp_path, nproc: int, *extra: str) -> dict:
+    batch, out = tmp_path / f"batch_{nproc}.pt", tmp_path / f"out_{nproc}.pt"
+    torch.save(trajectories(model_dir), batch)
+    run_torchrun([WORKER, model_dir, str(batch), str(out), *ARGS, *extra], nproc=nproc, timeout=300)
+    return torch.load(out, weights_only=False)
+
+
+def reference_and_teacher(model_dir: str) -> list[str]:
+    """A KL loss to the reference and a distillation loss to a teacher, both vision-language models (the
+    starting model: every KL term starts at 0, but each model's log-probs are computed with the images)."""
+    return ["kl.coef=0.01", "kl.type=loss", f"teacher.model_name={model_dir}", "distill.coef=0.1", "distill.mode=loss"]
+
+
+@pytest.fixture(scope="module")
+def one_rank(vlm_dir, tmp_path_factory) -> dict:
+    return run_step(vlm_dir, tmp_path_factory.mktemp("one"), 1, *reference_and_teacher(vlm_dir))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(vlm_dir, tmp_path_factory) -> dict:
+    return run_step(vlm_dir, tmp_path_factory.mktemp("two"), 2, *reference_and_teacher(vlm_dir))
+
+
+def hf_logps(model_dir: str, trajectory: dict) -> torch.Tensor:
+    """log p(token t | tokens before t) of the sequence alone with its images, from transformers' own forward."""
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    ids = torch.tensor([trajectory["token_ids"]])
+    images = trajectory["images"] or {}
+    with torch.no_grad():
+        logits = model(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).long(), **images).logits[0]
+    logps = torch.log_softmax(logits[:-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return torch.cat([torch.zeros(1), logps])
+
+
+def test_the_batch_has_images_on_one_rank_only(vlm_dir):
+    batch = trajectories(vlm_dir)
+    plan = plan_grouped_micro_batches([len(t["token_ids"]) for t in batch], 1, 2, 512)
+    with_images = [any(batch[i]["images"] is not None for row in rank for i in row) for rank in plan]
+    assert sorted(with_images) == [False, True]
+
+
+def test_old_reference_and_teacher_logps_equal_each_sequence_alone_with_its_images(one_rank, vlm_dir):
+    batch = trajectories(vlm_dir)
+    outputs = zip(one_rank["old_logps"], one_rank["ref_logps"], one_rank["teacher_logps"])
+    for trajectory, (old, ref, teacher) in zip(batch, outputs):
+        mask = torch.tensor(trajectory["action_mask"], dtype=torch.bool)
+        expected = hf_logps(vlm_dir, trajectory)
+        for logps in (old, ref, teacher):
+            torch.testing.assert_close(logps[mask], expected[mask], rtol=0, atol=1e-5)
+        assert (old[~mask] == 0).all()
+    # With other pixels the log-probs are others: the equality above holds because the images are read.
+    images = batch[0]["images"]
+    blank = hf_logps(vlm_dir, {**batch[0], "images": {**images, "pixel_values": torch.zeros_like(images["pixel_values"])}})
+    mask = torch.tensor(batch[0]["action_mask"], dtype=torch.bool)
+    assert (blank[mask] - one_rank["old_logps"][0][mask]).abs().max() > 1e-3
+
+
+def test_two_ranks_one_without_images_update_as_one_rank(one_rank, two_ranks):
+    assert one_rank["grads"].keys() == two_ranks["grads"].keys()
+    for name, grad in one_rank["grads"].items():
+        torch.testing.assert_close(two_ranks["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    for name in ("actor/loss", "actor/grad_norm", "actor/kl_loss", "actor/distill_loss", "advantage/mean"):
+        assert two_ranks["metrics"][name] == pytest.approx(one_rank["metrics"][name], rel=1e-5, abs=1e-7), name
+    assert one_rank["metrics"]["actor/loss_tokens"] == two_ranks["metrics"]["actor/loss_tokens"]
+
+
+def test_old_logps_from_the_update_pass_step_as_from_their_own_pass(one_rank, vlm_dir, tmp_path):
+    """The default proximal_from_update=true (the batch trains once: its forward pass gives the old log-probs).
+    At the first update the reference and the teacher equal the policy, so their KL losses add no gradient: the
+    gradients are those of the run with them."""
+    default = run_step(vlm_dir, tmp_path, 1, "actor.proximal_from_update=true")
+    assert default["old_logps"] == [None] * 4  # not computed before the update
+    for name, grad in one_rank["grads"].items():
+        torch.testing.assert_close(default["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_vision_tower_is_frozen_and_the_text_model_trains(one_rank):
+    before, after = one_rank["before"], one_rank["after"]
+    visual = [name for name in before if ".visual." in name or name.startswith("visual.")]
+    text = [name for name in before if ".language_model." in name and ".layers." in name]
+    assert visual and text
+    assert all(torch.equal(before[name], after[name]) for name in visual)
+    assert all(not torch.equal(before[name], after[name]) for name in text)
+
+
+def test_lora_on_two_ranks_trains_the_text_models_adapters_against_the_base_as_reference(vlm_dir, tmp_path):
+    run = run_step(vlm_dir, tmp_path, 2, "actor.lora.rank=4", "kl.coef=0.01", "kl.type=loss")
+    changed = [name for name in run["before"] if not torch.equal(run["before"][name], run["after"][name])]
+    assert len(changed) == 28 and all("lora_" in name and ".language_model." in name for name in changed)
+    for old, ref in zip(run["old_logps"], run["ref_logps"]):  # the adapters start as a no-op
+        assert torch.equal(old, ref)
+
+
+def test_runs_rl2_cannot_train_with_images_yet_are_refused(vlm_dir, tiny_model_dir):
+    base = [f"actor.model_name={vlm_dir}"]
+    for extra, words in ((["adv.estimator=gae"], "critic"), (["rollout.trajectory_format=per_turn"], "per_turn"),
+                         ([f"teacher.model_name={tiny_model_dir}", "distill.coef=1"], "text-only")):
+        with pytest.raises(ConfigError, match=words):
+            check_vision_run(load_config([*base, *extra], "ppo"))
+    check_vision_run(load_config(base, "ppo"))
+    check_vision_run(load_config([f"actor.model_name={tiny_model_dir}"], "ppo"))
+
+
+def test_the_image_keys_are_ppo_keys():
+    for key in ("data.image_key=pics", "data.min_pixels=100", "data.max_pixels=1000", "actor.freeze_vision=false"):
+        load_config([key], "ppo")
