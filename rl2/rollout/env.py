@@ -602,7 +602,8 @@ def _check_reward(value: Any) -> tuple[float, str | None]:
 
 
 def _check_messages(value: Any) -> tuple[list[dict], str | None]:
-    """(messages, None) for a list of {"role": str, "content": str, ...} dicts; else ([], problem)."""
+    """(messages, None) for a list of {"role": str, "content": str, ...} dicts, a content also a list of parts
+    (dicts with a "type": text and images, for a vision-language policy); else ([], problem)."""
     if not isinstance(value, (list, tuple)):
         return [], f"returned {type(value).__name__}, expected a list of messages"
     for i, message in enumerate(value):
@@ -611,10 +612,17 @@ def _check_messages(value: Any) -> tuple[list[dict], str | None]:
         for key in ("role", "content"):
             if key not in message:
                 return [], f"returned a message (item {i}) without {key!r}"
+            if key == "content" and _is_parts(message[key]):
+                continue
             if not isinstance(message[key], str):
                 return [], f"returned a message (item {i}) whose {key!r} is {type(message[key]).__name__}, expected str"
     # A copy, so messages the function keeps (e.g. a constant list) never alias the trajectory.
     return copy.deepcopy(list(value)), None
+
+
+def _is_parts(content: Any) -> bool:
+    """Whether `content` is a list of content parts ({"type": "text" | "image" | "image_url", ...})."""
+    return isinstance(content, list) and all(isinstance(part, dict) and "type" in part for part in content)
 
 
 def _relevant_lines(stderr_tail: list[str], path: str) -> list[str]:

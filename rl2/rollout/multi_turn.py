@@ -36,8 +36,11 @@ from rl2.chat.template import render_chat
 from rl2.chat.tool_parsers import FunctionToolParser, ToolParser, get_tool_parser
 from rl2.config import RolloutConfig
 from rl2.engines import Engine, Generation, SamplingParams, Turn
+from rl2.errors import DataError
 from rl2.rollout.env import Env, EnvResult, Interactions, ToolResult
+from rl2.rollout.images import RolloutImages, has_image_parts
 from rl2.rollout.trajectory import RunningState, Trajectory
+from rl2.vision.image_inputs import ImageInputs
 
 CHARS_PER_TOKEN = 32  # characters kept per token of room when a message is cut before tokenising: more than any token spans
 
@@ -74,16 +77,18 @@ def rollout(
     version: int = 0,
     tool_calling: ToolCalling | None = None,
     per_turn: bool = False,
+    images: RolloutImages | None = None,
 ) -> list[Trajectory]:
     """`responses_per_prompt` trajectories for each prompt ({"prompt_ids", "messages", "answer"}, and
     "tools": the schemas the prompt was rendered with, "source": its row's `data_source`),
     grouped by prompt, of at most `max_turns` generations and `max_length` tokens in all (per turn:
     in each turn's sequence). `apply_chat_template` says how the prompts were made (`RLDataset`), and so
     how tool messages are appended: through the chat template, or as plain text (`observation_tokens`).
-    `version` is the policy version that samples (recorded per token)."""
+    `version` is the policy version that samples (recorded per token). A vision-language policy's prompts
+    carry their `images` (`RolloutImages.prepare`), and `images` turns those its tools return into its inputs."""
     trajectories = new_trajectories(prompts, responses_per_prompt, first_group, version, per_turn)
     continue_rollout(engine, env, tokenizer, trajectories, params, max_turns, max_length, apply_chat_template, version,
-                     tool_calling=tool_calling)
+                     tool_calling=tool_calling, images=images)
     return trajectories
 
 
@@ -105,6 +110,7 @@ def new_trajectories(prompts: list[dict], responses_per_prompt: int, first_group
             turn_starts=[0] if per_turn else None,
             source=prompt.get("source"),
             running=RunningState(row=prompt.get("row")),
+            images=prompt.get("images"),  # shared by the group's trajectories: never changed in place
         )
         for g, prompt in enumerate(prompts)
         for _ in range(responses_per_prompt)
@@ -137,6 +143,7 @@ def continue_rollout(
     on_done: Callable[[Trajectory], None] | None = None,
     pause: Pause | None = None,
     tool_calling: ToolCalling | None = None,
+    images: RolloutImages | None = None,
 ) -> None:
     """Take `trajectories` on from where each stands (`RunningState.stage`): new ones from their first
     turn, paused ones from inside their turn (the tokens drawn so far kept, the same random stream
@@ -145,7 +152,8 @@ def continue_rollout(
     ones keep what they have, to be continued by a later call (a tool call still running is cancelled
     and made again). With `tool_calling` each turn's calls are parsed and run; a turn without one goes
     to the env's `interact` if it has one, else ends the episode. An episode at `max_turns` or at the
-    length limit ends unfailed, to be scored as it stands (see the module's docstring)."""
+    length limit ends unfailed, to be scored as it stands (see the module's docstring). A tool message with
+    image parts (a vision-language policy's `images`) adds its images to the trajectory's, for the next turn."""
     if max_turns > 1 and (env is None or not (env.has_interact or env.has_tools or env.steps_environment)):
         raise ValueError("rollout.max_turns > 1 needs an env file that defines interact(messages), TOOLS or make_env")
     stop_ids = set(params.stop_token_ids)
@@ -180,7 +188,15 @@ def continue_rollout(
         if result.error is not None or not result.value:
             finish(trajectory)
             return None
-        _append_observation(trajectory, result.value, tokenizer, max_length, apply_chat_template)
+        new_messages, added = result.value, None
+        if has_image_parts(new_messages):
+            try:
+                new_messages, added = _tool_images(trajectory, new_messages, images)
+            except DataError as exc:
+                trajectory.errors.append(str(exc))
+                finish(trajectory)
+                return None
+        _append_observation(trajectory, new_messages, tokenizer, max_length, apply_chat_template, images, added)
         if trajectory.done:
             finish(trajectory)
             return None
@@ -319,7 +335,7 @@ def _turn(trajectory: Trajectory, params: SamplingParams, max_length: int | None
     drawn = len(trajectory.token_ids) - running.generating_from if running.generating_from >= 0 else 0
     room = min(params.max_new_tokens - drawn, _room(trajectory, max_length))
     return Turn(trajectory.token_ids[trajectory.sequence_start:], room, stream=running.stream if drawn else None,
-                offset=drawn)
+                offset=drawn, images=trajectory.images)
 
 
 def _then(future: Future, fn: Callable[[Any], Any]) -> Future:
@@ -387,27 +403,72 @@ def _append_generation(
         trajectory.done = True
 
 
+def _tool_images(trajectory: Trajectory, messages: list[dict],
+                 images: RolloutImages | None) -> tuple[list[dict], tuple[ImageInputs, list[int]]]:
+    """A tool's messages with image parts as string content, their images and each one's pad-token count."""
+    where = f"the tool's reply in the trajectory of group {trajectory.group}"
+    if images is None:
+        raise DataError(f"{where}: a message's content is a list of parts (an image?), but the policy is not a "
+                        "vision-language model: give the content as a string")
+    if trajectory.turn_starts is not None:
+        raise DataError(f"{where}: images in tool messages need rollout.trajectory_format=concat")
+    text, added, counts = images.tool_messages(messages, where)
+    return text, (added, counts) if added is not None else None
+
+
 def _append_observation(
-    trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None, apply_chat_template: bool
+    trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None, apply_chat_template: bool,
+    images: RolloutImages | None = None, added: tuple[ImageInputs, list[int]] | None = None,
 ) -> None:
+    """Append the tokens of `new_messages` (a tool's); `added`: their images and each one's pad-token count."""
     if trajectory.turn_starts is not None:
         _start_turn_sequence(trajectory, new_messages, tokenizer, max_length)
         return
     new_messages, cut = _cut_to_room(new_messages, _room(trajectory, max_length))
     tokens = observation_tokens(tokenizer, trajectory.token_ids, trajectory.messages, new_messages, apply_chat_template,
                                 trajectory.tools)
+    if added is not None:
+        tokens = images.expand(tokens, added[1], f"the tool's reply in the trajectory of group {trajectory.group}")
     trajectory.messages.extend(new_messages)
     room = _room(trajectory, max_length)
+    kept = len(added[1]) if added is not None else 0
     if len(tokens) >= room or cut:
         # No room left to answer after the tool output: the episode ends at the limit.
         tokens = tokens[: max(room, 0)]
+        if added is not None:  # an image is never cut: the tokens end before the first one that does not fit
+            tokens, kept = _whole_images(tokens, images.pad, added[1])
         trajectory.truncated = True
         trajectory.done = True
+    if kept:
+        trajectory.images = ImageInputs.concat([trajectory.images, _first_images(added[0], kept)])
     trajectory.token_ids += tokens
     trajectory.action_mask += [0] * len(tokens)
     trajectory.logprobs += [0.0] * len(tokens)
     if len(trajectory.versions) == len(trajectory.token_ids) - len(tokens):
         trajectory.versions += [-1] * len(tokens)
+
+
+def _whole_images(tokens: list[int], pad: int, counts: list[int]) -> tuple[list[int], int]:
+    """`tokens` (cut) ending before the first image whose `counts[k]` pad tokens they do not all hold, and how
+    many images they hold whole."""
+    position, k = 0, 0
+    while position < len(tokens):
+        if tokens[position] != pad:
+            position += 1
+            continue
+        if position + counts[k] > len(tokens):
+            return tokens[:position], k
+        position += counts[k]
+        k += 1
+    return tokens, k
+
+
+def _first_images(images: ImageInputs, count: int) -> ImageInputs:
+    """The first `count` of `images`."""
+    if count == images.count:
+        return images
+    patches = int(images.image_grid_thw[:count].prod(-1).sum())
+    return ImageInputs(images.pixel_values[:patches], images.image_grid_thw[:count])
 
 
 def _cut_to_room(new_messages: list[dict], room: int) -> tuple[list[dict], bool]:
