@@ -20,7 +20,8 @@ from rl2.data.rows import Columns, DataError
 from rl2.engines import Generation, SamplingParams
 from rl2.rollout.env import Env
 from rl2.rollout.images import RolloutImages
-from rl2.rollout.multi_turn import Pause, continue_rollout, new_trajectories, rollout
+from rl2.chat.tool_parsers import get_tool_parser
+from rl2.rollout.multi_turn import Pause, ToolCalling, continue_rollout, new_trajectories, rollout
 from rl2.rollout.trajectory import Trajectory
 from rl2.vision.inputs import IMAGE_PAD, build_vision_sample, image_pad_id
 from rl2.config import DataConfig
@@ -40,6 +41,26 @@ TOOL_ENV = textwrap.dedent(
 
     def reward_fn(messages, answer):
         return float(messages[-1]["content"].strip() == answer)
+    """
+)
+
+
+NATIVE_TOOL_ENV = textwrap.dedent(
+    """
+    from PIL import Image
+
+    def show(colour: str):
+        \"\"\"Show a square of a colour.
+
+        Args:
+            colour: the colour's name
+        \"\"\"
+        return Image.new("RGB", (56, 56), (255, 0, 0) if colour == "red" else (0, 0, 0))
+
+    TOOLS = [show]
+
+    def reward_fn(messages, answer):
+        return 0.0
     """
 )
 
@@ -179,6 +200,22 @@ def test_a_tool_that_returns_an_image_adds_it_to_the_next_turns_images(rows, tok
     assert trajectory.messages[2]["content"].startswith("here:") and IMAGE_PAD in trajectory.messages[2]["content"]
     generated = sum(len(tokenizer(word, add_special_tokens=False)["input_ids"]) + 1 for word in ("look", "blue"))
     assert trajectory.action_mask.count(1) == generated  # the two replies and their <|im_end|>, no image token
+
+
+def test_a_native_tool_that_returns_a_pil_image_adds_it_to_the_next_turns_images(rows, tokenizer, images, tmp_path):
+    path = tmp_path / "env.py"
+    path.write_text(NATIVE_TOOL_ENV)
+    prompts = images.prepare([dataset(rows, tokenizer)[0]])
+    call = '<tool_call>{"name": "show", "arguments": {"colour": "red"}}</tool_call>'
+    engine = RecordingEngine(tokenizer, lambda text: "r" if "<tool_response>" in text or "tool\n" in text else call)
+    with Env(str(path)) as env:
+        [trajectory] = rollout(engine, env, tokenizer, prompts, 1, params(256), max_turns=2, images=images,
+                               tool_calling=ToolCalling(get_tool_parser("hermes")))
+    assert trajectory.errors == [] and trajectory.turns == 2
+    first, second = (turn for _, turn in engine.turns)
+    assert first.images.count == 1 and second.images.count == 2
+    assert second.prompt.count(image_pad_id(tokenizer)) == int((second.images.image_grid_thw.prod(-1) // 4).sum())
+    assert trajectory.messages[2]["role"] == "tool" and IMAGE_PAD in trajectory.messages[2]["content"]
 
 
 def test_a_tool_image_for_a_text_only_policy_is_an_error_of_the_trajectory(rows, tokenizer, tmp_path):

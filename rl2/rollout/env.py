@@ -55,6 +55,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from PIL import Image
+
 from rl2.chat.tools import Tool, ToolUnavailable, argument_problem, environment_tools, tools_from_entries
 from rl2.config import RolloutConfig
 from rl2.coroutines import run_coroutine
@@ -111,7 +113,7 @@ class _Outcome:
 class ToolResult:
     """The outcome of one tool call: the text of its tool message, and what went wrong, if anything."""
 
-    content: str
+    content: str | list[dict]  # text, or content parts with images (`tool_text`)
     error: str | None = None  # the model's mistake (unknown tool, bad arguments, the tool raised or timed out): still a message
     env_error: str | None = None  # the infrastructure's: no message, the trajectory ends and is left out of training
     seconds: float = 0.0
@@ -563,9 +565,15 @@ def env_tools(module: Any, path: str) -> dict[str, Tool]:
         raise EnvError(str(exc)) from None
 
 
-def tool_text(value: Any) -> str:
-    """A tool's return value as its message's content: text as it is, anything else as JSON."""
+def tool_text(value: Any) -> str | list[dict]:
+    """A tool's return value as its message's content: text as it is; an image (a PIL image) or a list of
+    content parts with an image among them as content parts (for a vision-language policy); anything else
+    as JSON."""
     if isinstance(value, str):
+        return value
+    if isinstance(value, Image.Image):
+        return [{"type": "image", "image": value}]
+    if _is_parts(value) and any(part["type"] in ("image", "image_url") for part in value):
         return value
     return "" if value is None else json.dumps(value, ensure_ascii=False, default=str)
 
