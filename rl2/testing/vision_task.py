@@ -2,10 +2,10 @@
 one colour on white, each in its own quadrant; the question is "How many shapes?" (answer: a digit) or "What
 colour?" (answer: its letter, r g b or y). Every answer is one token of the tiny tokenizer.
 
-`python -m rl2.testing.vision_task OUT [--rows 4000] [--seed 0] [--label-accuracy 0.5]` writes OUT/images/*.png,
-OUT/sft.jsonl (the warm-up: its answers right `label-accuracy` of the time, else one of the others, so the
-warm-up learns the format and leaves RL the rest), OUT/train.jsonl and OUT/test.jsonl (RL prompts: an `<image>`
-placeholder in the question, the image's path in `images`, the right answer in `answer`).
+`python -m rl2.testing.vision_task OUT [--rows 4000] [--seed 0] [--label-accuracy 1.0]` writes OUT/images/*.png,
+OUT/sft.jsonl (the warm-up's conversations: their answers right `label-accuracy` of the time, else one of the
+other options), OUT/train.jsonl and OUT/test.jsonl (RL prompts: an `<image>` placeholder in the question, the
+image's path in `images`, the right answer in `answer`, the question's kind in `data_source`).
 """
 
 import argparse
@@ -56,7 +56,7 @@ def sft_row(rng: random.Random, row: dict, label_accuracy: float) -> dict:
     return {"messages": row["messages"] + [{"role": "assistant", "content": answer}], "images": row["images"]}
 
 
-def write_task(out: str, rows: int, seed: int = 0, label_accuracy: float = 0.5, test_rows: int = 64) -> None:
+def write_task(out: str, rows: int, seed: int = 0, label_accuracy: float = 1.0, test_rows: int = 64) -> None:
     """OUT/sft.jsonl, train.jsonl and test.jsonl (`rows` warm-up and RL rows, `test_rows` test rows), images in
     OUT/images (absolute paths in the rows)."""
     rng = random.Random(seed)
@@ -81,10 +81,41 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4000)
     parser.add_argument("--test-rows", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--label-accuracy", type=float, default=0.5)
+    parser.add_argument("--label-accuracy", type=float, default=1.0)
     args = parser.parse_args()
     write_task(args.out, args.rows, args.seed, args.label_accuracy, args.test_rows)
 
 
 if __name__ == "__main__":
     main()
+
+
+def greedy_accuracy(model_dir: str, rows_path: str, limit: int | None = None) -> dict[str, float]:
+    """The share of `rows_path`'s RL rows whose answer is the first token `model_dir` (a checkpoint of the tiny
+    VLM) picks greedily, per question kind and in all, and `sampled`: the mean probability of the answer's token
+    (the reward expected at temperature 1): the warm-up's and the policy's score without an engine."""
+    import torch
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from rl2.vision.inputs import build_vision_sample
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with open(rows_path) as f:
+        rows = [json.loads(line) for line in f][:limit]
+    right: dict[str, list[bool]] = {}
+    probability = 0.0
+    with torch.no_grad():
+        for i, row in enumerate(rows):
+            sample = build_vision_sample(row, i, tokenizer, processor, add_generation_prompt=True)
+            logits = model(input_ids=sample["input_ids"][None], pixel_values=sample["pixel_values"],
+                           image_grid_thw=sample["image_grid_thw"]).logits[0, -1]
+            answer = tokenizer.decode([int(logits.argmax())])
+            answer_id = tokenizer(row["answer"], add_special_tokens=False)["input_ids"][0]
+            probability += float(logits.softmax(-1)[answer_id])
+            right.setdefault(row["data_source"], []).append(answer == row["answer"])
+    scores = {kind: sum(hits) / len(hits) for kind, hits in right.items()}
+    scores["all"] = sum(sum(hits) for hits in right.values()) / len(rows)
+    scores["sampled"] = probability / len(rows)
+    return scores
