@@ -4,6 +4,7 @@ that returns an image adds it for the next turn; bad rows stop the run at start-
 
 import json
 import os
+import random
 import textwrap
 from concurrent.futures import Future
 
@@ -14,17 +15,18 @@ from PIL import Image
 from transformers import AutoTokenizer
 
 from conftest import run_python
+from rl2.chat.tool_parsers import get_tool_parser
+from rl2.config import DataConfig
 from rl2.data.conversations import RLDataset
 from rl2.data.image_rows import IMAGE_ROW
 from rl2.data.rows import Columns, DataError
 from rl2.engines import Generation, SamplingParams
 from rl2.rollout.env import Env
 from rl2.rollout.images import RolloutImages
-from rl2.chat.tool_parsers import get_tool_parser
 from rl2.rollout.multi_turn import Pause, ToolCalling, continue_rollout, new_trajectories, rollout
 from rl2.rollout.trajectory import Trajectory
+from rl2.testing.vision_task import COLOURS, QUADRANTS, draw_shapes, write_task
 from rl2.vision.inputs import IMAGE_PAD, build_vision_sample, image_pad_id
-from rl2.config import DataConfig
 from scripted_engine import ScriptedEngine
 
 COLUMNS = Columns(image_key="images")
@@ -249,3 +251,30 @@ def test_a_paused_trajectory_with_images_resumes_from_its_checkpoint(rows, token
     [(_, turn)] = engine.turns
     assert turn.offset == 2 and torch.equal(turn.images.pixel_values, trajectory.images.pixel_values)
     assert restored.done and restored.messages[-1]["role"] == "assistant"
+
+
+def test_the_vision_demos_rows_load_as_rl_and_sft_rows_whose_answers_are_one_token(tmp_path, tokenizer, images):
+    write_task(str(tmp_path), rows=24, test_rows=8)
+    train = RLDataset(str(tmp_path / "train.jsonl"), tokenizer, None, columns=COLUMNS)
+    assert len(train) == 24 and len(RLDataset(str(tmp_path / "test.jsonl"), tokenizer, None, columns=COLUMNS)) == 8
+    for prompt in images.prepare([train[i] for i in range(len(train))]):
+        assert prompt["images"].count == 1 and prompt["images"].image_grid_thw.tolist() == [[1, 4, 4]]
+        assert prompt["prompt_ids"].count(image_pad_id(tokenizer)) == 4  # 56x56: one token a quadrant
+        assert len(tokenizer(prompt["answer"], add_special_tokens=False)["input_ids"]) == 1
+    sft = [json.loads(line) for line in open(tmp_path / "sft.jsonl")]
+    rl = [json.loads(line) for line in open(tmp_path / "train.jsonl")]
+    assert [row["messages"][-1]["content"] for row in sft] == [row["answer"] for row in rl]  # clean labels by default
+    env_path = os.path.join(os.path.dirname(__file__), "..", "envs", "demo_vision.py")
+    with Env(env_path) as env:
+        results = env.rewards([[{"role": "assistant", "content": " 3 "}], [{"role": "assistant", "content": "3."}]],
+                              ["3", "3"])
+    assert [result.value for result in results] == [1.0, 0.0]
+
+
+def test_the_vision_demos_images_show_as_many_shapes_as_the_answer_says():
+    rng = random.Random(0)
+    for count in range(1, 5):
+        image = draw_shapes(rng, count, "b")
+        quadrants = [image.crop((x, y, x + 28, y + 28)).getcolors() for x, y in QUADRANTS]
+        assert sum(len(colours) > 1 for colours in quadrants) == count
+        assert {colour for colours in quadrants for _, colour in colours} <= {(255, 255, 255), COLOURS["b"]}
