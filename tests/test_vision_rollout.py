@@ -278,3 +278,31 @@ def test_the_vision_demos_images_show_as_many_shapes_as_the_answer_says():
         quadrants = [image.crop((x, y, x + 28, y + 28)).getcolors() for x, y in QUADRANTS]
         assert sum(len(colours) > 1 for colours in quadrants) == count
         assert {colour for colours in quadrants for _, colour in colours} <= {(255, 255, 255), COLOURS["b"]}
+
+
+def test_a_reset_observation_keeps_the_prompts_image_pads_expanded(rows, tokenizer, images, tmp_path):
+    path = tmp_path / "env.py"
+    path.write_text(textwrap.dedent(
+        '''
+        class Hints:
+            def reset(self, messages, answer):
+                return "Hint: look closely."
+
+            def look(self) -> str:
+                """Look again."""
+                return "nothing new"
+
+            def reward(self) -> float:
+                return 1.0
+
+        ENVIRONMENT = Hints
+        '''))
+    prompts = images.prepare([dataset(rows, tokenizer)[0]])
+    engine = RecordingEngine(tokenizer, lambda text: "r")
+    with Env(str(path)) as env:
+        [trajectory] = rollout(engine, env, tokenizer, prompts, 1, params(), images=images)
+    [(_, turn)] = engine.turns
+    assert trajectory.messages[1] == {"role": "user", "content": "Hint: look closely."}
+    assert turn.prompt.count(image_pad_id(tokenizer)) == 4 and turn.images is trajectory.images
+    through_image = len(prompts[0]["prompt_ids"]) - prompts[0]["prompt_ids"][::-1].index(image_pad_id(tokenizer))
+    assert turn.prompt[:through_image] == prompts[0]["prompt_ids"][:through_image]

@@ -66,6 +66,10 @@ class RolloutImages:
         counts = (processed["image_grid_thw"].prod(-1) // processor.merge_size**2).tolist()
         return text, ImageInputs(processed["pixel_values"], processed["image_grid_thw"]), counts
 
+    def counts(self, images: ImageInputs) -> list[int]:
+        """Each of `images`' pad-token count."""
+        return (images.image_grid_thw.prod(-1) // self.processing.image_processor.merge_size**2).tolist()
+
     def expand(self, tokens: list[int], counts: list[int], where: str) -> list[int]:
         """`tokens` with the k-th image-pad token repeated `counts[k]` times."""
         if tokens.count(self.pad) != len(counts):

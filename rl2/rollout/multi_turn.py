@@ -169,7 +169,7 @@ def continue_rollout(
                 on_done(trajectory)
 
     if env is not None and env.environment_factory is not None:
-        _start_environments(env, [t for t in trajectories if not t.done], tokenizer, apply_chat_template)
+        _start_environments(env, [t for t in trajectories if not t.done], tokenizer, apply_chat_template, images)
     for trajectory in trajectories:
         if trajectory.running is not None:
             trajectory.running.row = None  # read by make_env only: not carried into the gathers and checkpoints
@@ -307,10 +307,12 @@ def _run_calls(interactions: Interactions, trajectory: Trajectory, max_calls: in
     return _then(results, tool_messages)
 
 
-def _start_environments(env: Env, trajectories: list[Trajectory], tokenizer, apply_chat_template: bool) -> None:
+def _start_environments(env: Env, trajectories: list[Trajectory], tokenizer, apply_chat_template: bool,
+                        images: RolloutImages | None = None) -> None:
     """A stateful environment for each trajectory that has none yet (`reset` gets the row's messages and
     answer); an observation `reset` returns is appended to the prompt as a user message (nothing has been
-    generated yet: the prompt is rendered again). One that fails to start is an env error."""
+    generated yet: the prompt is rendered again, its images' pad tokens expanded again). One that fails to
+    start is an env error."""
     new = [t for t in trajectories if t.running.environment is None and t.turns == 0 and t.running.generating_from < 0]
     rows = [{**((t.running.row or {}) if env.steps_environment else {}), "messages": copy.deepcopy(t.messages),
              "answer": t.answer} for t in new]  # make_env(row) gets the row's columns; ENVIRONMENT.reset its own
@@ -325,6 +327,8 @@ def _start_environments(env: Env, trajectories: list[Trajectory], tokenizer, app
             text = (render_chat(trajectory.messages, tokenizer, True, trajectory.tools) if apply_chat_template
                     else tokenizer.decode(trajectory.token_ids, skip_special_tokens=False) + observation)
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if trajectory.images is not None and images is not None:
+                ids = images.expand(ids, images.counts(trajectory.images), f"the prompt of group {trajectory.group}")
             trajectory.token_ids, trajectory.action_mask = ids, [0] * len(ids)
             trajectory.logprobs, trajectory.versions = [0.0] * len(ids), [-1] * len(ids)
 
