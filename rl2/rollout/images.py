@@ -6,9 +6,12 @@ trajectories) or on the tool's thread that answered, never on the training loop'
 """
 
 from concurrent.futures import ThreadPoolExecutor
+
+from rl2.config import DataConfig
 from rl2.data.image_rows import IMAGE_ROW
 from rl2.data.image_rows import ImageInputs as ImageProcessing
 from rl2.errors import DataError
+from rl2.vision.detect import is_vision_model
 from rl2.vision.image_inputs import ImageInputs
 from rl2.vision.images import load_image
 from rl2.vision.inputs import build_vision_sample, image_pad_id, text_messages
@@ -23,11 +26,12 @@ class RolloutImages:
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rl2-images")
 
     @classmethod
-    def for_model(cls, model_name: str, data, tokenizer) -> "RolloutImages | None":
+    def for_model(cls, model_name: str, data: DataConfig, tokenizer) -> "RolloutImages | None":
         """For a vision-language `model_name` (`data.min_pixels` / `data.max_pixels` bound its images); None
         for a text-only model."""
-        processing = ImageProcessing.for_model(model_name, data)
-        return None if processing is None else cls(processing, tokenizer)
+        if not is_vision_model(model_name):  # also when its config cannot be read: the engine says why
+            return None
+        return cls(ImageProcessing.for_model(model_name, data), tokenizer)
 
     def prepare(self, prompts: list[dict]) -> list[dict]:
         """`prompts` with each one that carries an unprocessed row (`IMAGE_ROW`) given its prompt ids (pads
