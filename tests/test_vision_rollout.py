@@ -306,3 +306,17 @@ def test_a_reset_observation_keeps_the_prompts_image_pads_expanded(rows, tokeniz
     assert turn.prompt.count(image_pad_id(tokenizer)) == 4 and turn.images is trajectory.images
     through_image = len(prompts[0]["prompt_ids"]) - prompts[0]["prompt_ids"][::-1].index(image_pad_id(tokenizer))
     assert turn.prompt[:through_image] == prompts[0]["prompt_ids"][:through_image]
+
+
+def test_a_tool_image_past_the_length_limit_is_left_out_whole(rows, tokenizer, images, tmp_path):
+    path = tmp_path / "env.py"
+    path.write_text(TOOL_ENV)
+    prompts = images.prepare([dataset(rows, tokenizer)[0]])
+    look = len(tokenizer("look", add_special_tokens=False)["input_ids"]) + 1
+    engine = RecordingEngine(tokenizer, lambda text: "blue" if "here:" in text else "look")
+    with Env(str(path), need_interact=True) as env:
+        [trajectory] = rollout(engine, env, tokenizer, prompts, 1, params(), max_turns=2, images=images,
+                               max_length=len(prompts[0]["prompt_ids"]) + look + 8)  # the tool's image needs 6 + 8
+    assert trajectory.truncated and trajectory.done and trajectory.turns == 1 and not trajectory.errors
+    assert trajectory.images.count == 1 and trajectory.token_ids.count(image_pad_id(tokenizer)) == 4
+    assert len(trajectory.token_ids) <= len(prompts[0]["prompt_ids"]) + look + 8

@@ -188,15 +188,16 @@ def continue_rollout(
         if result.error is not None or not result.value:
             finish(trajectory)
             return None
-        new_messages, added = result.value, None
-        if has_image_parts(new_messages):
-            try:
-                new_messages, added = _tool_images(trajectory, new_messages, images)
+        if has_image_parts(result.value):
+            try:  # a tool's image that cannot be read or placed ends the episode as an env error
+                new_messages, added = _tool_images(trajectory, result.value, images)
+                _append_observation(trajectory, new_messages, tokenizer, max_length, apply_chat_template, images, added)
             except DataError as exc:
                 trajectory.errors.append(str(exc))
                 finish(trajectory)
                 return None
-        _append_observation(trajectory, new_messages, tokenizer, max_length, apply_chat_template, images, added)
+        else:
+            _append_observation(trajectory, result.value, tokenizer, max_length, apply_chat_template)
         if trajectory.done:
             finish(trajectory)
             return None
@@ -408,7 +409,7 @@ def _append_generation(
 
 
 def _tool_images(trajectory: Trajectory, messages: list[dict],
-                 images: RolloutImages | None) -> tuple[list[dict], tuple[ImageInputs, list[int]]]:
+                 images: RolloutImages | None) -> tuple[list[dict], tuple[ImageInputs, list[int]] | None]:
     """A tool's messages with image parts as string content, their images and each one's pad-token count."""
     where = f"the tool's reply in the trajectory of group {trajectory.group}"
     if images is None:
@@ -431,7 +432,9 @@ def _append_observation(
     new_messages, cut = _cut_to_room(new_messages, _room(trajectory, max_length))
     tokens = observation_tokens(tokenizer, trajectory.token_ids, trajectory.messages, new_messages, apply_chat_template,
                                 trajectory.tools)
-    if added is not None:
+    if added is not None and cut:  # cut for room: the episode ends here, before the first image
+        tokens, added = tokens[:tokens.index(images.pad)] if images.pad in tokens else tokens, None
+    elif added is not None:
         tokens = images.expand(tokens, added[1], f"the tool's reply in the trajectory of group {trajectory.group}")
     trajectory.messages.extend(new_messages)
     room = _room(trajectory, max_length)
