@@ -21,6 +21,10 @@ stepped on the cut text and goes on until it is done. However it ends, it is sco
 (`assign_rewards`: `reward_fn` on the conversation so far, or the environment's rewards of its steps, the
 last turn's step included): an episode that never answered is penalised by its reward, not dropped.
 Only a failure (an env call that raised or timed out, an aborted generation) leaves it out of training.
+
+A vision-language policy's trajectory carries its images (`Trajectory.images`, each turn's `Turn.images`): its
+prompt's (`rl2.rollout.images`), then those its tools return as image parts (a PIL image, a path), each written
+as the image-pad tokens it stands for; an image that does not fit the length limit is left out whole.
 """
 
 import contextlib
