@@ -3,7 +3,7 @@
 PYTHON ?= python3
 NPROC ?= 2
 
-.PHONY: install sandbox-tools demo demo-tool demo-distill demo-sft demo-rm demo-dpo test test-gpu-pins test-vllm sglang-venv test-sglang bench docs docs-serve docs-screenshots
+.PHONY: install sandbox-tools demo demo-tool demo-vision demo-distill demo-sft demo-rm demo-dpo test test-gpu-pins test-vllm sglang-venv test-sglang bench docs docs-serve docs-screenshots
 
 install:
 	$(PYTHON) -m pip install --quiet torch==2.13.0
@@ -14,6 +14,9 @@ demo: install
 
 demo-tool: install
 	TASK=tools NPROC=$(NPROC) bash recipes/ppo_tiny.sh
+
+demo-vision: install
+	NPROC=$(NPROC) bash recipes/ppo_vision_tiny.sh
 
 demo-distill: install
 	NPROC=$(NPROC) bash recipes/distill_tiny.sh

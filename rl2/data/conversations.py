@@ -8,9 +8,9 @@ import torch
 
 from rl2.chat.template import _tokenize_conversation, render_chat, tokenize_conversation
 from rl2.chat.tools import Tool, row_tools, warn_row_tools_render_differently
-from rl2.data.image_rows import ImageInputs
+from rl2.data.image_rows import IMAGE_ROW, ImageInputs, check_image_file, image_row
 from rl2.data.rows import Columns, DataError, load_rows, row_messages, row_prompt_text, validate_rows
-from rl2.vision.inputs import build_vision_sample_truncated
+from rl2.vision.inputs import build_vision_sample_truncated, text_messages
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,13 @@ class RLDataset(_ConversationDataset):
     see, followed by the assistant's messages (and the tools') of the rollout. With
     `columns.prompt_optional` (an env file whose `generate` makes the prompt, RL2 HEAD) a row without a
     prompt has no prompt ids and no messages: the file reads its columns (`row`).
+
+    For a vision-language model (`columns.image_key` set) a row's messages may hold images (image parts,
+    `<image>` placeholders filled from its `image_key` column): each image's count and file are checked here
+    (errors name the row and field), its `messages` hold each image as the vision tokens' text, and its item
+    carries the row (`IMAGE_ROW`) for the rank that rolls it out to decode and process the images once and
+    expand the image-pad tokens (`rl2.rollout.images`); `prompt_ids` hold one pad per image until then, and
+    the `max_length` check counts them so.
     """
 
     kind = "rl"
@@ -171,6 +178,9 @@ class RLDataset(_ConversationDataset):
         tools: dict[str, Tool] | None = None,
     ):
         super().__init__(path_or_rows, tokenizer, max_length, source, columns, tools)
+        if columns.image_key is not None and columns.apply_chat_template:
+            for i in range(len(self.rows)):
+                self._check_image_files(i)
         texts = [self._rendered_prompt(i) for i in range(len(self.rows))]
         prompt_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         self.indices = [i for i, ids in enumerate(prompt_ids) if max_length is None or len(ids) <= max_length]
@@ -199,8 +209,31 @@ class RLDataset(_ConversationDataset):
         "" for a row without a prompt (`columns.prompt_optional`)."""
         if not self.columns.apply_chat_template:
             return self._prompt_text(i) or ""
-        messages = self._messages(i)
+        messages = self._text_messages(i)
         return render_chat(messages, self.tokenizer, True, self._tools(i)) if messages else ""
+
+    def _images(self, i: int) -> list:
+        images = self.rows[i].get(self.columns.image_key) or []
+        return list(images) if isinstance(images, (list, tuple)) else [images]
+
+    def _image_refs(self, i: int) -> tuple[list[dict], list]:
+        """Row `i`'s messages with each image as the vision tokens' text, and its images in order (none read)."""
+        key = self.columns.key_of(self.rows[i]) or self.columns.messages_key
+        return text_messages(self._messages(i), self._images(i), f"{self.source}, row {i + 1}",
+                             self.columns.image_key, key)
+
+    def _text_messages(self, i: int) -> list[dict]:
+        """Row `i`'s messages as the chat template reads them: an image as the vision tokens' text."""
+        if self.columns.image_key is None:
+            return self._messages(i)
+        return self._image_refs(i)[0] if self._messages(i) else []
+
+    def _check_image_files(self, i: int) -> None:
+        """A DataError naming row `i` and the field of an image given as a path that is not a file."""
+        if not self._messages(i):
+            return
+        for ref in self._image_refs(i)[1]:
+            check_image_file(ref.value, f"{self.source}, row {i + 1}, {ref.field}")
 
     def _source(self, i: int) -> str | None:
         """Row `i`'s `data_source` (verl's column: the task or dataset it comes from), as text; None without one."""
@@ -209,12 +242,21 @@ class RLDataset(_ConversationDataset):
 
     def _prompt_messages(self, i: int) -> list[dict]:
         if self.columns.apply_chat_template:
-            return self._messages(i)
+            return self._text_messages(i)
         text = self._prompt_text(i)
         return [] if text is None else [{"role": "user", "content": text}]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         row_index = self.indices[i]
+        item = self._item(i, row_index)
+        if self.columns.image_key is not None and self.columns.apply_chat_template and self._image_refs(row_index)[1]:
+            key = self.columns.key_of(self.rows[row_index]) or self.columns.messages_key
+            row = {key: self._messages(row_index), self.columns.image_key: self._images(row_index)}
+            item[IMAGE_ROW] = image_row(row, row_index, key, self.columns.image_key,
+                                        f"{self.source}, row {row_index + 1}")
+        return item
+
+    def _item(self, i: int, row_index: int) -> dict[str, Any]:
         return {
             "prompt_ids": self.prompt_ids[i],
             "messages": self._prompt_messages(row_index),

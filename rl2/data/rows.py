@@ -73,11 +73,11 @@ class Columns:
     @classmethod
     def for_run(cls, config: Config, kind: str) -> "Columns":
         """The columns of a run's `kind` rows: RL rows need no prompt when `rollout.env_path` is written to RL2
-        HEAD's interface (its `generate` reads the row, `sample.sample`, and makes the prompt itself); SFT and pair
-        rows for a vision-language actor have images (`image_key`)."""
+        HEAD's interface (its `generate` reads the row, `sample.sample`, and makes the prompt itself); SFT, RL and
+        pair rows for a vision-language actor have images (`image_key`)."""
         env_path = config.rollout.env_path
         makes_prompts = kind == "rl" and env_path is not None and rl2_sample_interface(env_path) is not None
-        images = kind in ("sft", "pair") and is_vision_model(config.actor.model_name)
+        images = kind in ("sft", "rl", "pair") and is_vision_model(config.actor.model_name)
         return cls.from_config(config.data, prompt_optional=makes_prompts, images=images)
 
     def prompt_columns(self) -> tuple[str, ...]:

@@ -55,6 +55,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+from PIL import Image
+
 from rl2.chat.tools import Tool, ToolUnavailable, argument_problem, environment_tools, tools_from_entries
 from rl2.config import RolloutConfig
 from rl2.coroutines import run_coroutine
@@ -111,7 +113,7 @@ class _Outcome:
 class ToolResult:
     """The outcome of one tool call: the text of its tool message, and what went wrong, if anything."""
 
-    content: str
+    content: str | list[dict]  # text, or content parts with images (`tool_text`)
     error: str | None = None  # the model's mistake (unknown tool, bad arguments, the tool raised or timed out): still a message
     env_error: str | None = None  # the infrastructure's: no message, the trajectory ends and is left out of training
     seconds: float = 0.0
@@ -563,9 +565,15 @@ def env_tools(module: Any, path: str) -> dict[str, Tool]:
         raise EnvError(str(exc)) from None
 
 
-def tool_text(value: Any) -> str:
-    """A tool's return value as its message's content: text as it is, anything else as JSON."""
+def tool_text(value: Any) -> str | list[dict]:
+    """A tool's return value as its message's content: text as it is; an image (a PIL image) or a list of
+    content parts with an image among them as content parts (for a vision-language policy); anything else
+    as JSON."""
     if isinstance(value, str):
+        return value
+    if isinstance(value, Image.Image):
+        return [{"type": "image", "image": value}]
+    if _is_parts(value) and any(part["type"] in ("image", "image_url") for part in value):
         return value
     return "" if value is None else json.dumps(value, ensure_ascii=False, default=str)
 
@@ -602,7 +610,8 @@ def _check_reward(value: Any) -> tuple[float, str | None]:
 
 
 def _check_messages(value: Any) -> tuple[list[dict], str | None]:
-    """(messages, None) for a list of {"role": str, "content": str, ...} dicts; else ([], problem)."""
+    """(messages, None) for a list of {"role": str, "content": str, ...} dicts, a content also a list of parts
+    (dicts with a "type": text and images, for a vision-language policy); else ([], problem)."""
     if not isinstance(value, (list, tuple)):
         return [], f"returned {type(value).__name__}, expected a list of messages"
     for i, message in enumerate(value):
@@ -611,10 +620,17 @@ def _check_messages(value: Any) -> tuple[list[dict], str | None]:
         for key in ("role", "content"):
             if key not in message:
                 return [], f"returned a message (item {i}) without {key!r}"
+            if key == "content" and _is_parts(message[key]):
+                continue
             if not isinstance(message[key], str):
                 return [], f"returned a message (item {i}) whose {key!r} is {type(message[key]).__name__}, expected str"
     # A copy, so messages the function keeps (e.g. a constant list) never alias the trajectory.
     return copy.deepcopy(list(value)), None
+
+
+def _is_parts(content: Any) -> bool:
+    """Whether `content` is a list of content parts ({"type": "text" | "image" | "image_url", ...})."""
+    return isinstance(content, list) and all(isinstance(part, dict) and "type" in part for part in content)
 
 
 def _relevant_lines(stderr_tail: list[str], path: str) -> list[str]:

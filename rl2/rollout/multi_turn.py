@@ -21,6 +21,10 @@ stepped on the cut text and goes on until it is done. However it ends, it is sco
 (`assign_rewards`: `reward_fn` on the conversation so far, or the environment's rewards of its steps, the
 last turn's step included): an episode that never answered is penalised by its reward, not dropped.
 Only a failure (an env call that raised or timed out, an aborted generation) leaves it out of training.
+
+A vision-language policy's trajectory carries its images (`Trajectory.images`, each turn's `Turn.images`): its
+prompt's (`rl2.rollout.images`), then those its tools return as image parts (a PIL image, a path), each written
+as the image-pad tokens it stands for; an image that does not fit the length limit is left out whole.
 """
 
 import contextlib
@@ -36,8 +40,11 @@ from rl2.chat.template import render_chat
 from rl2.chat.tool_parsers import FunctionToolParser, ToolParser, get_tool_parser
 from rl2.config import RolloutConfig
 from rl2.engines import Engine, Generation, SamplingParams, Turn
+from rl2.errors import DataError
 from rl2.rollout.env import Env, EnvResult, Interactions, ToolResult
+from rl2.rollout.images import RolloutImages, has_image_parts
 from rl2.rollout.trajectory import RunningState, Trajectory
+from rl2.vision.image_inputs import ImageInputs
 
 CHARS_PER_TOKEN = 32  # characters kept per token of room when a message is cut before tokenising: more than any token spans
 
@@ -74,16 +81,18 @@ def rollout(
     version: int = 0,
     tool_calling: ToolCalling | None = None,
     per_turn: bool = False,
+    images: RolloutImages | None = None,
 ) -> list[Trajectory]:
     """`responses_per_prompt` trajectories for each prompt ({"prompt_ids", "messages", "answer"}, and
     "tools": the schemas the prompt was rendered with, "source": its row's `data_source`),
     grouped by prompt, of at most `max_turns` generations and `max_length` tokens in all (per turn:
     in each turn's sequence). `apply_chat_template` says how the prompts were made (`RLDataset`), and so
     how tool messages are appended: through the chat template, or as plain text (`observation_tokens`).
-    `version` is the policy version that samples (recorded per token)."""
+    `version` is the policy version that samples (recorded per token). A vision-language policy's prompts
+    carry their `images` (`RolloutImages.prepare`), and `images` turns those its tools return into its inputs."""
     trajectories = new_trajectories(prompts, responses_per_prompt, first_group, version, per_turn)
     continue_rollout(engine, env, tokenizer, trajectories, params, max_turns, max_length, apply_chat_template, version,
-                     tool_calling=tool_calling)
+                     tool_calling=tool_calling, images=images)
     return trajectories
 
 
@@ -105,6 +114,7 @@ def new_trajectories(prompts: list[dict], responses_per_prompt: int, first_group
             turn_starts=[0] if per_turn else None,
             source=prompt.get("source"),
             running=RunningState(row=prompt.get("row")),
+            images=prompt.get("images"),  # shared by the group's trajectories: never changed in place
         )
         for g, prompt in enumerate(prompts)
         for _ in range(responses_per_prompt)
@@ -137,6 +147,7 @@ def continue_rollout(
     on_done: Callable[[Trajectory], None] | None = None,
     pause: Pause | None = None,
     tool_calling: ToolCalling | None = None,
+    images: RolloutImages | None = None,
 ) -> None:
     """Take `trajectories` on from where each stands (`RunningState.stage`): new ones from their first
     turn, paused ones from inside their turn (the tokens drawn so far kept, the same random stream
@@ -145,7 +156,8 @@ def continue_rollout(
     ones keep what they have, to be continued by a later call (a tool call still running is cancelled
     and made again). With `tool_calling` each turn's calls are parsed and run; a turn without one goes
     to the env's `interact` if it has one, else ends the episode. An episode at `max_turns` or at the
-    length limit ends unfailed, to be scored as it stands (see the module's docstring)."""
+    length limit ends unfailed, to be scored as it stands (see the module's docstring). A tool message with
+    image parts (a vision-language policy's `images`) adds its images to the trajectory's, for the next turn."""
     if max_turns > 1 and (env is None or not (env.has_interact or env.has_tools or env.steps_environment)):
         raise ValueError("rollout.max_turns > 1 needs an env file that defines interact(messages), TOOLS or make_env")
     stop_ids = set(params.stop_token_ids)
@@ -161,7 +173,7 @@ def continue_rollout(
                 on_done(trajectory)
 
     if env is not None and env.environment_factory is not None:
-        _start_environments(env, [t for t in trajectories if not t.done], tokenizer, apply_chat_template)
+        _start_environments(env, [t for t in trajectories if not t.done], tokenizer, apply_chat_template, images)
     for trajectory in trajectories:
         if trajectory.running is not None:
             trajectory.running.row = None  # read by make_env only: not carried into the gathers and checkpoints
@@ -180,7 +192,16 @@ def continue_rollout(
         if result.error is not None or not result.value:
             finish(trajectory)
             return None
-        _append_observation(trajectory, result.value, tokenizer, max_length, apply_chat_template)
+        if has_image_parts(result.value):
+            try:  # a tool's image that cannot be read or placed ends the episode as an env error
+                new_messages, added = _tool_images(trajectory, result.value, images)
+                _append_observation(trajectory, new_messages, tokenizer, max_length, apply_chat_template, images, added)
+            except DataError as exc:
+                trajectory.errors.append(str(exc))
+                finish(trajectory)
+                return None
+        else:
+            _append_observation(trajectory, result.value, tokenizer, max_length, apply_chat_template)
         if trajectory.done:
             finish(trajectory)
             return None
@@ -291,10 +312,12 @@ def _run_calls(interactions: Interactions, trajectory: Trajectory, max_calls: in
     return _then(results, tool_messages)
 
 
-def _start_environments(env: Env, trajectories: list[Trajectory], tokenizer, apply_chat_template: bool) -> None:
+def _start_environments(env: Env, trajectories: list[Trajectory], tokenizer, apply_chat_template: bool,
+                        images: RolloutImages | None = None) -> None:
     """A stateful environment for each trajectory that has none yet (`reset` gets the row's messages and
     answer); an observation `reset` returns is appended to the prompt as a user message (nothing has been
-    generated yet: the prompt is rendered again). One that fails to start is an env error."""
+    generated yet: the prompt is rendered again, its images' pad tokens expanded again). One that fails to
+    start is an env error."""
     new = [t for t in trajectories if t.running.environment is None and t.turns == 0 and t.running.generating_from < 0]
     rows = [{**((t.running.row or {}) if env.steps_environment else {}), "messages": copy.deepcopy(t.messages),
              "answer": t.answer} for t in new]  # make_env(row) gets the row's columns; ENVIRONMENT.reset its own
@@ -309,6 +332,8 @@ def _start_environments(env: Env, trajectories: list[Trajectory], tokenizer, app
             text = (render_chat(trajectory.messages, tokenizer, True, trajectory.tools) if apply_chat_template
                     else tokenizer.decode(trajectory.token_ids, skip_special_tokens=False) + observation)
             ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if trajectory.images is not None and images is not None:
+                ids = images.expand(ids, images.counts(trajectory.images), f"the prompt of group {trajectory.group}")
             trajectory.token_ids, trajectory.action_mask = ids, [0] * len(ids)
             trajectory.logprobs, trajectory.versions = [0.0] * len(ids), [-1] * len(ids)
 
@@ -319,7 +344,7 @@ def _turn(trajectory: Trajectory, params: SamplingParams, max_length: int | None
     drawn = len(trajectory.token_ids) - running.generating_from if running.generating_from >= 0 else 0
     room = min(params.max_new_tokens - drawn, _room(trajectory, max_length))
     return Turn(trajectory.token_ids[trajectory.sequence_start:], room, stream=running.stream if drawn else None,
-                offset=drawn)
+                offset=drawn, images=trajectory.images)
 
 
 def _then(future: Future, fn: Callable[[Any], Any]) -> Future:
@@ -387,27 +412,74 @@ def _append_generation(
         trajectory.done = True
 
 
+def _tool_images(trajectory: Trajectory, messages: list[dict],
+                 images: RolloutImages | None) -> tuple[list[dict], tuple[ImageInputs, list[int]] | None]:
+    """A tool's messages with image parts as string content, their images and each one's pad-token count."""
+    where = f"the tool's reply in the trajectory of group {trajectory.group}"
+    if images is None:
+        raise DataError(f"{where}: a message's content is a list of parts (an image?), but the policy is not a "
+                        "vision-language model: give the content as a string")
+    if trajectory.turn_starts is not None:
+        raise DataError(f"{where}: images in tool messages need rollout.trajectory_format=concat")
+    text, added, counts = images.tool_messages(messages, where)
+    return text, (added, counts) if added is not None else None
+
+
 def _append_observation(
-    trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None, apply_chat_template: bool
+    trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None, apply_chat_template: bool,
+    images: RolloutImages | None = None, added: tuple[ImageInputs, list[int]] | None = None,
 ) -> None:
+    """Append the tokens of `new_messages` (a tool's); `added`: their images and each one's pad-token count."""
     if trajectory.turn_starts is not None:
         _start_turn_sequence(trajectory, new_messages, tokenizer, max_length)
         return
     new_messages, cut = _cut_to_room(new_messages, _room(trajectory, max_length))
     tokens = observation_tokens(tokenizer, trajectory.token_ids, trajectory.messages, new_messages, apply_chat_template,
                                 trajectory.tools)
+    if added is not None and cut:  # cut for room: the episode ends here, before the first image
+        tokens, added = tokens[:tokens.index(images.pad)] if images.pad in tokens else tokens, None
+    elif added is not None:
+        tokens = images.expand(tokens, added[1], f"the tool's reply in the trajectory of group {trajectory.group}")
     trajectory.messages.extend(new_messages)
     room = _room(trajectory, max_length)
+    kept = len(added[1]) if added is not None else 0
     if len(tokens) >= room or cut:
         # No room left to answer after the tool output: the episode ends at the limit.
         tokens = tokens[: max(room, 0)]
+        if added is not None:  # an image is never cut: the tokens end before the first one that does not fit
+            tokens, kept = _whole_images(tokens, images.pad, added[1])
         trajectory.truncated = True
         trajectory.done = True
+    if kept:
+        trajectory.images = ImageInputs.concat([trajectory.images, _first_images(added[0], kept)])
     trajectory.token_ids += tokens
     trajectory.action_mask += [0] * len(tokens)
     trajectory.logprobs += [0.0] * len(tokens)
     if len(trajectory.versions) == len(trajectory.token_ids) - len(tokens):
         trajectory.versions += [-1] * len(tokens)
+
+
+def _whole_images(tokens: list[int], pad: int, counts: list[int]) -> tuple[list[int], int]:
+    """`tokens` (cut) ending before the first image whose `counts[k]` pad tokens they do not all hold, and how
+    many images they hold whole."""
+    position, k = 0, 0
+    while position < len(tokens):
+        if tokens[position] != pad:
+            position += 1
+            continue
+        if position + counts[k] > len(tokens):
+            return tokens[:position], k
+        position += counts[k]
+        k += 1
+    return tokens, k
+
+
+def _first_images(images: ImageInputs, count: int) -> ImageInputs:
+    """The first `count` of `images`."""
+    if count == images.count:
+        return images
+    patches = int(images.image_grid_thw[:count].prod(-1).sum())
+    return ImageInputs(images.pixel_values[:patches], images.image_grid_thw[:count])
 
 
 def _cut_to_room(new_messages: list[dict], room: int) -> tuple[list[dict], bool]:

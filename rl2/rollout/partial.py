@@ -84,6 +84,10 @@ class PartialRollout:
         trajectories of the groups that train (every rank's, in rank order), and keep the others."""
         timer = timer or PhaseTimer()
         service = self.service
+        images = getattr(service, "images", None)
+        if images is not None:  # a vision-language policy: this rank's new prompts' images (the others' are not rolled out here)
+            first, last = (max(edge - len(self.carried), 0) for edge in rank_slice(len(self.carried) + len(prompts)))
+            prompts = prompts[:first] + images.prepare(prompts[first:last]) + prompts[last:]
         fresh = new_trajectories(prompts, self.responses_per_prompt, self.next_group, version,
                                  service.rollout_config.trajectory_format == "per_turn")
         self.next_group += len(prompts)
@@ -102,7 +106,7 @@ class PartialRollout:
                 continue_rollout(service.engine, service.env, service.tokenizer, [t for g in mine for t in g], params,
                                  service.rollout_config.max_turns, service.max_length,
                                  service.data_config.apply_chat_template, version, target.done, pause,
-                                 service.tool_calling)
+                                 service.tool_calling, images)
         if sleep_after:
             with timer("sync"):  # the engine hands its memory back: part of the sync
                 service.engine.sleep()

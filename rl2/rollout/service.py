@@ -10,12 +10,13 @@ import os
 
 from torch import nn
 
-from rl2.config import ActorConfig, DataConfig, RolloutConfig
+from rl2.config import ActorConfig, ConfigError, DataConfig, RolloutConfig
 from rl2.config.env_interface import rl2_sample_interface
 from rl2.distributed.process_group import all_gather_objects, broadcast_from_rank0, is_rank0, rank, rank_slice
 from rl2.engines import SamplingParams, build_engine_from_config, check_sglang
 from rl2.metrics import PhaseTimer
 from rl2.rollout.env import Env, EnvError
+from rl2.rollout.images import RolloutImages
 from rl2.rollout.interface import Draw
 from rl2.rollout.multi_turn import ToolCalling, assign_rewards, rollout
 from rl2.rollout.partial import partial_rollout
@@ -114,6 +115,12 @@ class RolloutService(RolloutRecords):
             self.env = Env.from_config(rollout, need_interact=rollout.max_turns > 1 and not agent,
                                        step_discount=step_discount)
         self.tool_calling = ToolCalling.for_env(self.env, rollout)
+        # A vision-language policy: its prompts' images and its tools' (None for a text-only model).
+        self.images = RolloutImages.for_model(actor.model_name, data, tokenizer)
+        if self.images is not None and (agent or self.rl2_head or rollout.trajectory_format == "per_turn"):
+            raise ConfigError("a vision-language policy rolls out through an env file (rollout.env_path) with "
+                              "rollout.trajectory_format=concat so far: not an agent file, an RL2 HEAD env file "
+                              "or per-turn trajectories")
         self.engine = build_engine_from_config(rollout, actor, tokenizer, seed)
         if agent or self.rl2_head:
             from rl2.serve.openai_server import OpenAIServer
@@ -174,11 +181,12 @@ class RolloutService(RolloutRecords):
             return self._generate_with_agent(prompts[start:end], params, responses_per_prompt, start, timer,
                                              sleep_after, version)
         with timer("rollout"):
+            mine = self.images.prepare(prompts[start:end]) if self.images is not None else prompts[start:end]
             trajectories = rollout(
                 self.engine,
                 self.env,
                 self.tokenizer,
-                prompts[start:end],
+                mine,
                 responses_per_prompt,
                 params,
                 self.rollout_config.max_turns,
@@ -188,6 +196,7 @@ class RolloutService(RolloutRecords):
                 version=version,
                 tool_calling=self.tool_calling,
                 per_turn=self.rollout_config.trajectory_format == "per_turn",
+                images=self.images,
             )
         if sleep_after:
             with timer("sync"):  # the engine hands its memory back: part of the sync (a release on SGLang)
@@ -299,3 +308,5 @@ class RolloutService(RolloutRecords):
         if self.server is not None:
             self.server.close()
         self.engine.shutdown()
+        if self.images is not None:
+            self.images.close()

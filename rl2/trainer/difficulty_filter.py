@@ -46,7 +46,8 @@ class DifficultyFilter:
         tokenizer = start_run(config)
         self.rollout = rollout_service(config, tokenizer)
         self.dataset = RLDataset(config.data.path, tokenizer, self.rollout.max_length,
-                                 columns=Columns.from_config(config.data), tools=self.rollout.tools)
+                                 columns=Columns.from_config(config.data, images=self.rollout.images is not None),
+                                 tools=self.rollout.tools)
 
     def run(self) -> dict[str, float]:
         """Sample, score and write the kept rows; returns counts and the mean pass rate."""
