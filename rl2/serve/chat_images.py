@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from rl2.errors import DataError
 from rl2.vision.image_inputs import ImageInputs
 from rl2.vision.images import load_image
-from rl2.vision.inputs import IMAGE_TEXT
 from rl2.vision.processing import ImageProcessing
 
 # A message's images, by digest of their data URI, in the order its content holds them (kept in the session's
