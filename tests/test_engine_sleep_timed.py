@@ -33,7 +33,7 @@ def test_the_sleep_after_a_rollout_is_timed_as_sync(tiny_model_dir, tmp_path):
     with reward_env(tmp_path) as env:
         rollout = RolloutService.__new__(RolloutService)  # what generate uses of it
         rollout.__dict__.update(service(SlowSleepEngine(lambda prompt: 3), env, tokenizer).__dict__,
-                                agent=None, rl2_head=None)
+                                agent=None, rl2_head=None, images=None)
         rollout.rollout_config.trajectory_format = "whole"
         timer = PhaseTimer()
         trajectories = rollout.generate(prompts(tokenizer, 2), SamplingParams(max_new_tokens=4), GROUP, seed=0,
