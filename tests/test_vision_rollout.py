@@ -320,3 +320,24 @@ def test_a_tool_image_past_the_length_limit_is_left_out_whole(rows, tokenizer, i
     assert trajectory.truncated and trajectory.done and trajectory.turns == 1 and not trajectory.errors
     assert trajectory.images.count == 1 and trajectory.token_ids.count(image_pad_id(tokenizer)) == 4
     assert len(trajectory.token_ids) <= len(prompts[0]["prompt_ids"]) + look + 8
+
+
+def test_a_prompt_with_images_keeps_its_tool_schemas(rows, vlm_dir, images):
+    """Native function calling with images: the prompt the engine sees is rendered with the row's tools, as a
+    text prompt is (a prompt rebuilt for its images once lost them)."""
+    from rl2.testing.chat_templates import CHATML_TOOLS_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    tokenizer.chat_template = CHATML_TOOLS_TEMPLATE
+    schema = {"type": "function", "function": {"name": "zoom_in", "description": "Zoom into the image.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+    with_tools = RolloutImages.for_model(vlm_dir, DataConfig(), tokenizer)
+    try:
+        prompt = with_tools.prepare([{**dataset(rows, tokenizer)[0], "tools": [schema]}])[0]
+    finally:
+        with_tools.close()
+    expected = build_vision_sample(rows[0], 0, tokenizer, images.processing.image_processor,
+                                   add_generation_prompt=True, tools=[schema])["input_ids"].tolist()
+    assert prompt["prompt_ids"] == expected
+    assert "zoom_in" in tokenizer.decode(prompt["prompt_ids"])
+    assert prompt["prompt_ids"].count(image_pad_id(tokenizer)) == prompt["images"].image_grid_thw.prod(-1).item() // 4

@@ -45,7 +45,7 @@ class RolloutImages:
         sample = build_vision_sample(spec["row"], spec["index"], self.tokenizer, processing.image_processor,
                                      None, spec["messages_key"], spec["image_key"], add_generation_prompt=True,
                                      min_pixels=processing.min_pixels, max_pixels=processing.max_pixels,
-                                     where=spec["where"])
+                                     where=spec["where"], tools=prompt.get("tools"))
         prepared = {key: value for key, value in prompt.items() if key != IMAGE_ROW}
         prepared["prompt_ids"] = sample["input_ids"].tolist()
         prepared["images"] = ImageInputs.of_sample(sample)

@@ -119,7 +119,7 @@ class RolloutService(RolloutRecords):
         self.images = RolloutImages.for_model(actor.model_name, data, tokenizer)
         if self.images is not None and (agent or self.rl2_head or rollout.trajectory_format == "per_turn"):
             raise ConfigError("a vision-language policy rolls out through an env file (rollout.env_path) with "
-                              "rollout.trajectory_format=concat so far: not an agent file, an RL2 HEAD env file "
+                              "rollout.trajectory_format=whole so far: not an agent file, an RL2 HEAD env file "
                               "or per-turn trajectories")
         self.engine = build_engine_from_config(rollout, actor, tokenizer, seed)
         if agent or self.rl2_head:

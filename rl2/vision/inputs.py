@@ -113,6 +113,7 @@ def build_vision_sample(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     where: str | None = None,
+    tools: list[dict] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One row's model inputs: `input_ids`, `loss_mask` and `mm_token_type_ids` ([L] each), plus
     `pixel_values` [patches, dim] and `image_grid_thw` [images, 3] where the row has images.
@@ -120,9 +121,9 @@ def build_vision_sample(
     With `add_generation_prompt` the messages are a prompt (loss mask all 0); otherwise the loss covers the
     assistant turns (never an image token). A sample longer than `max_length` is cut at it unless that
     would cut an image: then a DataError names the row, the image's field and its token count. Errors
-    name the row as `where` (default "row <row_index>")."""
+    name the row as `where` (default "row <row_index>"). `tools`: the tool schemas the chat template renders."""
     return build_vision_sample_truncated(row, row_index, tokenizer, image_processor, max_length, messages_key,
-                                         image_key, add_generation_prompt, min_pixels, max_pixels, where)[0]
+                                         image_key, add_generation_prompt, min_pixels, max_pixels, where, tools)[0]
 
 
 def build_vision_sample_truncated(
@@ -137,6 +138,7 @@ def build_vision_sample_truncated(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     where: str | None = None,
+    tools: list[dict] | None = None,
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """`build_vision_sample`'s sample, and whether it was cut at `max_length`."""
     where = where or f"row {row_index}"
@@ -148,10 +150,11 @@ def build_vision_sample_truncated(
         images = [images]
     messages, refs = text_messages(messages, images, where, image_key, messages_key)
     if add_generation_prompt:
-        ids = tokenizer(render_chat(messages, tokenizer, add_generation_prompt=True), add_special_tokens=False)
+        text = render_chat(messages, tokenizer, add_generation_prompt=True, tools=tools)
+        ids = tokenizer(text, add_special_tokens=False)
         ids, mask = list(ids["input_ids"]), [0] * len(ids["input_ids"])
     else:
-        tokens = tokenize_conversation(messages, tokenizer, None)
+        tokens = tokenize_conversation(messages, tokenizer, None, tools)
         ids, mask = tokens["input_ids"], tokens["loss_mask"]
 
     pad = image_pad_id(tokenizer)
