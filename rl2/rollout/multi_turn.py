@@ -420,7 +420,7 @@ def _tool_images(trajectory: Trajectory, messages: list[dict],
         raise DataError(f"{where}: a message's content is a list of parts (an image?), but the policy is not a "
                         "vision-language model: give the content as a string")
     if trajectory.turn_starts is not None:
-        raise DataError(f"{where}: images in tool messages need rollout.trajectory_format=concat")
+        raise DataError(f"{where}: images in tool messages need rollout.trajectory_format=whole")
     text, added, counts = images.tool_messages(messages, where)
     return text, (added, counts) if added is not None else None
 
