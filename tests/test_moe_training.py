@@ -58,3 +58,83 @@ def test_a_hybrid_policy_on_packed_rows_gives_each_sequences_logps_and_gradients
     result = run_python(args) if nproc == 1 else run_torchrun(args, nproc=nproc)
     logps, grads = result.stdout.split("logps_difference")[-1].split()[0::2]
     assert float(logps) < 1e-5 and float(grads) < 1e-5, result.stdout
+
+
+MOE_REPLAY = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from rl2.workers.policy import Policy, token_logps
+from rl2.config import ActorConfig
+from rl2.distributed.process_group import init_distributed, rank
+from rl2.models.routing_replay import RoutingReplay
+init_distributed()
+folder, coef = sys.argv[1], float(sys.argv[2])
+config = ActorConfig(model_name=folder, dtype="float32", max_length_per_device=96, lr=3e-2, warmup_ratio=0.0,
+                     gradient_checkpointing=False, router_replay="r2", moe_aux_loss_coef=coef)
+actor = Policy(config, total_steps=4)
+generator = torch.Generator().manual_seed(3)
+lengths = (9, 40, 17, 17, 30, 6)
+sequences = [{"input_ids": torch.randint(0, 1000, (n,), generator=generator), "loss_mask": torch.ones(n),
+              "loss_weight": torch.full((n,), 1.0 / sum(lengths)), "metric_weight": torch.full((n,), 1.0 / sum(lengths))}
+             for n in lengths]
+logps, routes = actor.compute_with_routes(sequences)
+plain_logps = actor.compute(sequences)
+replayed = [{**seq, "routes": r} for seq, r in zip(sequences, routes)]
+
+def loss_fn(outputs, row):
+    loss = -(outputs["logps"] * row["loss_weight"]).sum()
+    metrics = {}
+    if "moe_aux_loss" in outputs:
+        aux = outputs["moe_aux_loss"] * row["metric_weight"].sum()
+        loss, metrics = loss + outputs["moe_aux_loss_coef"] * aux, {"moe_aux_loss": aux.detach()}
+    return loss, metrics
+
+before_off = actor.evaluate(sequences, loss_fn)["loss"]
+before_replay = actor.evaluate(replayed, loss_fn)["loss"]
+unchanged = actor.router_mismatch()
+for _ in range(3):
+    stepped = actor.train_step(replayed, loss_fn)
+trained_mismatch = actor.router_mismatch()
+after = actor.compute(replayed)
+after_live = actor.compute(sequences)
+changed = actor.router_mismatch()
+# the same weights in plain transformers, each sequence alone, its routers replaying the recorded experts
+plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+state = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for name, p in actor.model.named_parameters()}
+plain.load_state_dict(state, strict=False)
+worst_replay, worst_live = 0.0, 0.0
+with RoutingReplay(plain) as replay, torch.no_grad():
+    for seq, r, got, live in zip(sequences, routes, after, after_live):
+        ids = seq["input_ids"].unsqueeze(0)
+        replay.replay(r.transpose(0, 1))
+        expected = token_logps(plain(input_ids=ids, use_cache=False).logits, ids, torch.arange(ids.shape[1]).unsqueeze(0))[0]
+        worst_replay = max(worst_replay, (got - expected).abs().max().item())
+        worst_live = max(worst_live, (live - expected).abs().max().item())
+if rank() == 0:
+    print("RESULT", abs(before_off - before_replay), unchanged, changed, worst_replay, worst_live,
+          (torch.cat(logps) - torch.cat(plain_logps)).abs().max().item(), stepped.get("moe_aux_loss", -1.0),
+          routes[0].dtype, tuple(routes[1].shape))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    return save_tiny_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")), "qwen3_moe")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_r2_replays_the_old_logprob_forwards_experts_in_the_update(tiny_moe_dir, nproc):
+    """`actor.router_replay=r2` on a tiny Qwen3-MoE policy: the recording forward's log-probs are `compute`'s; with
+    unchanged weights the replayed loss equals the unreplayed one and no decision changes; after updates the
+    replayed forward equals plain transformers replaying the recorded experts (and differs from routing live),
+    and `router_mismatch` counts the decisions the trained routers would change."""
+    args = ["-c", MOE_REPLAY, tiny_moe_dir, "0.01"]
+    result = run_python(args) if nproc == 1 else run_torchrun(args, nproc=nproc)
+    fields = result.stdout.split("RESULT")[-1].split()
+    same_loss, unchanged, changed, replay_diff, live_diff, record_diff, aux = map(float, fields[:7])
+    assert same_loss < 1e-6 and unchanged == 0.0 and record_diff < 1e-6, result.stdout
+    assert changed > 0.0, result.stdout  # the updates moved the routers off the recorded experts
+    assert replay_diff < 1e-5, result.stdout  # the replayed forward used the recorded experts
+    assert live_diff > 1e-3, result.stdout  # routing live would have given other log-probs (a mutant that recomputes fails)
+    assert aux > 0.0, result.stdout  # the load-balancing loss is in the trained loss
+    assert fields[7] == "torch.int8" and fields[8:] == ["(40,", "2,", "2)"], fields

@@ -148,6 +148,15 @@ def compute_logps(sequences: list[RLSequence], plan: StepPlan, models: StepModel
     metrics: dict[str, float] = {}
     if plan.proximal_in_update(step):
         pass  # the update's forward pass gives them (`update`, `actor_loss`)
+    elif plan.recompute_logprobs and plan.actor.router_replay == "r2" and getattr(models.actor, "routing", None):
+        # R2: this forward's experts are the ones every update forward of these sequences uses
+        logps, routes = models.actor.compute_with_routes(per_turn_sequences(sequences))
+        old_logps = joined_per_turn(sequences, logps)
+        for seq, seq_routes in zip(sequences, joined_per_turn(sequences, routes)):
+            seq["routes"] = seq_routes
+        metrics.update(logp_mismatch(sequences, old_logps, plan))
+        for seq, logps in zip(sequences, old_logps):
+            seq["old_logps"] = logps
     elif plan.recompute_logprobs:
         old_logps = computed_per_turn(models.actor.compute, sequences, "logps")
         metrics.update(logp_mismatch(sequences, old_logps, plan))
@@ -287,6 +296,9 @@ def update(sequences: list[RLSequence], plan: StepPlan, models: StepModels, step
             for key, value in stepped.items():
                 metrics.setdefault(f"{name}/{key}", []).append(value)
     averaged = {**mismatch, **{key: sum(values) / len(values) for key, values in metrics.items()}}
+    router_mismatch = getattr(models.actor, "router_mismatch", lambda: None)()
+    if router_mismatch is not None:  # over the step's replayed forwards (log-probs and updates)
+        averaged["router/mismatch"] = router_mismatch
     if "actor/logp_mismatch" in metrics:  # only the first minibatch ran the old policy
         averaged["logp_mismatch/mean"] = metrics["actor/logp_mismatch"][0]
         del averaged["actor/logp_mismatch"]
@@ -338,7 +350,12 @@ def actor_loss(plan: StepPlan, outputs: dict[str, torch.Tensor], batch: dict[str
         metrics["distill_loss"] = (distilled * shown).sum()
     if actor.entropy_coef:
         loss = loss - actor.entropy_coef * outputs["entropy"]
-    return (loss * weight).sum(), metrics
+    loss = (loss * weight).sum()
+    if "moe_aux_loss" in outputs:  # a mixture-of-experts policy's router load balancing: this row's share of it
+        aux = outputs["moe_aux_loss"] * shown.sum()
+        loss = loss + outputs["moe_aux_loss_coef"] * aux
+        metrics["moe_aux_loss"] = aux.detach()
+    return loss, metrics
 
 
 def critic_loss(plan: StepPlan, outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]):
