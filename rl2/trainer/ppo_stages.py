@@ -29,6 +29,7 @@ from rl2.algorithms.off_policy import correction_weights, mismatch_metrics
 from rl2.algorithms.overlong import overlong_penalty
 from rl2.algorithms.sequences import RLSequence, computed_per_turn, joined_per_turn, per_turn_sequences, turn_start_mask
 from rl2.config import ConfigError
+from rl2.models.routing_replay import UNRECORDED
 from rl2.rollout.trajectory import Trajectory
 from rl2.tools.roc_penalty import roc_error_rates
 from rl2.trainer.step_plan import StepPlan
@@ -125,9 +126,21 @@ def sequences_of(trajectories: list[Trajectory], plan: StepPlan) -> list[RLSeque
             "engine_logps": torch.tensor(t.logprobs, dtype=torch.float32),
             **({"turn_starts": turn_start_mask(t.turn_starts, len(t.token_ids))} if t.turn_starts is not None else {}),
             **image_fields(t),
+            **route_fields(t, plan),
         }
         for t in trajectories
     ]
+
+
+def route_fields(trajectory: Trajectory, plan: StepPlan) -> dict[str, torch.Tensor]:
+    """R3 (actor.router_replay=r3): the experts the engine routed the trajectory's tokens to
+    (`RLSequence.routes`), UNRECORDED for tokens after those it recorded; none otherwise."""
+    if trajectory.routes is None or plan.actor.router_replay != "r3":
+        return {}
+    routes, length = trajectory.routes, len(trajectory.token_ids)
+    if routes.shape[0] < length:
+        routes = torch.cat([routes, routes.new_full((length - routes.shape[0], *routes.shape[1:]), UNRECORDED)])
+    return {"routes": routes[:length]}
 
 
 def image_fields(trajectory: Trajectory) -> dict[str, torch.Tensor]:
