@@ -138,3 +138,28 @@ def test_r2_replays_the_old_logprob_forwards_experts_in_the_update(tiny_moe_dir,
     assert live_diff > 1e-3, result.stdout  # routing live would have given other log-probs (a mutant that recomputes fails)
     assert aux > 0.0, result.stdout  # the load-balancing loss is in the trained loss
     assert fields[7] == "torch.int8" and fields[8:] == ["(40,", "2,", "2)"], fields
+
+
+def test_trajectory_routes_survive_a_checkpoint_and_reach_the_sequences_under_r3():
+    """`Trajectory.routes` round-trip through `state()` (JSON) exactly, are absent from the state of a trajectory
+    without them, and become the sequence's `routes` under r3 only, UNRECORDED after the recorded tokens."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from rl2.models.routing_replay import UNRECORDED
+    from rl2.rollout.trajectory import Trajectory
+    from rl2.trainer.ppo_stages import route_fields
+
+    routes = torch.randint(-1, 8, (4, 3, 2), dtype=torch.int8)
+    trajectory = Trajectory(messages=[], answer=None, group=0, token_ids=[1, 2, 3, 4, 5], action_mask=[0, 0, 1, 1, 1],
+                            logprobs=[0.0] * 5, routes=routes)
+    restored = Trajectory.from_dict(json.loads(json.dumps(trajectory.state())))
+    assert restored.routes.dtype == torch.int8 and torch.equal(restored.routes, routes)
+    plain = Trajectory(messages=[], answer=None, group=0, token_ids=[1], action_mask=[0], logprobs=[0.0])
+    assert "routes" not in plain.state() and Trajectory.from_dict(plain.state()).routes is None
+    plan = lambda mode: SimpleNamespace(actor=SimpleNamespace(router_replay=mode))  # noqa: E731
+    assert route_fields(trajectory, plan("off")) == {} and route_fields(trajectory, plan("r2")) == {}
+    carried = route_fields(trajectory, plan("r3"))["routes"]
+    assert carried.shape == (5, 3, 2) and torch.equal(carried[:4], routes) and (carried[4] == UNRECORDED).all()

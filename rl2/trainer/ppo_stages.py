@@ -159,6 +159,10 @@ def compute_logps(sequences: list[RLSequence], plan: StepPlan, models: StepModel
     """Each sequence's old (proximal) log-probs and the reference's, the teacher's and the critic's per-token
     outputs, computed on packed micro-batches, then the rollout correction; the log-prob mismatch metrics."""
     metrics: dict[str, float] = {}
+    if (plan.actor.router_replay == "r3" and getattr(models.actor, "routing", None) is not None
+            and not any("routes" in seq for seq in sequences)):
+        raise ConfigError("actor.router_replay=r3: the rollout engine recorded no routes for this step's trajectories "
+                          "(the engines do not hand them to the rollout yet); use actor.router_replay=r2 or off")
     if plan.proximal_in_update(step):
         pass  # the update's forward pass gives them (`update`, `actor_loss`)
     elif plan.recompute_logprobs and plan.actor.router_replay == "r2" and getattr(models.actor, "routing", None):
