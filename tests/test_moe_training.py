@@ -163,3 +163,33 @@ def test_trajectory_routes_survive_a_checkpoint_and_reach_the_sequences_under_r3
     assert route_fields(trajectory, plan("off")) == {} and route_fields(trajectory, plan("r2")) == {}
     carried = route_fields(trajectory, plan("r3"))["routes"]
     assert carried.shape == (5, 3, 2) and torch.equal(carried[:4], routes) and (carried[4] == UNRECORDED).all()
+
+
+PARITY_ENV = """def reward_fn(messages, answer):
+    return float(len(messages[-1]["content"]) % 2)
+"""
+
+
+def test_ppo_with_r2_trains_a_tiny_moe_and_reports_the_router_metrics(tiny_moe_dir, tmp_path):
+    """`rl2.trainer.ppo` on a tiny Qwen3-MoE with the hf engine, actor.router_replay=r2 and two updates per
+    rollout: it runs, and reports actor/moe_aux_loss and router/mismatch (positive: the second minibatch's
+    routers moved after the first update)."""
+    import json
+
+    from conftest import run_python as _run
+
+    data = str(tmp_path / "data")
+    _run(["recipes/make_demo_data.py", "--task", "successor", "--out", data, "--rows", "16", "--test-rows", "4"])
+    env = tmp_path / "parity.py"
+    env.write_text(PARITY_ENV)
+    run_torchrun([
+        "-m", "rl2.trainer.ppo", f"data.path={data}/train.jsonl", f"data.test_path={data}/test.jsonl",
+        "data.prompts_per_rollout=4", "data.responses_per_prompt=4", f"actor.model_name={tiny_moe_dir}",
+        "actor.dtype=float32", "actor.lr=1e-3", "actor.gradient_checkpointing=false", f"actor.save_dir={tmp_path / 'run'}",
+        f"rollout.env_path={env}", "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 6}",
+        "rollout.test_sampling_params={temperature: 0.0, max_new_tokens: 6}", "trainer.total_steps=2",
+        "trainer.test_freq=2", "trainer.disable_wandb=true", "actor.router_replay=r2", "actor.update_per_rollout=2",
+    ], nproc=1)
+    steps = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
+    assert all("router/mismatch" in s and s["actor/moe_aux_loss"] > 0 for s in steps), steps
+    assert any(s["router/mismatch"] > 0 for s in steps), steps
