@@ -31,6 +31,9 @@ class RLSequence(TypedDict, total=False):
     loss_weight: Tensor  # per-token weights of the minibatch loss (`rl2.algorithms.losses.loss_weights`)
     metric_weight: Tensor  # loss_weight scaled to sum to 1 over the minibatch: the weights of its metrics
     turn_starts: Tensor  # per turn: 1.0 where a turn's own sequence begins, else 0.0
+    # Routing replay (actor.router_replay, a mixture-of-experts policy): each token's experts per MoE layer,
+    # [tokens, moe layers, k] int8/int16 (`rl2.models.routing_replay`; UNRECORDED where none was recorded).
+    routes: Tensor
     # A vision-language model's trajectory (not per token; packing concatenates them in the row's order): the
     # images its image-pad tokens stand for (`rl2.vision.image_inputs.ImageInputs`). Never with `turn_starts`.
     pixel_values: Tensor  # [patches, dim]

@@ -58,6 +58,7 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "se
 PolicyLoss = Literal["ppo", "gspo", "cispo"]
 Correction = Literal["auto", "none", "tis", "seq_tis", "geo_tis", "mis", "seq_mis", "geo_mis", "icepop", "decoupled"]
 KLEstimator = Literal["k1", "k2", "k3"]
+RouterReplay = Literal["off", "r2", "r3"]
 Attention = Literal["auto", "flash_attention_2", "torch_varlen", "flex_attention", "sdpa_loop"]
 DTYPE_NAMES = list(get_args(Dtype))
 LOSS_LEVELS = list(get_args(LossLevel))
@@ -133,6 +134,8 @@ class ActorConfig(DPOKeys, ModelConfig):
     rejected_tokens: Literal["drop", "keep_in_denominator"] = _f("drop", "tokens a rollout correction rejects: drop = out of the loss and of its denominator (verl's rejection sampling); keep_in_denominator = weight 0, still counted in the mean (verl's IcePop, TRL's *_mask modes, slime, AReaL)", only=POLICY_LOSS)
     tis_coef: float = _f(0.0, "RL2's actor.tis_coef: > 0 is rollout_correction=tis with correction_threshold=tis_coef", only=POLICY_LOSS)
     entropy_coef: float = _f(0.0, "RL: entropy bonus: the loss minus this times each token's entropy (RL2's actor.entropy.coef)", only=POLICY_LOSS)
+    router_replay: RouterReplay = _f("off", "RL, mixture-of-experts models: routing replay (verl's names): r2 = the update forwards route each token to the experts the old-log-prob forward chose; r3 = the log-prob and update forwards route each token to the experts the rollout engine chose (hf engine); off = each forward routes on its own. The gate weights come from the live router either way (it still trains); metric router/mismatch", only=POLICY_LOSS)
+    moe_aux_loss_coef: Optional[float] = _f(None, "RL, mixture-of-experts models: weight of the router load-balancing loss added to the policy loss (metric actor/moe_aux_loss); null = the model's own router_aux_loss_coef", only=POLICY_LOSS)
     freeze_vision: bool = _f(True, "vision-language models: the vision tower (and its merger into the text model) does not train; ignored for text-only models", only=IMAGES)
 
 

@@ -16,6 +16,7 @@ from rl2.distributed.process_group import is_rank0
 from rl2.kernels.attention import packed_attention_implementation
 from rl2.kernels.logps_head import install_logps_head
 from rl2.lora import add_lora, base_model
+from rl2.models.linear_attention import install_packed_linear_attention
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ def load_fsdp_model(
         for parameter in model.parameters():
             if not parameter.requires_grad:
                 parameter.data = parameter.data.to(DTYPES[dtype])
+    if install_packed_linear_attention(model, device) is not None:  # a hybrid model: its recurrences per sequence
+        logger.info(f"{type(model).__name__}: linear-attention layers run per sequence in packed rows")
     if logps_chunk_size > 0:
         if install_logps_head(base_model(model), logps_chunk_size, fused=compile_layers) is None:
             logger.info(f"{type(model).__name__}: log-probs from full logits (its head is not a plain linear layer)")

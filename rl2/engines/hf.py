@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from rl2.distributed.fsdp import DTYPES
 from rl2.engines.base import Engine, FirstTurn, Generation, OnGeneration, SamplingParams, Turn
 from rl2.engines.decode_step import DecodeStep
-from rl2.engines.kv_slots import KVSlots, PrefillPlan, prefill_attention, register_slot_attention
+from rl2.engines.kv_slots import KVSlots, PrefillPlan, no_masks, prefill_attention, register_slot_attention
 from rl2.engines.sampling import request_uniforms, sample
 from rl2.engines.slot_table import BLOCK, SlotTable, block_hashes
 from rl2.engines.vision_prompt import VisionPrompt, mrope_positions
@@ -161,6 +161,8 @@ class HFEngine(Engine):
         self.kv = KVSlots.for_model(self.model, max_batch_size)
         self.slots = SlotTable(max_batch_size)
         self.decode = DecodeStep(self.model, self.kv, use_graphs=cuda and cuda_graphs, mrope=self.vision)
+        if not self.vision and not _takes_mask_dict(self.model):  # e.g. Qwen3-MoE, OLMoE: a placeholder it passes on
+            self.decode.no_masks = no_masks(True, self.device)
         self.eos_ids = _eos_ids(tokenizer, self.model)
         self.generator = torch.Generator().manual_seed(seed)  # draws one key per `generate` call
         self.asleep = False
@@ -546,6 +548,16 @@ def _completes_stop_string(tokenizer, tokens: list[int], stops: list[str]) -> bo
     window = 4 * max(len(stop) for stop in stops) + 1
     text = tokenizer.decode(tokens[-window:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
     return any(stop in text for stop in stops)
+
+
+def _takes_mask_dict(model: torch.nn.Module) -> bool:
+    """Whether the model's decoder takes a dict of masks per layer type as its `attention_mask` (transformers'
+    newer models); the others (Qwen3-MoE, OLMoE in transformers 5.x) build theirs from it and need a tensor."""
+    import inspect
+
+    decoder = getattr(model, "model", model)
+    source = inspect.getsource(type(decoder).forward)
+    return "isinstance(causal_mask_mapping := attention_mask, dict)" in source or "isinstance(attention_mask, dict)" in source
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -112,3 +112,24 @@ def _per_sequence_forward(layer_forward, *args, **kwargs) -> torch.Tensor:
         positions.append(index.reshape(-1))
     order = torch.argsort(torch.cat(positions))
     return torch.cat(outputs)[order].unsqueeze(0)
+
+
+def has_linear_attention(model: nn.Module) -> bool:
+    """Whether `model` has a gated delta-net layer."""
+    return any(is_linear_attention(module) for module in model.modules())
+
+
+def varlen_kernels_available(device: torch.device) -> bool:
+    """Whether transformers' gated delta-net layers can keep packed sequences apart themselves: on CUDA with
+    flash-linear-attention's varlen delta rule and the causal-conv1d kernels installed (the `gpu` extra)."""
+    import importlib.util
+
+    return device.type == "cuda" and all(importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d"))
+
+
+def install_packed_linear_attention(model: nn.Module, device: torch.device) -> PerSequenceLinearAttention | None:
+    """The per-sequence path on `model`'s linear-attention layers, where it has some and the varlen kernels
+    are not in use (see `varlen_kernels_available`); None otherwise."""
+    if not has_linear_attention(model) or varlen_kernels_available(device):
+        return None
+    return PerSequenceLinearAttention(model)

@@ -159,6 +159,10 @@ class RoutingReplay:
         decisions = int(self._decisions)
         return float(self._mismatched) / decisions if decisions else 0.0
 
+    def counts(self) -> tuple[torch.Tensor | int, torch.Tensor | int]:
+        """(changed decisions, replayed decisions) since `replay`, as tensors (no host sync) or 0."""
+        return self._mismatched, self._decisions
+
     def close(self) -> None:
         """Remove the hooks: the routers are as before."""
         for handle in self._handles:

@@ -6,6 +6,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from rl2.vision.image_inputs import ImageInputs
 
 
@@ -88,6 +90,9 @@ class Trajectory:
     # A vision-language model's trajectory: the images its image-pad tokens stand for, in order (the
     # prompt's, then those tool results added); None: none.
     images: ImageInputs | None = None
+    # Routing replay (actor.router_replay=r3, a mixture-of-experts policy): the experts the engine routed each
+    # token to, [tokens, moe layers, k] int8/int16 (`rl2.models.routing_replay`); None: not recorded.
+    routes: torch.Tensor | None = None
 
     @classmethod
     def from_dict(cls, fields: dict) -> "Trajectory":
@@ -99,18 +104,25 @@ class Trajectory:
         if flat:
             running = {("generating_from" if name == "turn_start" else name): value for name, value in flat.items()}
         images = fields.pop("images", None)
+        routes = fields.pop("routes", None)
         return cls(**fields, running=RunningState.from_dict(running) if running is not None else None,
-                   images=ImageInputs.from_state(images) if images is not None else None)
+                   images=ImageInputs.from_state(images) if images is not None else None,
+                   routes=_routes_from_state(routes) if routes is not None else None)
 
     def state(self) -> dict:
         """The trajectory's fields as JSON holds them (a checkpoint); a stateful environment pickled."""
-        running, images, self.running, self.images = self.running, self.images, None, None
+        running, images, routes = self.running, self.images, self.routes
+        self.running = self.images = self.routes = None
         try:
             fields = dataclasses.asdict(self)
         finally:
-            self.running, self.images = running, images
+            self.running, self.images, self.routes = running, images, routes
         fields["running"] = running.state() if running is not None else None
         fields["images"] = images.state() if images is not None else None
+        del fields["routes"]  # absent without routes: such trajectories' checkpoints stay as they were
+        if routes is not None:
+            fields["routes"] = {"dtype": str(routes.dtype).removeprefix("torch."), "shape": list(routes.shape),
+                                "data": base64.b64encode(routes.contiguous().numpy().tobytes()).decode()}
         return fields
 
     @property
@@ -142,3 +154,9 @@ class Trajectory:
             **({"source": self.source} if self.source is not None else {}),
             **({"step_rewards": self.step_rewards} if self.step_rewards else {}),
         }
+
+
+def _routes_from_state(state: dict) -> torch.Tensor:
+    """`Trajectory.routes` from what `Trajectory.state` wrote."""
+    data = bytearray(base64.b64decode(state["data"]))
+    return torch.frombuffer(data, dtype=getattr(torch, state["dtype"])).reshape(state["shape"]).clone()

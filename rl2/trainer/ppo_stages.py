@@ -29,6 +29,7 @@ from rl2.algorithms.off_policy import correction_weights, mismatch_metrics
 from rl2.algorithms.overlong import overlong_penalty
 from rl2.algorithms.sequences import RLSequence, computed_per_turn, joined_per_turn, per_turn_sequences, turn_start_mask
 from rl2.config import ConfigError
+from rl2.models.routing_replay import UNRECORDED
 from rl2.rollout.trajectory import Trajectory
 from rl2.tools.roc_penalty import roc_error_rates
 from rl2.trainer.step_plan import StepPlan
@@ -125,9 +126,21 @@ def sequences_of(trajectories: list[Trajectory], plan: StepPlan) -> list[RLSeque
             "engine_logps": torch.tensor(t.logprobs, dtype=torch.float32),
             **({"turn_starts": turn_start_mask(t.turn_starts, len(t.token_ids))} if t.turn_starts is not None else {}),
             **image_fields(t),
+            **route_fields(t, plan),
         }
         for t in trajectories
     ]
+
+
+def route_fields(trajectory: Trajectory, plan: StepPlan) -> dict[str, torch.Tensor]:
+    """R3 (actor.router_replay=r3): the experts the engine routed the trajectory's tokens to
+    (`RLSequence.routes`), UNRECORDED for tokens after those it recorded; none otherwise."""
+    if trajectory.routes is None or plan.actor.router_replay != "r3":
+        return {}
+    routes, length = trajectory.routes, len(trajectory.token_ids)
+    if routes.shape[0] < length:
+        routes = torch.cat([routes, routes.new_full((length - routes.shape[0], *routes.shape[1:]), UNRECORDED)])
+    return {"routes": routes[:length]}
 
 
 def image_fields(trajectory: Trajectory) -> dict[str, torch.Tensor]:
@@ -146,8 +159,21 @@ def compute_logps(sequences: list[RLSequence], plan: StepPlan, models: StepModel
     """Each sequence's old (proximal) log-probs and the reference's, the teacher's and the critic's per-token
     outputs, computed on packed micro-batches, then the rollout correction; the log-prob mismatch metrics."""
     metrics: dict[str, float] = {}
+    if (plan.actor.router_replay == "r3" and getattr(models.actor, "routing", None) is not None
+            and not any("routes" in seq for seq in sequences)):
+        raise ConfigError("actor.router_replay=r3: the rollout engine recorded no routes for this step's trajectories "
+                          "(the engines do not hand them to the rollout yet); use actor.router_replay=r2 or off")
     if plan.proximal_in_update(step):
         pass  # the update's forward pass gives them (`update`, `actor_loss`)
+    elif plan.recompute_logprobs and plan.actor.router_replay == "r2" and getattr(models.actor, "routing", None):
+        # R2: this forward's experts are the ones every update forward of these sequences uses
+        logps, routes = models.actor.compute_with_routes(per_turn_sequences(sequences))
+        old_logps = joined_per_turn(sequences, logps)
+        for seq, seq_routes in zip(sequences, joined_per_turn(sequences, routes)):
+            seq["routes"] = seq_routes
+        metrics.update(logp_mismatch(sequences, old_logps, plan))
+        for seq, logps in zip(sequences, old_logps):
+            seq["old_logps"] = logps
     elif plan.recompute_logprobs:
         old_logps = computed_per_turn(models.actor.compute, sequences, "logps")
         metrics.update(logp_mismatch(sequences, old_logps, plan))
@@ -287,6 +313,9 @@ def update(sequences: list[RLSequence], plan: StepPlan, models: StepModels, step
             for key, value in stepped.items():
                 metrics.setdefault(f"{name}/{key}", []).append(value)
     averaged = {**mismatch, **{key: sum(values) / len(values) for key, values in metrics.items()}}
+    router_mismatch = getattr(models.actor, "router_mismatch", lambda: None)()
+    if router_mismatch is not None:  # over the step's replayed forwards (log-probs and updates)
+        averaged["router/mismatch"] = router_mismatch
     if "actor/logp_mismatch" in metrics:  # only the first minibatch ran the old policy
         averaged["logp_mismatch/mean"] = metrics["actor/logp_mismatch"][0]
         del averaged["actor/logp_mismatch"]
@@ -338,7 +367,12 @@ def actor_loss(plan: StepPlan, outputs: dict[str, torch.Tensor], batch: dict[str
         metrics["distill_loss"] = (distilled * shown).sum()
     if actor.entropy_coef:
         loss = loss - actor.entropy_coef * outputs["entropy"]
-    return (loss * weight).sum(), metrics
+    loss = (loss * weight).sum()
+    if "moe_aux_loss" in outputs:  # a mixture-of-experts policy's router load balancing: this row's share of it
+        aux = outputs["moe_aux_loss"] * shown.sum()
+        loss = loss + outputs["moe_aux_loss_coef"] * aux
+        metrics["moe_aux_loss"] = aux.detach()
+    return loss, metrics
 
 
 def critic_loss(plan: StepPlan, outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]):

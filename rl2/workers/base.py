@@ -176,6 +176,8 @@ class ModelWorker:
         A micro-batch with no sequence (fewer units than ranks) becomes a row of `group_size`
         one-token sequences with an all-zero loss mask, so the rank still joins FSDP's collectives.
         """
+        if sequences and "routes" in sequences[0]:  # MoE routes: a policy's (`Policy.pack`), no other model's
+            sequences = [{k: v for k, v in seq.items() if k != "routes"} for seq in sequences]
         lengths = [len(seq["input_ids"]) for seq in sequences]
         plan = plan_grouped_micro_batches(lengths, group_size, self.dp_size, max_tokens * self.sp_size)[self.dp_rank]
         if group_size == 1:  # a row's sequences by length: CPU attention batches each length as one slice of the row
