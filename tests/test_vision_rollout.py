@@ -252,7 +252,7 @@ def test_a_paused_trajectory_with_images_resumes_from_its_checkpoint(rows, token
     pause.requested.set()
 
     class Aborting(ScriptedEngine):
-        def generate(self, prompts, params):
+        def generate(self, prompts, params, images=None):
             return [Generation(token_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="abort", stream=(1, 2))]
 
     continue_rollout(Aborting(tokenizer, None), None, tokenizer, [trajectory], params(), pause=pause, images=images)
