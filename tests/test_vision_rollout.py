@@ -153,6 +153,21 @@ def test_an_rl_row_with_images_becomes_a_trajectory_with_the_images_build_vision
         assert turn.prompt == trajectories[index].token_ids[:len(turn.prompt)]
 
 
+def test_an_image_pad_token_the_policy_writes_ends_the_turn_before_it_and_leaves_the_episode_out(rows, tokenizer, images):
+    """The model's forward puts an image's features at every image-pad token: one the policy wrote would stand
+    for no image and fail the trainer's forward."""
+    prompts = images.prepare([dataset(rows, tokenizer)[i] for i in (0, 2)])
+    engine = RecordingEngine(tokenizer, lambda text: f"red{IMAGE_PAD}blue")
+    trajectories = rollout(engine, None, tokenizer, prompts, 1, params(), images=images)
+    pad = image_pad_id(tokenizer)
+    for trajectory, prompt in zip(trajectories, prompts):
+        response = trajectory.token_ids[len(prompt["prompt_ids"]):]
+        assert response == tokenizer("red", add_special_tokens=False)["input_ids"]
+        assert trajectory.token_ids.count(pad) == prompt["prompt_ids"].count(pad)
+        assert trajectory.errors == ["the policy generated an image-pad token"] and trajectory.done
+        assert len(trajectory.logprobs) == len(trajectory.action_mask) == len(trajectory.token_ids)
+
+
 def test_a_prompts_images_are_processed_once_for_its_whole_group(rows, tokenizer, images):
     prompt = images.prepare([dataset(rows, tokenizer)[0]])[0]
     group = new_trajectories([prompt], 4)
@@ -237,7 +252,7 @@ def test_a_paused_trajectory_with_images_resumes_from_its_checkpoint(rows, token
     pause.requested.set()
 
     class Aborting(ScriptedEngine):
-        def generate(self, prompts, params):
+        def generate(self, prompts, params, images=None):
             return [Generation(token_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="abort", stream=(1, 2))]
 
     continue_rollout(Aborting(tokenizer, None), None, tokenizer, [trajectory], params(), pause=pause, images=images)

@@ -29,6 +29,7 @@ as the image-pad tokens it stands for; an image that does not fit the length lim
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import threading
 from concurrent.futures import Future
@@ -226,8 +227,20 @@ def continue_rollout(
         def on_generation(index: int, generation: Generation) -> Future | None:
             trajectory = active[index]
             paused = generation.finish_reason == "abort" and pause is not None and pause.requested.is_set()
+            wrote_pad = images is not None and images.pad in generation.token_ids
+            if wrote_pad:
+                # The model's forward puts an image's features at every image-pad token: one the policy wrote
+                # stands for no image (the trainer's forward would fail). The turn ends before it; the
+                # episode is left out of training.
+                cut = generation.token_ids.index(images.pad)
+                generation = dataclasses.replace(generation, token_ids=generation.token_ids[:cut],
+                                                 logprobs=generation.logprobs[:cut], finish_reason="length")
+                paused = False
             _append_generation(trajectory, generation, tokenizer, stop_ids, max_length, version, paused,
                                length_ends_episode=not stepping)
+            if wrote_pad:
+                trajectory.errors.append("the policy generated an image-pad token")
+                trajectory.done = True
             if paused and not trajectory.done and trajectory.running.generating_from >= 0:
                 return None
             if tool_calling is not None:

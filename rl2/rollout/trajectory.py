@@ -153,6 +153,8 @@ class Trajectory:
             "errors": self.errors,
             **({"source": self.source} if self.source is not None else {}),
             **({"step_rewards": self.step_rewards} if self.step_rewards else {}),
+            # Each image's (t, h, w) patch grid, in the order the messages' image-pad tokens stand for them.
+            **({"images": self.images.image_grid_thw.tolist()} if self.images is not None else {}),
         }
 
 

@@ -1,0 +1,89 @@
+"""The real PPO trainer (`python -m rl2.trainer.ppo`, 2 gloo ranks, the `hf` engine) runs GRPO on a tiny random
+Qwen2.5-VL with rows whose prompts hold images (issue 68): the run finishes with finite metrics, the dumped
+trajectories name their images, and the frozen vision tower is unchanged in the checkpoint while the text
+model trains. In the first step one rank's prompt has no image (it runs the vision tower on a placeholder)."""
+
+import json
+import math
+
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from conftest import run_python, run_torchrun
+
+# The reply's first character's parity: rewards differ within a group of a random model's replies.
+ENV = '''def reward_fn(messages, answer):
+    reply = messages[-1]["content"]
+    return float(ord(reply[:1] or "a") % 2)
+'''
+
+
+def write_rows(folder) -> str:
+    """Four rows in order (data.shuffle=false): step 1 gives rank 0 an image row and rank 1 a text row; step 2
+    gives rank 0 a row with two images of different sizes and rank 1 one image."""
+    colours = [(200, 30, 30), (30, 30, 200), (30, 200, 30)]
+    paths = []
+    for i, colour in enumerate(colours):
+        path = folder / f"{i}.png"
+        Image.new("RGB", (56, 56) if i != 1 else (84, 56), colour).save(path)
+        paths.append(str(path))
+    rows = [
+        {"messages": [{"role": "user", "content": "<image>What colour?"}], "images": paths[:1], "answer": "r"},
+        {"messages": [{"role": "user", "content": "Say a colour."}], "images": [], "answer": "r"},
+        {"messages": [{"role": "user", "content": "<image> or <image>?"}], "images": paths[1:], "answer": "b"},
+        {"messages": [{"role": "user", "content": "<image>What colour?"}], "images": paths[2:], "answer": "g"},
+    ]
+    data = folder / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(data)
+
+
+def vision_weights(path: str) -> dict[str, torch.Tensor]:
+    """The vision tower's tensors of a safetensors file, by name from `visual.` on."""
+    return {key[key.index("visual."):]: value for key, value in load_file(path).items() if "visual." in key}
+
+
+def text_weights(path: str) -> dict[str, torch.Tensor]:
+    return {key[key.index("layers."):]: value for key, value in load_file(path).items()
+            if "layers." in key and "visual." not in key}
+
+
+def test_ppo_trainer_runs_grpo_on_image_rows(tmp_path):
+    model = str(tmp_path / "model")
+    run_python(["-m", "rl2.testing.tiny_vlm", model, "--family", "qwen2_5_vl"])
+    data = write_rows(tmp_path)
+    env = tmp_path / "env.py"
+    env.write_text(ENV)
+    save = tmp_path / "ppo"
+    run_torchrun([
+        "-m", "rl2.trainer.ppo", f"data.path={data}", "data.shuffle=false",
+        "data.prompts_per_rollout=2", "data.responses_per_prompt=4",
+        f"actor.model_name={model}", "actor.dtype=float32", "actor.gradient_checkpointing=false",
+        "actor.lr=1e-2", "actor.warmup_ratio=0", f"actor.save_dir={save}",
+        f"rollout.env_path={env}", "rollout.max_turns=1",
+        "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 3}",
+        "adv.estimator=reinforce", "adv.norm_var=true",
+        "trainer.total_steps=2", "trainer.test_freq=null", "trainer.seed=3", "trainer.disable_wandb=true",
+    ], nproc=2)
+
+    metrics = [json.loads(line) for line in open(save / "metrics.jsonl")]
+    steps = [row for row in metrics if "reward/mean" in row]
+    assert [row["step"] for row in steps] == [1, 2]
+    for row in steps:
+        assert all(math.isfinite(value) for value in row.values() if isinstance(value, float)), row
+    assert any("actor/loss" in key or "grad_norm" in key for row in steps for key in row), steps
+
+    dump = [json.loads(line) for line in open(save / "trajectories" / "step_1.jsonl")]
+    assert len(dump) == 8
+    with_images = [t for t in dump if "images" in t]
+    assert len(with_images) == 4 and all(t["images"] == [[1, 4, 4]] for t in with_images)
+    assert all("<|image_pad|>" in t["messages"][0]["content"] for t in with_images)
+    dump = [json.loads(line) for line in open(save / "trajectories" / "step_2.jsonl")]
+    assert sorted(len(t["images"]) for t in dump) == [1] * 4 + [2] * 4
+
+    before, after = vision_weights(f"{model}/model.safetensors"), vision_weights(f"{save}/step2/model.safetensors")
+    assert before.keys() == after.keys() and len(before) > 0
+    assert all(torch.equal(before[key], after[key]) for key in before)  # actor.freeze_vision (default on)
+    before, after = text_weights(f"{model}/model.safetensors"), text_weights(f"{save}/step2/model.safetensors")
+    assert any(not torch.equal(before[key], after[key]) for key in before)  # the text model trained
