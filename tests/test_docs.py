@@ -440,8 +440,8 @@ KNOWN_PLAIN = {"loss", "kl", "kl_loss", "clip_ratio", "entropy", "lr", "grad_nor
                "trajectories", "accuracy", "margin", "pairs"}
 # Names the update prefixes with `actor/` or `critic/`, the offline trainers' evaluation with `test/`; of them
 # the ones only ever logged with a prefix; and the f-strings that only add a prefix to names found elsewhere.
-PREFIXED = {"loss", "clip_ratio", "entropy", "kl_loss", "distill_loss", "lr", "grad_norm", "loss_tokens"}
-ONLY_PREFIXED = {"clip_ratio", "entropy", "kl_loss", "distill_loss", "logp_mismatch"}
+PREFIXED = {"loss", "clip_ratio", "entropy", "kl_loss", "distill_loss", "moe_aux_loss", "lr", "grad_norm", "loss_tokens"}
+ONLY_PREFIXED = {"clip_ratio", "entropy", "kl_loss", "distill_loss", "moe_aux_loss", "logp_mismatch"}
 PREFIX_ONLY = {"<x>/<x>", "time/<x>", "test/<x>"}
 
 
