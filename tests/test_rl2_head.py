@@ -321,7 +321,11 @@ def test_a_worker_that_hangs_or_crashes_costs_its_share(server, tokenizer, tmp_p
     """A worker whose loop a sync call blocks is killed past the timeout, one that dies is noticed: their
     trajectories get errors naming the file and what happened, the other worker's are scored, and the pool's
     fresh workers serve the next rollout. An async episode past the timeout costs itself alone."""
-    monkeypatch.setattr(rl2_head_workers, "GRACE", 1.0)
+    # The grace is the margin between the episodes' own deadline (the slow episode's, answered by its worker)
+    # and the pool's kill. It must hold while the crashed worker's replacement imports the env file beside the
+    # slow episode's worker: at 1 s, a loaded 2-core CI machine once starved that worker past it (its loop
+    # judged blocked, its answer lost).
+    monkeypatch.setattr(rl2_head_workers, "GRACE", 5.0)
     engine = ScriptedEngine(tokenizer, lambda text: "done")
     path = write(tmp_path, "misbehaving", MISBEHAVING)
     file = load(path, workers=2)
