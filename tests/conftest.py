@@ -37,6 +37,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory) -> str:
+    """A random-init tiny Qwen2.5-VL (`rl2.testing.tiny_vlm`) with the tiny tokenizer and an image processor."""
+    folder = str(tmp_path_factory.mktemp("qwen2_5_vl"))
+    run_python(["-m", "rl2.testing.tiny_vlm", folder, "--family", "qwen2_5_vl"])
+    return folder
+
+
+@pytest.fixture(scope="session")
 def peaked_model_dir(tiny_model_dir, tmp_path_factory) -> str:
     """The tiny model with larger random weights (`sharpen_weights`: peaked next-token distributions)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from conftest import run_python, run_torchrun
+from conftest import run_torchrun
 from rl2.config import load_config
 from rl2.data.conversations import PairDataset, last_run
 from rl2.data.image_rows import ImageInputs
@@ -20,13 +20,6 @@ from test_sft import run_python_raw
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30)}
 STEPS = 8
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory) -> str:
-    folder = str(tmp_path_factory.mktemp("qwen2_5_vl"))
-    run_python(["-m", "rl2.testing.tiny_vlm", folder, "--family", "qwen2_5_vl"])
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-from conftest import run_python, run_torchrun
+from conftest import run_torchrun
 from rl2.config import ConfigError, load_config
 from rl2.distributed.packing import plan_grouped_micro_batches
 from rl2.trainer.ppo import check_vision_run
@@ -19,13 +19,6 @@ WORKER = "tests/workers/vision_ppo_step.py"
 GROUP_SIZE = 2
 ARGS = [f"data.responses_per_prompt={GROUP_SIZE}", "adv.estimator=reinforce", "adv.norm_var=true",  # GRPO
         "actor.lr=1e-2", "actor.warmup_ratio=0", "actor.proximal_from_update=false", "actor.max_length_per_device=512"]
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory) -> str:
-    folder = str(tmp_path_factory.mktemp("qwen2_5_vl"))
-    run_python(["-m", "rl2.testing.tiny_vlm", folder, "--family", "qwen2_5_vl"])
-    return folder
 
 
 def trajectories(model_dir: str) -> list[dict]:

@@ -14,7 +14,6 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from conftest import run_python
 from rl2.chat.tool_parsers import get_tool_parser
 from rl2.config import DataConfig
 from rl2.data.conversations import RLDataset
@@ -82,13 +81,6 @@ class RecordingEngine(ScriptedEngine):
                 turn = on_generation(index, generation)
                 if turn is None:
                     break
-
-
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory) -> str:
-    folder = str(tmp_path_factory.mktemp("qwen2_5_vl"))
-    run_python(["-m", "rl2.testing.tiny_vlm", folder, "--family", "qwen2_5_vl"])
-    return folder
 
 
 @pytest.fixture(scope="module")

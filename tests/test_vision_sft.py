@@ -25,13 +25,6 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), 
 STEPS = 16
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory) -> str:
-    folder = str(tmp_path_factory.mktemp("qwen2_5_vl"))
-    run_python(["-m", "rl2.testing.tiny_vlm", folder, "--family", "qwen2_5_vl"])
-    return folder
-
-
 def write_rows(folder, rows: list[dict]) -> str:
     path = os.path.join(folder, "rows.jsonl")
     with open(path, "w") as f:
