@@ -9,6 +9,7 @@ from rl2.config import load_config
 from rl2.rollout.trajectory import Trajectory
 from rl2.trainer.ppo_stages import (
     StepModels,
+    actor_loss,
     add_advantages,
     compute_logps,
     minibatches,
@@ -153,3 +154,19 @@ def test_a_step_of_stages_on_a_tiny_actor(tiny_model_dir):
     for run in runs.values():
         assert run["advantages"] == [0.0, 0.5, 0.5, 0.5] and run["advantage_mean"] == 0.0
         assert run["moved"] and "actor/loss" in run["updated"]
+
+
+def test_the_policy_loss_adds_a_mixture_of_experts_load_balancing_loss_times_its_coefficient():
+    """`actor.moe_aux_loss_coef`: the worker hands the model's router loss and its weight to `actor_loss`, which adds
+    this row's share of it (the row's metric weight) to the loss and reports it unweighted."""
+    plan = plan_of("actor.model_name=x", "rollout.env_path=x")
+    tokens = 4
+    batch = {"loss_weight": torch.full((tokens,), 0.25), "metric_weight": torch.full((tokens,), 0.125),
+             "advantages": torch.tensor([1.0, -1.0, 0.5, 0.0]), "old_logps": torch.full((tokens,), -1.0)}
+    outputs = {"logps": torch.full((tokens,), -1.0), "entropy": torch.zeros(tokens)}
+    plain, _ = actor_loss(plan, outputs, batch)
+    with_aux, metrics = actor_loss(plan, {**outputs, "moe_aux_loss": torch.tensor(3.0),
+                                          "moe_aux_loss_coef": torch.tensor(0.2)}, batch)
+    share = 3.0 * 0.5  # the row's metric weights sum to 0.5
+    assert metrics["moe_aux_loss"].item() == pytest.approx(share)
+    assert (with_aux - plain).item() == pytest.approx(0.2 * share)
