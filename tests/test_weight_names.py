@@ -361,3 +361,20 @@ def test_full_weights_are_cast_before_the_gather_and_tied_ones_sent_once(tiny_mo
     from conftest import run_torchrun
 
     assert "ok" in run_torchrun(["-c", GATHER_CHECK, tiny_model_dir, str(bucket_mb)], nproc=ranks).stdout
+
+
+def test_checkpoint_names_are_the_names_a_vision_language_checkpoint_stores(vlm_dir):
+    """Qwen2.5-VL's transformers model holds `model.visual.*` / `model.language_model.*`; its checkpoint (what
+    SGLang's loader takes) stores `visual.*` / `model.*`: every pushed name maps to a stored one."""
+    from transformers import AutoModelForImageTextToText
+
+    from rl2.engines.weight_names import checkpoint_names
+
+    stored_names = checkpoint_names(vlm_dir)
+    assert stored_names["model.visual.blocks.0.mlp.gate_proj.weight"] == "visual.blocks.0.mlp.gate_proj.weight"
+    assert stored_names["model.language_model.layers.0.self_attn.q_proj.weight"] == "model.layers.0.self_attn.q_proj.weight"
+    live = AutoModelForImageTextToText.from_pretrained(vlm_dir).state_dict()
+    tied = live["lm_head.weight"].data_ptr() == live["model.language_model.embed_tokens.weight"].data_ptr()
+    pushed = dict(engine_named_tensors(live.items(), tied_embeddings=tied, stored_names=stored_names))
+    with safe_open(f"{vlm_dir}/model.safetensors", "pt") as checkpoint:
+        assert set(pushed) == set(checkpoint.keys())

@@ -38,7 +38,8 @@ def build_engine_from_config(rollout: RolloutConfig, policy: ModelConfig, tokeni
                "attn_implementation": rollout.attn_implementation}
     if rollout.engine == "sglang":
         options = {"tp_size": rollout.tp_size, "memory_fraction": rollout.gpu_memory_utilization,
-                   "bucket_mb": rollout.sync_bucket_mb, "server_args": dict(rollout.server_args)}
+                   "bucket_mb": rollout.sync_bucket_mb, "server_args": dict(rollout.server_args),
+                   "image_embedding_cache": policy.freeze_vision}
     if rollout.engine == "vllm":
         options = {"tp_size": rollout.tp_size, "gpu_memory_utilization": rollout.gpu_memory_utilization,
                    "max_batch_size": rollout.max_batch_size}

@@ -65,7 +65,8 @@ from transformers import AutoConfig
 from rl2.distributed.process_group import world_size
 from rl2.engines.base import Engine, Generation, SamplingParams
 from rl2.engines.tp_group import TPGroupLayout, new_tp_group, plan_this_rank
-from rl2.engines.weight_names import bucketed, engine_named_tensors
+from rl2.engines.weight_names import bucketed, checkpoint_names, engine_named_tensors
+from rl2.vision.detect import is_vision_config
 from rl2.vision.image_inputs import ImageInputs
 
 logger = logging.getLogger(__name__)
@@ -299,6 +300,26 @@ def image_data(images: ImageInputs | None) -> list[dict] | None:
              "image_grid_thw": images.image_grid_thw}]
 
 
+# SGLang's cache of image embeddings (mem_cache/multimodal_cache.py, MultiModalStaticCache; 100 MB by default):
+# with 0 it keeps none.
+IMAGE_CACHE_MB = "SGLANG_VLM_CACHE_SIZE_MB"
+
+
+@contextmanager
+def environment(**variables: str) -> Iterator[None]:
+    """Environment variables set for the block (SGLang's processes, started in it, read them), then as before."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def check_result(result: Any, what: str) -> None:
     """Raise if an SGLang control call reports failure ((success, message), a dict or an object)."""
     if result is None:
@@ -378,7 +399,11 @@ class SGLangEngine(Engine):
         server_args: dict | None = None,
         api: SGLangAPI | None = None,
         free_memory: Callable[[], None] = free_device_memory,
+        image_embedding_cache: bool = True,
     ):
+        """`image_embedding_cache=False` (a vision tower that trains): SGLang keeps no image embeddings between
+        requests. Its cache is keyed by the image alone and outlives weight pushes: after the tower changed, an
+        image seen before would get the old tower's embeddings."""
         self.api = api or load_sglang()
         self.free_memory = free_memory
         self.tokenizer = tokenizer
@@ -389,7 +414,9 @@ class SGLangEngine(Engine):
         # `self.lm_head = self.model.embed_tokens`) and never load an lm_head.weight into it (Qwen2 logs it
         # as not found, Llama skips it): pushing the embeddings updates the head. An untied head is its own
         # parameter and is pushed.
-        self.tied_embeddings = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
+        config = AutoConfig.from_pretrained(model_path)
+        self.tied_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.stored_names = checkpoint_names(model_path) if is_vision_config(config) else {}
         self.released: set[str] = set()
         self.verified = False
         self.update_open = False  # leader: SGLang's weight-update session is open (begin_weight_update)
@@ -408,7 +435,7 @@ class SGLangEngine(Engine):
             if self.device == "cpu":  # a core share per SGLang rank of the node, indexed by its gpu id
                 engines = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), self.layout.base_gpu_id + tp_size)
                 os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_binding(engines))
-            with sglang_process_state():
+            with sglang_process_state(), environment(**({} if image_embedding_cache else {IMAGE_CACHE_MB: "0"})):
                 self.engine = self.api.Engine(**engine_args(model_path, self.layout, dtype, memory_fraction, seed,
                                                             _free_port(), server_args, self.device))
             where = (f"GPUs {self.layout.base_gpu_id}..{self.layout.base_gpu_id + tp_size - 1}" if self.device == "cuda"
@@ -598,7 +625,7 @@ class SGLangEngine(Engine):
         # (model_runner_components/weight_updater.py, _update_weights_from_flattened_bucket -> model.load_weights)
         # and writes each shard into its slice of the fused parameter alone (layers/linear.py,
         # QKVParallelLinear.weight_loader / MergedColumnParallelLinear.weight_loader: narrow, then copy_).
-        for bucket in bucketed(engine_named_tensors(named_tensors, self.tied_embeddings), self.bucket_bytes):
+        for bucket in bucketed(engine_named_tensors(named_tensors, self.tied_embeddings, self.stored_names), self.bucket_bytes):
             # The flattened copy is shared with the engine through CUDA IPC: it stays referenced here
             # until the post below has returned, i.e. until the engine has read it.
             flattened, payload = self._serialize(bucket)

@@ -45,13 +45,33 @@ def engine_param_name(name: str, tied_embeddings: bool) -> str | None:
 
 
 def engine_named_tensors(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], tied_embeddings: bool
+    named_tensors: Iterable[tuple[str, torch.Tensor]], tied_embeddings: bool, stored_names: dict[str, str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`named_tensors` under the names an inference engine loads (see `engine_param_name`)."""
+    """`named_tensors` under the names an inference engine loads (see `engine_param_name`), then under the
+    checkpoint's own names where `stored_names` (`checkpoint_names`) has them."""
     for name, tensor in named_tensors:
         mapped = engine_param_name(name, tied_embeddings)
         if mapped is not None:
-            yield mapped, tensor
+            yield (stored_names or {}).get(mapped, mapped), tensor
+
+
+def checkpoint_names(model_path: str) -> dict[str, str]:
+    """A vision-language model's parameter names as transformers holds them -> as its checkpoint stores them,
+    where they differ (Qwen2.5-VL: `model.visual.*` is stored as `visual.*`, `model.language_model.*` as
+    `model.*`; Qwen3-VL: none differ). An engine that loads pushes by checkpoint name (SGLang's `load_weights`
+    skips names it does not know, silently) needs the stored ones. The names are what `save_pretrained` writes
+    (transformers' `revert_weight_conversion`), found on the model built on the meta device."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_path))
+    names = {}
+    for name, tensor in model.state_dict().items():
+        stored = list(revert_weight_conversion(model, {name: tensor}))
+        if len(stored) == 1 and stored[0] != name:
+            names[name] = stored[0]
+    return names
 
 
 def bucketed(

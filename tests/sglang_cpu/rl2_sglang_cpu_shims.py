@@ -9,6 +9,11 @@ only (its .pth file imports this module at start-up and calls `install()`; nothi
   registrations then fail on import (`operator torchvision::nms does not exist`), and SGLang and transformers'
   image processors import it. Before torchvision loads, its operators' schemas are defined here (none is run:
   a text model's engine never calls them).
+- `torch.ops.sgl_kernel`: a few SGLang model modules look a CPU kernel up in torch's operator registry at import
+  (`qwen3_5.py`: `torch.ops.sgl_kernel.fused_sigmoid_mul_cpu`), and the Qwen-VL image processor module imports
+  one of them; without the operator, SGLang skips that processor and refuses every Qwen-VL model ("No processor
+  registered"). Before SGLang loads, those operators are defined here, with no kernel: a call fails loudly in
+  torch's dispatcher.
 """
 
 import importlib.abc
@@ -48,6 +53,15 @@ TORCHVISION_SCHEMAS = [
     "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
     "qroi_align(Tensor input, Tensor rois, float spatial_scale, SymInt pooled_height, SymInt pooled_width, "
     "int sampling_ratio, bool aligned) -> Tensor",
+]
+
+
+# The sgl_kernel CPU operators SGLang's modules look up at import time without AMX (qwen3_5.py, gdn_backend.py,
+# gdn_triton.py). Their arguments here are a placeholder: none has a kernel, so any call fails.
+SGL_KERNEL_IMPORT_TIME_OPERATORS = [
+    "fused_sigmoid_mul_cpu", "fused_qk_gemma_rmsnorm_cpu", "fused_qk_gemma_rmsnorm_with_gate_cpu",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu", "fused_gdn_gating_cpu",
+    "fused_sigmoid_gating_delta_rule_update_cpu",
 ]
 
 
@@ -91,13 +105,17 @@ class _ShimFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def __init__(self):
         self.torchvision_library = None
+        self.kernel_library = None
 
     def find_spec(self, name, path=None, target=None):
         if name == KERNEL_PACKAGE or name.startswith(KERNEL_PACKAGE + "."):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         if name == "torchvision" and self.torchvision_library is None:
-            self.torchvision_library = define_torchvision_schemas()  # kept: the schemas live as long as it does
-        return None  # torchvision itself: the normal finders
+            self.torchvision_library = define_schemas("torchvision", TORCHVISION_SCHEMAS)  # kept: they live as long
+        if name == "sglang" and self.kernel_library is None:
+            self.kernel_library = define_schemas(
+                KERNEL_PACKAGE, [f"{name}(Tensor[] placeholder) -> ()" for name in SGL_KERNEL_IMPORT_TIME_OPERATORS])
+        return None  # torchvision and sglang themselves: the normal finders
 
     def create_module(self, spec):
         module = _KernelModule(spec.name)
@@ -109,13 +127,13 @@ class _ShimFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def define_torchvision_schemas():
-    """torchvision's operator schemas, in a torch library fragment (returned: they last as long as it does)."""
+def define_schemas(namespace: str, schemas: list[str]):
+    """Operator schemas in a torch library fragment of `namespace` (returned: they last as long as it does)."""
     import torch
 
-    library = torch.library.Library("torchvision", "FRAGMENT")
-    for schema in TORCHVISION_SCHEMAS:
-        if not hasattr(torch.ops.torchvision, schema.split("(", 1)[0]):
+    library = torch.library.Library(namespace, "FRAGMENT")
+    for schema in schemas:
+        if not hasattr(getattr(torch.ops, namespace), schema.split("(", 1)[0]):
             library.define(schema)
     return library
 

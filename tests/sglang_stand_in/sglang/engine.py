@@ -14,6 +14,7 @@ import threading
 from types import SimpleNamespace
 
 import torch
+from transformers.core_model_loading import revert_weight_conversion
 
 from sglang.srt.utils import producer_and_payload
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
@@ -230,8 +231,10 @@ class Engine:
         """Copy pushed weights into the model, as SGLang's loader does: each tensor on its own (SGLang writes
         a q/k/v or gate/up shard into its slice of the fused parameter alone), the tied head skipped (the
         head is the embeddings), unknown names logged and ignored. Without `flush_cache` the prefix cache
-        (the embedded engine's kept slots) stays, computed by the old weights, as SGLang's radix cache does."""
-        state = self.hf.model.state_dict()
+        (the embedded engine's kept slots) stays, computed by the old weights, as SGLang's radix cache does.
+        Names are the checkpoint's, as SGLang's `load_weights` takes them (a Qwen2.5-VL's `visual.*`, not the
+        transformers model's `model.visual.*`)."""
+        state = stored_state_dict(self.hf.model)
         tied = getattr(self.hf.model.config, "tie_word_embeddings", False)
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -299,3 +302,12 @@ def _output(token_ids, logprobs, finish_reason, return_logprob) -> dict:
     if return_logprob:
         meta["output_token_logprobs"] = [(logprob, token, None) for logprob, token in zip(logprobs, token_ids)]
     return {"output_ids": list(token_ids), "meta_info": meta}
+
+
+def stored_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s state dict under its checkpoint's names (what `save_pretrained` writes, as it loaded them)."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        stored = list(revert_weight_conversion(model, {name: tensor}))
+        state[stored[0] if len(stored) == 1 else name] = tensor
+    return state
