@@ -1,6 +1,7 @@
 """A vision-language policy's log-probs and SFT gradients over one packed row of samples with and without
 images, with sequence parallelism `SP_SIZE` over all ranks (1: one rank, the reference); the vision tower
-trains (actor.freeze_vision=false). Rank 0 saves every token's log-prob, the loss and the full gradients.
+trains (actor.freeze_vision=false). Rank 0 saves every token's log-prob, also those of the samples without
+images alone in a row (with the placeholder image), the loss and the full gradients.
 
 Usage: vision_sp_step.py MODEL_DIR SAMPLES_FILE OUT_FILE SP_SIZE [LOGPS_CHUNK_SIZE]
 SAMPLES_FILE: torch.save'd list of samples (rl2.vision.inputs.build_vision_sample).
@@ -35,11 +36,14 @@ def main() -> None:
     actor.optimizer.register_step_pre_hook(capture)
     # Every token's log-prob (no loss mask: none is skipped), before the backward: a no-grad forward after it
     # would leave FSDP2's root gathered without its gradients.
-    logps = actor.compute([{k: v for k, v in sample.items() if k != "loss_mask"} for sample in samples])
+    unmasked = [{k: v for k, v in sample.items() if k != "loss_mask"} for sample in samples]
+    logps = actor.compute(unmasked)
+    # A row without images: its placeholder image's one token is in one rank's share only.
+    text_logps = actor.compute([sample for sample in unmasked if "pixel_values" not in sample])
     metrics = actor.accumulate_gradients(with_loss_weights(samples), sft_loss)
     actor.optimizer_step()
     if is_rank0():
-        torch.save({"logps": logps, "loss": metrics["loss"], "grads": grads}, out_file)
+        torch.save({"logps": logps, "text_logps": text_logps, "loss": metrics["loss"], "grads": grads}, out_file)
 
 
 if __name__ == "__main__":
