@@ -1,6 +1,7 @@
 """Vision-language samples packed in one row (issue 68): Qwen2.5-VL and Qwen3-VL (DeepStack), tiny and
 random, built offline. Each sample of a packed row gets the logits and gradients it gets alone from the
-stock transformers forward; the mRoPE positions and the bidirectional vision attention are what make it so."""
+stock transformers forward; the mRoPE positions and the bidirectional vision attention are what make it so.
+A row split over 2 ranks (sequence parallelism) gives what one rank gives."""
 
 import base64
 import io
@@ -26,6 +27,7 @@ from rl2.vision.positions import (VISION_POSITIONS, mrope_position_ids, pack_vis
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
 FSDP_WORKER = "tests/workers/vision_fsdp_step.py"
+SP_WORKER = "tests/workers/vision_sp_step.py"
 CPU = torch.device("cpu")
 
 
@@ -261,6 +263,28 @@ def test_two_fsdp_ranks_one_without_images_give_the_gradients_of_the_samples_alo
     for sample in samples:  # FSDP averages the ranks' gradients
         (token_loss(alone_logits(reference, sample), sample["input_ids"], sample["loss_mask"]) / 2).backward()
     assert_same_gradients(result["grads"], {name: p.grad for name, p in reference.named_parameters()})
+
+
+def test_sequence_parallel_gives_the_log_probs_and_gradients_of_one_rank(vlm_dir, tmp_path):
+    """actor.sp_size=2 on 2 ranks, the samples in one row: each rank runs the vision tower over the whole row
+    and merges its features into the embeddings (with Qwen3-VL the DeepStack ones too), the text model runs
+    on the rank's ZigZag share with ring attention. Every token's log-prob, the loss and the gradients of the
+    text model and of the trained vision tower (counted once, not once per rank) are one rank's; the SP run
+    takes its log-probs from the chunked head."""
+    samples = samples_of(vlm_dir)
+    assert any(len(s["input_ids"]) % 4 for s in samples)  # a sequence the zigzag split pads
+    torch.save(samples, tmp_path / "samples.pt")
+    args = [SP_WORKER, vlm_dir, str(tmp_path / "samples.pt")]
+    run_python([*args, str(tmp_path / "one.pt"), "1"])
+    run_torchrun([*args, str(tmp_path / "sp.pt"), "2", "5"], nproc=2, timeout=240)
+    one, sp = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "sp.pt")
+    assert len(one["text_logps"]) == 1  # a row without images: its placeholder image's token on one rank only
+    for expected, ours in zip(one["logps"] + one["text_logps"], sp["logps"] + sp["text_logps"], strict=True):
+        assert expected[1:].ne(0).all()  # every token but the first of each sequence
+        torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
+    assert sp["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    assert sum(name.startswith("model.visual.") for name in one["grads"]) > 10
+    assert_same_gradients(sp["grads"], one["grads"], rtol=1e-5)
 
 
 def test_flex_attention_is_refused_for_vision_language_models():

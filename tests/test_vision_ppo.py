@@ -1,7 +1,8 @@
 """PPO/GRPO with images (issue 68): a fixed batch of trajectories whose prompts hold images goes through the
 stages of a PPO step on a tiny random Qwen2.5-VL. The log-probs the trainer computes equal a plain transformers
 forward of each sequence alone with its images; 2 gloo ranks, one of them without an image, update the policy
-as 1 rank does; the vision tower stays frozen while the text model trains. A vision-language run that rl2
+as 1 rank does, and so do 2 ranks that split each row (actor.sp_size=2); the vision tower stays frozen while
+the text model trains. A vision-language run that rl2
 cannot train yet (a critic, per-turn sequences, a text-only teacher) is refused before any model loads."""
 
 import pytest
@@ -113,6 +114,21 @@ def test_two_ranks_one_without_images_update_as_one_rank(one_rank, two_ranks):
     for name in ("actor/loss", "actor/grad_norm", "actor/kl_loss", "actor/distill_loss", "advantage/mean"):
         assert two_ranks["metrics"][name] == pytest.approx(one_rank["metrics"][name], rel=1e-5, abs=1e-7), name
     assert one_rank["metrics"]["actor/loss_tokens"] == two_ranks["metrics"]["actor/loss_tokens"]
+
+
+def test_sequence_parallel_steps_as_one_rank(one_rank, vlm_dir, tmp_path):
+    """actor.sp_size=2 on 2 ranks: the batch in one row of each model (policy, reference, teacher), split over
+    both ranks after the images are merged; the old, reference and teacher log-probs and the update are one
+    rank's."""
+    sp = run_step(vlm_dir, tmp_path, 2, "actor.sp_size=2", *reference_and_teacher(vlm_dir))
+    for key in ("old_logps", "ref_logps", "teacher_logps"):
+        for ours, expected in zip(sp[key], one_rank[key], strict=True):
+            torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5, msg=key)
+    assert one_rank["grads"].keys() == sp["grads"].keys()
+    for name, grad in one_rank["grads"].items():
+        torch.testing.assert_close(sp["grads"][name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    for name in ("actor/loss", "actor/grad_norm", "actor/kl_loss", "actor/distill_loss", "actor/loss_tokens"):
+        assert sp["metrics"][name] == pytest.approx(one_rank["metrics"][name], rel=1e-5, abs=1e-7), name
 
 
 def test_old_logps_from_the_update_pass_step_as_from_their_own_pass(one_rank, vlm_dir, tmp_path):

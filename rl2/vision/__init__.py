@@ -8,5 +8,6 @@
   into one row;
 - `placeholder`: a one-token blank image for rows without one, so the vision tower runs on every FSDP rank;
 - `forward`: the stock transformers model over one packed row, text attention varlen, vision attention sdpa;
-- `tower`: the vision tower found, frozen, and kept free of LoRA adapters.
+- `tower`: the vision tower found, frozen, and kept free of LoRA adapters;
+- `sequence_parallel`: with sequence parallelism, the text model on this rank's share of the merged row.
 """

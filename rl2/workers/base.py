@@ -26,6 +26,7 @@ from rl2.vision.detect import is_vision_config
 from rl2.vision.forward import packed_vision_inputs, vision_attention_implementation
 from rl2.vision.placeholder import with_placeholder_image
 from rl2.vision.positions import IMAGE_KEYS, VISION_POSITIONS, pack_vision_samples, rope_index_of
+from rl2.vision.sequence_parallel import split_text_model_inputs
 from rl2.vision.tower import freeze_vision_tower
 from rl2.workers.optim import build_optimizer
 
@@ -62,7 +63,8 @@ class ModelWorker:
     `lora_modules_to_save`, a head) train (`rl2.lora`). A vision-language model (`vlm_config`, its
     config; None for a text model) loads as an image-text-to-text model and packs its samples with their
     images and mRoPE positions (`rl2.vision`); trained, its vision tower is frozen unless `freeze_vision`
-    is false.
+    is false. With `sp_size > 1` every rank of a group runs its vision tower over the whole row, and its
+    text model runs on the rank's share (`rl2.vision.sequence_parallel`).
     """
 
     def __init__(
@@ -97,7 +99,7 @@ class ModelWorker:
             self.vlm_config = None
         attn_implementation = ring_attention_implementation(self.sp_group) if self.sp_group else None
         if self.vlm_config is not None:
-            model_cls, attn_implementation = self._vision_model(model_cls)
+            model_cls, attn_implementation = self._vision_model(model_cls, attn_implementation)
         self.model = load_fsdp_model(
             config.model_name,
             self.mesh,
@@ -114,6 +116,8 @@ class ModelWorker:
             lora_modules_to_save=lora_modules_to_save,
             **(config_overrides or {}),
         )
+        if self.vlm_config is not None and self.sp_group is not None:  # the whole row's embeddings, then the ring
+            split_text_model_inputs(self.model, self.sp_rank, self.sp_size)
         if self.vlm_config is not None and trainable and getattr(config, "freeze_vision", True):
             frozen = freeze_vision_tower(self.model)  # before the optimizer is built and FSDP's lazy init
             logger.info(f"vision tower frozen: {len(frozen)} parameter tensors (actor.freeze_vision)")
@@ -133,16 +137,16 @@ class ModelWorker:
             logger.warning("offload_model is implemented for frozen models (ref_actor.offload_model) only: "
                            "this trained model stays on the device")
 
-    def _vision_model(self, model_cls: type) -> tuple[type, dict[str, str]]:
+    def _vision_model(self, model_cls: type, ring: str | None) -> tuple[type, dict[str, str]]:
         """The model class and attention of a vision-language model: the image-text-to-text class, rl2's
-        packed-row attention for its text model and bidirectional sdpa for its vision tower."""
+        packed-row attention (`ring`, the registered ring attention, with sequence parallelism) for its text
+        model and bidirectional sdpa for its vision tower."""
         if model_cls is not AutoModelForCausalLM:
             raise ConfigError(f"{self.config.model_name} is a vision-language model: rl2 trains those as "
                               f"policies only (SFT, PPO/GRPO, DPO), not with a {model_cls.__name__} head (a critic, "
                               f"a reward model): transformers has no such class for Qwen-VL models")
-        if self.sp_group is not None:
-            raise ConfigError(f"{self.config.model_name} is a vision-language model: sp_size > 1 (ring attention) "
-                              f"is not supported for those yet; set sp_size=1")
+        if ring is not None:
+            return AutoModelForImageTextToText, {"text_config": ring, "vision_config": "sdpa"}
         dtype = DTYPES[self.config.dtype]
         try:
             return AutoModelForImageTextToText, vision_attention_implementation(self.device, self.config.attn_implementation, dtype)
@@ -226,7 +230,11 @@ class ModelWorker:
         input_ids, cu_seqlens = micro_batch["input_ids"], micro_batch["cu_seqlens"]
         next_ids = F.pad(input_ids[:, 1:], (0, 1))
         if self.vlm_config is not None:  # 4-row positions (text, then mRoPE's), the row's images
-            return packed_vision_inputs(micro_batch), next_ids
+            # The whole row, also with sequence parallelism: the text model takes this rank's share itself.
+            inputs = packed_vision_inputs(micro_batch)
+            if self.sp_group is None:
+                return inputs, next_ids
+            return inputs, zigzag_split(next_ids, cu_seqlens, self.sp_rank, self.sp_size)
         if self.sp_group is None:
             longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # one host sync here, not one per layer
             inputs = {
