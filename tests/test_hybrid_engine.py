@@ -1,6 +1,6 @@
 """The hf engine on hybrid linear-attention models (Qwen3.5, Qwen3-Next: gated delta-nets beside full
 attention): its tokens equal transformers' own `generate` (fp32, greedy) through packed prefills, continuous
-batching, kept slots and next turns, and its log-probs a plain forward's."""
+batching, kept slots and next turns, and its log-probs a plain forward's; Qwen3.5 with images too."""
 
 from concurrent.futures import Future
 
@@ -176,3 +176,54 @@ def test_a_stop_string_cut_does_not_cut_the_kept_state(model_dir):
     assert cut.token_ids == answer[:end] and cut.finish_reason == "stop"
     following = prompt + cut.token_ids + TOOL_TOKENS
     assert engine.generate([following], greedy(6))[0].token_ids == expected_greedy(reference, following, 6)
+
+
+def save_hybrid_vlm(folder: str) -> str:
+    """A tiny random Qwen3.5 vision-language model (its text model a hybrid: a gated delta-net, then full
+    attention with interleaved mRoPE), with `rl2.testing.tiny_vlm`'s tokenizer and image processor."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from rl2.testing.tiny import sharpen_weights
+    from rl2.testing.tiny_vlm import _token_ids, build_tiny_image_processor, build_tiny_vlm_tokenizer
+
+    tokenizer = build_tiny_vlm_tokenizer()
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4, linear_num_key_heads=2,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                                 "mrope_interleaved": True, "partial_rotary_factor": 1.0},
+                bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True, **_token_ids(tokenizer))
+    torch.manual_seed(0)
+    sharpen_weights(Qwen3_5ForConditionalGeneration(config).float()).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    build_tiny_image_processor("qwen3_vl").save_pretrained(folder)
+    return folder
+
+
+def test_a_hybrid_vision_language_model(tmp_path):
+    """Qwen3.5 with images: its tokens equal the model's own `generate`, its log-probs a full forward's."""
+    from transformers import AutoModelForImageTextToText
+
+    from test_vision_engine import full_forward_logprobs, generate, model_inputs, picture, prompt_sample
+
+    folder = save_hybrid_vlm(str(tmp_path))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    samples = [prompt_sample(folder, tokenizer, "<image> and <image>: what differs?",
+                             [picture(56, 84, 1), picture(64, 48, 2)]),
+               prompt_sample(folder, tokenizer, "what is in <image>?", [picture(70, 70, 3)]),
+               prompt_sample(folder, tokenizer, "say something without a picture", [])]
+    engine = engine_of(folder)
+    assert engine.vision and engine.linear is not None
+    generations = generate(engine, samples, greedy(10))
+    reference = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    for sample, generation in zip(samples, generations):
+        with torch.no_grad():
+            expected = reference.generate(**model_inputs(sample), max_new_tokens=10, do_sample=False, min_new_tokens=10)
+        assert generation.token_ids == expected[0, sample["input_ids"].shape[0]:].tolist()
+        logprobs = full_forward_logprobs(reference, sample, generation.token_ids)
+        assert (logprobs - torch.tensor(generation.logprobs)).abs().max() < 1e-4

@@ -49,9 +49,6 @@ class LinearAttentionSlots:
             return None
         return cls(model, num_slots)
 
-    def bytes_per_slot(self) -> int:
-        return sum(t[0].numel() * t.element_size() for tensors in (self.conv, self.recurrent) for t in tensors.values())
-
     def allocate(self) -> bool:
         """Allocate the state tensors if they are not (after `release`); True if they were (anything that
         captured the old ones must be rebuilt)."""
