@@ -124,7 +124,8 @@ class HFEngine(Engine):
 
     A hybrid model (Qwen3.5, Qwen3-Next: gated delta-nets beside full attention) keeps each slot's
     linear-attention states beside its keys and values (`linear_attention_slots`); as a state cannot be cut
-    back, a cached prefix is reused only when it is a kept slot's whole contents (a conversation's next turn).
+    back, a cached prefix is reused only when it is a kept slot's whole contents (a conversation's next turn),
+    and copies of a prompt share its prefill only when they enter in the same round.
     """
 
     def __init__(
@@ -314,12 +315,19 @@ class HFEngine(Engine):
     def _admit(self, waiting: deque, state: _DeviceState, params: SamplingParams) -> list[_Request]:
         """Prefill as many waiting requests as there are free slots (and prefill budget) in one
         packed forward; their first tokens are sampled. A request that shares a longer prefix
-        with another one of this round than with any slot waits for the next round, to copy it
-        (not with a hybrid model: see `_shareable`)."""
+        with another one of this round than with any slot waits for the next round, to copy it.
+        A hybrid model's slot state cannot be cut back (`_shareable`): there a prompt equal to one of
+        this round (the n responses of one prompt) copies its slot, state and first logits after the prefill."""
         admitted, round_blocks, tokens = [], {}, 0
         deferred = []
+        twins: list[tuple[_Request, _Request]] = []  # a hybrid model's (request, the admitted one of its prompt)
+        firsts: dict[tuple[int, ...], _Request] = {}
         while waiting and self.slots.free_slots():
             request = waiting.popleft()
+            if self.linear is not None and request.vision is None and tuple(request.prompt) in firsts:
+                request.slot = self.slots.claim()
+                twins.append((request, firsts[tuple(request.prompt)]))
+                continue
             # At least the last prompt token is computed: its logits give the first new token.
             reusable = request.indexed[: len(request.prompt) - 1]
             hashes = block_hashes(reusable)
@@ -340,6 +348,8 @@ class HFEngine(Engine):
                 if self.linear is not None:
                     self.linear.copy(source, request.slot)
             admitted.append((request, shared))
+            if self.linear is not None:
+                firsts.setdefault(tuple(request.prompt), request)
             tokens += len(request.prompt) - shared
             round_blocks.update(dict.fromkeys(hashes))
         waiting.extendleft(reversed(deferred))
@@ -369,6 +379,8 @@ class HFEngine(Engine):
             logits_to_keep=as_tensor(last),
             **inputs,
         ).logits[0]
+        if twins:
+            logits, rows = self._copy_twins(twins, admitted, logits, rows)
         state.call_key[rows] = as_tensor([request.call_key for request, _ in admitted])
         state.sample_key[rows] = as_tensor([request.sample_key for request, _ in admitted])
         state.offset[rows] = as_tensor([request.offset for request, _ in admitted])
@@ -381,6 +393,20 @@ class HFEngine(Engine):
             self.slots.start(request.slot, request.indexed)
             request.fed_bound = len(request.prompt)
         return [request for request, _ in admitted]
+
+    def _copy_twins(self, twins: list[tuple[_Request, _Request]], admitted: list[tuple[_Request, int]],
+                    logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each twin's slot made a copy of its prompt's prefilled slot (keys, values and linear-attention states)
+        and added to `admitted` (its whole prompt shared); returns the logits and slots of all admitted."""
+        position = {id(request): i for i, (request, _) in enumerate(admitted)}
+        for twin, original in twins:
+            self.kv.copy_prefix(original.slot, twin.slot, len(twin.prompt))
+            self.linear.copy(original.slot, twin.slot)
+            admitted.append((twin, len(twin.prompt)))
+        self.stats["reused_tokens"] += sum(len(twin.prompt) for twin, _ in twins)
+        picked = torch.tensor([position[id(original)] for _, original in twins], device=logits.device)
+        slots = torch.tensor([twin.slot for twin, _ in twins], dtype=torch.long, device=rows.device)
+        return torch.cat([logits, logits[picked]]), torch.cat([rows, slots])
 
     def _shareable(self, source: int, shared: int) -> tuple[int, int]:
         """A hybrid model's (slot, length) to reuse: a linear-attention state holds only the end of its slot's

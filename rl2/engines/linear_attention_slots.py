@@ -15,8 +15,9 @@ transformers' cache (`_States`) holding the states of the sequences it runs on.
 - Decode (a `DecodePlan`: one token per row): every row's state advances, and is written back only for live
   rows (those not writing to the KV cache's scratch column), so kept slots keep their state.
 
-A state describes the end of what its slot holds and cannot be cut back: the engine shares a prefix of a
-hybrid model's slot only when it is the slot's whole contents (`HFEngine._shareable`).
+A state describes the end of what its slot holds and cannot be cut back: the engine reuses a prefix of a
+hybrid model's slot only when it is the slot's whole contents (`HFEngine._shareable`), and copies of a prompt
+prefilled in one round take the first's slot after the prefill (`HFEngine._copy_twins`).
 """
 
 import functools
