@@ -23,6 +23,7 @@ pieces through the CPU flash kernel), so the script can be tried anywhere.
 """
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -187,8 +188,8 @@ def main() -> None:
             for attention in attentions:
                 for cuda_graphs in graphs:
                     name = f"engine{kind} {attention}{', graphs' if cuda_graphs else ''}"
-                    check = lambda m=model, a=attention, g=cuda_graphs: check_engine(m, device, engine_dtype, a, g)  # noqa: E731
-                    checks.append((name, check, logprob_tolerance))
+                    checks.append((name, functools.partial(check_engine, model, device, engine_dtype, attention,
+                                                           cuda_graphs), logprob_tolerance))
         for name, check, limit in checks:
             try:
                 error = check()

@@ -27,8 +27,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from rl2.distributed.fsdp import DTYPES
 from rl2.engines.base import Engine, FirstTurn, Generation, OnGeneration, SamplingParams, Turn
 from rl2.engines.decode_step import DecodeStep
-from rl2.engines.linear_attention_slots import LinearAttentionSlots
 from rl2.engines.kv_slots import KVSlots, PrefillPlan, no_masks, prefill_attention, register_slot_attention
+from rl2.engines.linear_attention_slots import LinearAttentionSlots
 from rl2.engines.sampling import request_uniforms, sample
 from rl2.engines.slot_table import BLOCK, SlotTable, block_hashes
 from rl2.engines.vision_prompt import VisionPrompt, mrope_positions
