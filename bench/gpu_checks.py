@@ -11,7 +11,9 @@ first thing to run on a lent GPU, before timing anything.
 - `ring sp=1`: `ring_attention` with each kernel on a one-rank group, output and gradients;
 - `engine`: the hf engine's log-probs of its own samples against a plain forward of the same model,
   per prefill attention and with CUDA graphs on and off, with shared prompts and a second turn
-  (prefill after cached prefixes).
+  (prefill after cached prefixes);
+- `engine hybrid`: the same on a tiny Qwen3-Next (gated delta-nets beside full attention: the linear-attention
+  states kept per slot, `rl2/engines/linear_attention_slots.py`; graphs must not advance them at their warm-ups).
 
 Each line prints the worst error and its tolerance; the exit status is 1 if any check fails. On
 CPU the same checks run in float32 with what CPU has (the engine's loop; the fused ring
@@ -21,6 +23,7 @@ pieces through the CPU flash kernel), so the script can be tried anywhere.
 """
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -37,6 +40,7 @@ from rl2.distributed.ring_attention import FusedBlocks, ring_attention, zigzag_c
 from rl2.engines import HFEngine, SamplingParams  # noqa: E402
 from rl2.kernels.attention import available_attention, torch_varlen_attention  # noqa: E402
 from rl2.testing.tiny import build_tiny_tokenizer, sharpen_weights  # noqa: E402
+from rl2.testing.tiny_moe import save_tiny_moe  # noqa: E402
 
 
 def dense(q, k, v, q_bounds, k_bounds, scale):
@@ -128,8 +132,9 @@ def check_engine(folder: str, device, dtype: str, attention: str, cuda_graphs: b
     tokenizer = build_tiny_tokenizer()
     engine = HFEngine(folder, tokenizer, device, dtype=dtype, seed=0, max_batch_size=16, cuda_graphs=cuda_graphs,
                       attn_implementation=attention)
+    vocab = min(4000, engine.model.get_input_embeddings().num_embeddings)
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 4000, (n,), generator=generator).tolist() for n in (40, 70, 5, 130)]
+    prompts = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in (40, 70, 5, 130)]
     prompts = [p for p in prompts for _ in range(3)]  # copies prefill after the shared prefix
     params = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True)
     answers = engine.generate(prompts, params)
@@ -176,13 +181,15 @@ def main() -> None:
     attentions = ["sdpa_loop"] + [name for name in ("torch_varlen", "flash_attention_2") if available[name]]
     graphs = [True, False] if cuda else [False]
     failed = 0
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as hybrid:
         save_peaked_tiny_model(folder)
-        for attention in attentions:
-            for cuda_graphs in graphs:
-                name = f"engine {attention}{', graphs' if cuda_graphs else ''}"
-                checks.append((name, lambda a=attention, g=cuda_graphs: check_engine(folder, device, engine_dtype, a, g),
-                               logprob_tolerance))
+        save_tiny_moe(hybrid, "qwen3_next")
+        for model, kind in ((folder, ""), (hybrid, " hybrid")):
+            for attention in attentions:
+                for cuda_graphs in graphs:
+                    name = f"engine{kind} {attention}{', graphs' if cuda_graphs else ''}"
+                    checks.append((name, functools.partial(check_engine, model, device, engine_dtype, attention,
+                                                           cuda_graphs), logprob_tolerance))
         for name, check, limit in checks:
             try:
                 error = check()

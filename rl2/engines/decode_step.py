@@ -97,12 +97,15 @@ class DecodeStep:
 
     def _capture(self, rows: int, kv_length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         ids, positions = self.static_ids[:rows], self.static_positions[:rows]
-        # Warm-up on a side stream, as torch.cuda.graphs asks, so lazy initialisation is not captured.
+        # Warm-up on a side stream, as torch.cuda.graphs asks, so lazy initialisation is not captured. Its rows
+        # are idle (the scratch column): a step runs once, at the replay, and a hybrid model's linear-attention
+        # states (`linear_attention_slots`) must not advance at the warm-ups too.
+        idle = torch.full_like(positions, self.kv.capacity)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.forward(ids, positions, kv_length)
+                self.forward(ids, idle, kv_length)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:

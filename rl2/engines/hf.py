@@ -28,6 +28,7 @@ from rl2.distributed.fsdp import DTYPES
 from rl2.engines.base import Engine, FirstTurn, Generation, OnGeneration, SamplingParams, Turn
 from rl2.engines.decode_step import DecodeStep
 from rl2.engines.kv_slots import KVSlots, PrefillPlan, no_masks, prefill_attention, register_slot_attention
+from rl2.engines.linear_attention_slots import LinearAttentionSlots
 from rl2.engines.sampling import request_uniforms, sample
 from rl2.engines.slot_table import BLOCK, SlotTable, block_hashes
 from rl2.engines.vision_prompt import VisionPrompt, mrope_positions
@@ -120,6 +121,11 @@ class HFEngine(Engine):
     A turn's `images` prefill through the model's own forward (merged embeddings, mRoPE positions); each
     slot keeps its rope delta so decode positions continue the prompt's; a cached prefix is shared only
     up to where the images differ (`VisionPrompt.keys`).
+
+    A hybrid model (Qwen3.5, Qwen3-Next: gated delta-nets beside full attention) keeps each slot's
+    linear-attention states beside its keys and values (`linear_attention_slots`); as a state cannot be cut
+    back, a cached prefix is reused only when it is a kept slot's whole contents (a conversation's next turn),
+    and copies of a prompt share its prefill only when they enter in the same round.
     """
 
     def __init__(
@@ -159,6 +165,7 @@ class HFEngine(Engine):
             self.merge_size = config.vision_config.spatial_merge_size
             self.rope_index = rope_index_of(self.model)
         self.kv = KVSlots.for_model(self.model, max_batch_size)
+        self.linear = LinearAttentionSlots.for_model(self.model, max_batch_size)  # a hybrid model's recurrent states
         self.slots = SlotTable(max_batch_size)
         self.decode = DecodeStep(self.model, self.kv, use_graphs=cuda and cuda_graphs, mrope=self.vision)
         if not self.vision and not _takes_mask_dict(self.model):  # e.g. Qwen3-MoE, OLMoE: a placeholder it passes on
@@ -308,18 +315,28 @@ class HFEngine(Engine):
     def _admit(self, waiting: deque, state: _DeviceState, params: SamplingParams) -> list[_Request]:
         """Prefill as many waiting requests as there are free slots (and prefill budget) in one
         packed forward; their first tokens are sampled. A request that shares a longer prefix
-        with another one of this round than with any slot waits for the next round, to copy it."""
+        with another one of this round than with any slot waits for the next round, to copy it.
+        A hybrid model's slot state cannot be cut back (`_shareable`): there a prompt equal to one of
+        this round (the n responses of one prompt) copies its slot, state and first logits after the prefill."""
         admitted, round_blocks, tokens = [], {}, 0
         deferred = []
+        twins: list[tuple[_Request, _Request]] = []  # a hybrid model's (request, the admitted one of its prompt)
+        firsts: dict[tuple[int, ...], _Request] = {}
         while waiting and self.slots.free_slots():
             request = waiting.popleft()
+            if self.linear is not None and request.vision is None and tuple(request.prompt) in firsts:
+                request.slot = self.slots.claim()
+                twins.append((request, firsts[tuple(request.prompt)]))
+                continue
             # At least the last prompt token is computed: its logits give the first new token.
             reusable = request.indexed[: len(request.prompt) - 1]
             hashes = block_hashes(reusable)
             source, shared = self.slots.longest_prefix(reusable, hashes)
             if request.vision is not None:
                 shared = request.vision.shareable(shared)
-            if any(h in round_blocks for h in hashes[shared // BLOCK :]):
+            if self.linear is not None:
+                source, shared = self._shareable(source, shared)
+            elif any(h in round_blocks for h in hashes[shared // BLOCK :]):
                 deferred.append(request)
                 continue
             if admitted and tokens + len(request.prompt) - shared > self.max_prefill_tokens:
@@ -328,7 +345,11 @@ class HFEngine(Engine):
             request.slot = self.slots.claim(source if source >= 0 and not self.slots.active[source] else -1)
             if source >= 0 and source != request.slot:
                 self.kv.copy_prefix(source, request.slot, shared)
+                if self.linear is not None:
+                    self.linear.copy(source, request.slot)
             admitted.append((request, shared))
+            if self.linear is not None:
+                firsts.setdefault(tuple(request.prompt), request)
             tokens += len(request.prompt) - shared
             round_blocks.update(dict.fromkeys(hashes))
         waiting.extendleft(reversed(deferred))
@@ -358,6 +379,8 @@ class HFEngine(Engine):
             logits_to_keep=as_tensor(last),
             **inputs,
         ).logits[0]
+        if twins:
+            logits, rows = self._copy_twins(twins, admitted, logits, rows)
         state.call_key[rows] = as_tensor([request.call_key for request, _ in admitted])
         state.sample_key[rows] = as_tensor([request.sample_key for request, _ in admitted])
         state.offset[rows] = as_tensor([request.offset for request, _ in admitted])
@@ -370,6 +393,28 @@ class HFEngine(Engine):
             self.slots.start(request.slot, request.indexed)
             request.fed_bound = len(request.prompt)
         return [request for request, _ in admitted]
+
+    def _copy_twins(self, twins: list[tuple[_Request, _Request]], admitted: list[tuple[_Request, int]],
+                    logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each twin's slot made a copy of its prompt's prefilled slot (keys, values and linear-attention states)
+        and added to `admitted` (its whole prompt shared); returns the logits and slots of all admitted."""
+        position = {id(request): i for i, (request, _) in enumerate(admitted)}
+        for twin, original in twins:
+            self.kv.copy_prefix(original.slot, twin.slot, len(twin.prompt))
+            self.linear.copy(original.slot, twin.slot)
+            admitted.append((twin, len(twin.prompt)))
+        self.stats["reused_tokens"] += sum(len(twin.prompt) for twin, _ in twins)
+        picked = torch.tensor([position[id(original)] for _, original in twins], device=logits.device)
+        slots = torch.tensor([twin.slot for twin, _ in twins], dtype=torch.long, device=rows.device)
+        return torch.cat([logits, logits[picked]]), torch.cat([rows, slots])
+
+    def _shareable(self, source: int, shared: int) -> tuple[int, int]:
+        """A hybrid model's (slot, length) to reuse: a linear-attention state holds only the end of its slot's
+        contents and cannot be cut back, so a prefix is reused only from a kept slot, and only whole (a
+        conversation's next turn); else (-1, 0), the prompt computed from the start."""
+        if source >= 0 and not self.slots.active[source] and shared == len(self.slots.contents[source]):
+            return source, shared
+        return -1, 0
 
     def _vision_inputs(self, admitted: list[tuple[_Request, int]], plan: PrefillPlan, rows: torch.Tensor) -> dict:
         """A vision-language model's prefill inputs: 4-row positions (the cache positions, then each
@@ -395,6 +440,8 @@ class HFEngine(Engine):
         if positions > self.kv.capacity:
             if self.kv.reserve(_round_up(max(positions, 2 * self.kv.capacity), 64)):
                 self.decode.reset()
+        if self.linear is not None and self.linear.allocate():
+            self.decode.reset()
 
     def _decode_step(self, running: list[_Request], state: _DeviceState, params: SamplingParams) -> None:
         if not running:
@@ -437,6 +484,7 @@ class HFEngine(Engine):
         for i, row_tokens, row_logprobs in zip(done, tokens, logprobs):
             request, n = running[i], count[i]
             row_tokens, row_logprobs = row_tokens[:n], row_logprobs[:n]
+            fed = row_tokens[:-1]  # every generated token but the last was fed back
             if abort:
                 reason, error = "abort", "aborted"
             elif params.stop and (cut := self._stop_string_end(row_tokens, request, params.stop)) is not None:
@@ -448,8 +496,9 @@ class HFEngine(Engine):
                 reason, error = ("length" if length_reached else "stop"), None
             else:
                 continue  # only searched for stop strings, none yet
-            # The cache holds the prompt and every generated token but the last (never fed back).
-            self.slots.keep(request.slot, request.indexed + row_tokens[:-1])
+            # The cache holds the prompt and every generated token but the last (never fed back). A hybrid
+            # model's linear-attention state covers all of them, past a stop string's cut too, and cannot be cut.
+            self.slots.keep(request.slot, request.indexed + (fed if self.linear is not None else row_tokens[:-1]))
             request.slot = -1
             finished(request, Generation(row_tokens, row_logprobs, reason, error, (request.call_key, request.sample_key)))
         if stopped_rows:
@@ -514,8 +563,10 @@ class HFEngine(Engine):
         cache, its static inputs and the graphs' memory pool), and return the cached memory."""
         self.slots.clear()
         self.kv.release()
+        if self.linear is not None:
+            self.linear.release()
         self.decode.reset()
-        self.model = self.kv = self.decode = None
+        self.model = self.kv = self.decode = self.linear = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -528,6 +579,8 @@ class HFEngine(Engine):
         return the cached accelerator memory."""
         self.slots.clear()
         self.kv.release()
+        if self.linear is not None:
+            self.linear.release()
         self.decode.reset()
         if self.device.type == "cuda" and not self.asleep:
             self.model.to("cpu")

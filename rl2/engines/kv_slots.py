@@ -25,8 +25,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from rl2.kernels.attention import available_attention, choose_attention, torch_varlen_attention
 
 SLOT_ATTENTION = "rl2_kv_slots"
-# Given as `attention_mask`, a dict makes the model skip building masks: the plans carry their own.
-NO_MASKS = {"full_attention": None, "sliding_attention": None}
+# Given as `attention_mask`, a dict makes the model skip building masks: the plans carry their own (a hybrid
+# model's linear-attention layers, `linear_attention_slots`, need none).
+NO_MASKS = {"full_attention": None, "sliding_attention": None, "linear_attention": None}
 
 
 def no_masks(mrope: bool, device) -> dict | torch.Tensor:
