@@ -12,9 +12,15 @@ those slots have finished, runs over the running ones alone. Stop conditions (eo
 are checked on the device; the host looks every `sync_interval` tokens, and stop strings are found
 then and cut exactly. It needs nothing beyond transformers, runs on CPU, and its log-probs follow the
 trainer's convention exactly.
+
+With `record_routes` (R3 routing replay, a mixture-of-experts model) every token a forward computes has its
+top-k experts per MoE layer written beside its keys in the slot cache (`KVSlots.keep_routes`), so a shared
+or kept prefix carries its routes; a generation hands back those of its prompt and of every token it fed back
+(`Generation.routes`).
 """
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections import Counter, deque
@@ -32,6 +38,7 @@ from rl2.engines.sampling import request_uniforms, sample
 from rl2.engines.slot_table import BLOCK, SlotTable, block_hashes
 from rl2.engines.vision_prompt import VisionPrompt, mrope_positions
 from rl2.engines.weight_names import engine_named_tensors
+from rl2.models.routing_replay import RoutingReplay, routers
 from rl2.vision.detect import is_vision_config
 from rl2.vision.image_inputs import ImageInputs
 from rl2.vision.positions import rope_index_of
@@ -120,6 +127,9 @@ class HFEngine(Engine):
     A turn's `images` prefill through the model's own forward (merged embeddings, mRoPE positions); each
     slot keeps its rope delta so decode positions continue the prompt's; a cached prefix is shared only
     up to where the images differ (`VisionPrompt.keys`).
+
+    `record_routes`: each generation carries its routes (`Generation.routes`), where the model has MoE routers
+    that `rl2.models.routing_replay` knows (a dense model records none).
     """
 
     def __init__(
@@ -134,6 +144,7 @@ class HFEngine(Engine):
         cuda_graphs: bool = True,
         max_prefill_tokens: int = 16384,
         attn_implementation: str = "auto",
+        record_routes: bool = False,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -160,6 +171,11 @@ class HFEngine(Engine):
             self.rope_index = rope_index_of(self.model)
         self.kv = KVSlots.for_model(self.model, max_batch_size)
         self.slots = SlotTable(max_batch_size)
+        self.routing = None
+        if record_routes and routers(self.model):  # before the cache and any decode graph exist
+            self.routing = RoutingReplay(self.model)
+            self.kv.keep_routes(self.routing.num_layers, self.routing.top_k, self.routing.dtype)
+            self.routing.record(sink=self.kv.write_routes)
         self.decode = DecodeStep(self.model, self.kv, use_graphs=cuda and cuda_graphs, mrope=self.vision)
         if not self.vision and not _takes_mask_dict(self.model):  # e.g. Qwen3-MoE, OLMoE: a placeholder it passes on
             self.decode.no_masks = no_masks(True, self.device)
@@ -349,15 +365,16 @@ class HFEngine(Engine):
         rows = as_tensor([request.slot for request, _ in admitted])
         if self.vision:
             inputs = self._vision_inputs(admitted, plan, rows)
-        logits = self.model(
-            input_ids=as_tensor(ids)[None],
-            attention_mask=self.decode.no_masks,
-            kv_slots=self.kv,
-            kv_plan=plan,
-            use_cache=False,
-            logits_to_keep=as_tensor(last),
-            **inputs,
-        ).logits[0]
+        with self.kv.routing_to(plan.slots, plan.positions) if self.routing else contextlib.nullcontext():
+            logits = self.model(
+                input_ids=as_tensor(ids)[None],
+                attention_mask=self.decode.no_masks,
+                kv_slots=self.kv,
+                kv_plan=plan,
+                use_cache=False,
+                logits_to_keep=as_tensor(last),
+                **inputs,
+            ).logits[0]
         state.call_key[rows] = as_tensor([request.call_key for request, _ in admitted])
         state.sample_key[rows] = as_tensor([request.sample_key for request, _ in admitted])
         state.offset[rows] = as_tensor([request.offset for request, _ in admitted])
@@ -449,9 +466,12 @@ class HFEngine(Engine):
             else:
                 continue  # only searched for stop strings, none yet
             # The cache holds the prompt and every generated token but the last (never fed back).
+            routes = (self.kv.routes_of(request.slot, len(request.prompt) + max(len(row_tokens) - 1, 0))
+                      if self.routing else None)
             self.slots.keep(request.slot, request.indexed + row_tokens[:-1])
             request.slot = -1
-            finished(request, Generation(row_tokens, row_logprobs, reason, error, (request.call_key, request.sample_key)))
+            finished(request, Generation(row_tokens, row_logprobs, reason, error, (request.call_key, request.sample_key),
+                                         routes))
         if stopped_rows:
             state.live[torch.tensor(stopped_rows, device=self.device)] = False
 
@@ -515,7 +535,9 @@ class HFEngine(Engine):
         self.slots.clear()
         self.kv.release()
         self.decode.reset()
-        self.model = self.kv = self.decode = None
+        if self.routing is not None:
+            self.routing.close()
+        self.model = self.kv = self.decode = self.routing = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -1,0 +1,120 @@
+"""R3 routing replay, the engine side: the `hf` engine records each token's experts (`Generation.routes`), the
+rollout carries them into `Trajectory.routes`, and a PPO step with actor.router_replay=r3 replays them. On a tiny
+Qwen3-MoE in fp32 on CPU, against plain transformers forwards over each sample."""
+
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import tokenize_prompt
+from rl2.engines import HFEngine, SamplingParams
+from rl2.models.routing_replay import UNRECORDED, RoutingReplay
+from rl2.rollout.env import Env
+from rl2.rollout.multi_turn import rollout
+from rl2.testing.tiny_moe import save_tiny_moe
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> str:
+    return save_tiny_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")), "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(moe_dir):
+    return AutoTokenizer.from_pretrained(moe_dir)
+
+
+@pytest.fixture(scope="module")
+def plain(moe_dir):
+    return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+
+
+def plain_routes(model, tokens: list[int]) -> torch.Tensor:
+    """The experts one plain forward over `tokens` routes each of them to: [tokens, moe layers, k]."""
+    with RoutingReplay(model) as replay, torch.no_grad():
+        replay.record()
+        model(input_ids=torch.tensor([tokens]), use_cache=False)
+        return replay.routes().transpose(0, 1)
+
+
+def test_the_engine_records_each_samples_routes_as_a_plain_forward_over_it(moe_dir, tokenizer, plain):
+    """Prompts of several lengths, three responses each (their prompt prefilled once, its cache and routes copied
+    to the others), more requests than slots (continuous batching): each generation's routes cover its prompt and
+    every token it fed back, and equal a plain forward's over the prompt and the response, exactly."""
+    engine = HFEngine(moe_dir, tokenizer, CPU, dtype="float32", seed=1, max_batch_size=4, record_routes=True)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in (5, 40, 19, 33, 2)]
+    requests = [prompt for prompt in prompts for _ in range(3)]
+    # Stop ids that end some responses early: decode steps over the running slots alone too.
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=list(range(3, 120)))
+    generations = engine.generate(requests, params)
+    assert engine.stats["reused_tokens"] > 0 and engine.stats["compact_decode_steps"] > 0
+    assert len({len(g.token_ids) for g in generations}) > 2
+    for prompt, generation in zip(requests, generations):
+        routes = generation.routes
+        assert routes.dtype == torch.int8 and routes.shape == (len(prompt) + len(generation.token_ids) - 1, 2, 2)
+        assert torch.equal(routes, plain_routes(plain, prompt + generation.token_ids)[:-1])
+    # a second call continues kept caches (the same prompts again): their routes come with them
+    again = engine.generate(requests[:3], SamplingParams(temperature=1.0, max_new_tokens=5))
+    for prompt, generation in zip(requests, again):
+        assert torch.equal(generation.routes, plain_routes(plain, prompt + generation.token_ids)[:-1])
+
+
+def test_no_routes_unless_asked_or_on_a_dense_model(moe_dir, tokenizer, tiny_model_dir):
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    off = HFEngine(moe_dir, tokenizer, CPU, dtype="float32")
+    assert off.routing is None and off.generate([[5, 6, 7]], params)[0].routes is None
+    dense = HFEngine(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir), CPU, record_routes=True)
+    assert dense.routing is None and dense.generate([[5, 6, 7]], params)[0].routes is None
+
+
+TOOL_ENV = textwrap.dedent(
+    """
+    import time, zlib
+
+    def interact(messages):
+        # Tools that take different times: the trajectories' turns interleave in the engine.
+        time.sleep(0.002 * (zlib.crc32(messages[-1]["content"].encode()) % 20))
+        return [{"role": "tool", "content": f"call {len(messages)}"}]
+
+    def reward_fn(messages, answer):
+        return 0.0
+    """
+)
+
+
+def prompt(tokenizer, question: str) -> dict:
+    messages = [{"role": "user", "content": question}]
+    return {"prompt_ids": tokenize_prompt(messages, tokenizer), "messages": messages, "answer": ""}
+
+
+@pytest.mark.parametrize("per_turn", [False, True], ids=["whole", "per_turn"])
+def test_multi_turn_routes_cover_the_trajectory_up_to_its_last_sampled_token(moe_dir, tokenizer, plain, tmp_path,
+                                                                            per_turn):
+    """Three turns with tool replies between them, the turns of several trajectories interleaved in the engine: a
+    trajectory's routes grow turn by turn (the tool's tokens routed when the next turn's prompt is prefilled) and
+    cover every token before the last sampled one, as a plain forward over the whole trajectory routes them. Per
+    turn, each turn's sequence is routed on its own, and the previous sequence's last sampled token is
+    UNRECORDED."""
+    path = tmp_path / "tools.py"
+    path.write_text(TOOL_ENV)
+    engine = HFEngine(moe_dir, tokenizer, CPU, dtype="float32", seed=2, max_batch_size=3, record_routes=True)
+    prompts = [prompt(tokenizer, f"question {i}" + " more" * (3 * i)) for i in range(3)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, stop_token_ids=list(range(3, 500)))  # turns end early
+    with Env(str(path), need_interact=True) as env:
+        trajectories = rollout(engine, env, tokenizer, prompts, 2, params, max_turns=3, per_turn=per_turn)
+    assert engine.stats["next_turns"] > 0 and all(t.turns == 3 and not t.errors for t in trajectories)
+    for t in trajectories:
+        last_sampled = max(i for i, generated in enumerate(t.action_mask) if generated)
+        assert t.routes.shape == (last_sampled, 2, 2)
+        starts = (t.turn_starts or [0]) + [len(t.token_ids)]
+        for start, end in zip(starts[:-1], starts[1:]):
+            expected = plain_routes(plain, t.token_ids[start:end])
+            routed = min(end - 1, last_sampled) - start  # a sequence's last token: no forward fed it back
+            assert torch.equal(t.routes[start : start + routed], expected[:routed])
+            if end - 1 < last_sampled:  # a per-turn sequence's last (sampled) token
+                assert (t.routes[end - 1] == UNRECORDED).all()
