@@ -118,3 +118,94 @@ def test_multi_turn_routes_cover_the_trajectory_up_to_its_last_sampled_token(moe
             assert torch.equal(t.routes[start : start + routed], expected[:routed])
             if end - 1 < last_sampled:  # a per-turn sequence's last (sampled) token
                 assert (t.routes[end - 1] == UNRECORDED).all()
+
+
+R3_STEP = """
+import json, sys, torch
+from transformers import AutoTokenizer
+from rl2.config import load_config
+from rl2.distributed.process_group import init_distributed
+from rl2.engines import SamplingParams, build_engine_from_config
+from rl2.models.routing_replay import UNRECORDED
+from rl2.rollout.multi_turn import rollout
+from rl2.trainer.ppo_stages import StepModels, add_advantages, compute_logps, sequences_of, update
+from rl2.trainer.step_plan import StepPlan
+from rl2.workers.policy import Policy
+
+init_distributed()
+folder, planted = sys.argv[1], sys.argv[2]
+config = load_config([f"actor.model_name={folder}", "actor.dtype=float32", "actor.lr=1e-2", "data.responses_per_prompt=2",
+                      "actor.gradient_checkpointing=false", "actor.router_replay=r3", "actor.proximal_from_update=false",
+                      "rollout.max_batch_size=3"])
+tokenizer = AutoTokenizer.from_pretrained(folder)
+engine = build_engine_from_config(config.rollout, config.actor, tokenizer, seed=3)  # records: r3
+plan = StepPlan.from_config(config, 8)
+actor = Policy(config.actor, 4, 1.0)
+prompts = [{"prompt_ids": list(range(5 + i, 25 + 3 * i)), "messages": [], "answer": None} for i in range(3)]
+batch = rollout(engine, None, tokenizer, prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=8))
+for i, trajectory in enumerate(batch):
+    trajectory.reward = float(i % 2)
+    if planted == "shifted":  # the routes one token late
+        trajectory.routes = torch.cat([trajectory.routes[:1], trajectory.routes[:-1]])
+replayed = []
+replay = actor.routing.replay
+actor.routing.replay = lambda routes: replayed.append(routes.clone()) or replay(routes)
+sequences = sequences_of(batch, plan)
+logps = compute_logps(sequences, plan, StepModels(actor), step=1)
+add_advantages(sequences, batch, plan, step=1)
+updated = update(sequences, plan, StepModels(actor), step=1)
+print(json.dumps({
+    "router_mismatch": updated["router/mismatch"], "logp_mismatch": logps["logp_mismatch/max"],
+    "recorded": sum(len(t.routes) for t in batch), "lengths": [len(t.token_ids) for t in batch],
+    "replayed": sum(int((r != UNRECORDED).all(-1).all(0).sum()) for r in replayed),
+    "loss": updated["actor/loss"],
+}))
+"""
+
+
+@pytest.mark.parametrize("planted", ["recorded", "shifted"])
+def test_a_ppo_step_with_r3_replays_the_engines_routes(moe_dir, planted):
+    """A PPO step's stages on the hf engine's trajectories (built from the config: r3 asks it to record) with the
+    actor's weights equal to the engine's in fp32: the log-prob pass and the update replay every recorded token's
+    experts, and no decision changes (nor do the log-probs: the engine's equal the actor's); routes one token off
+    change decisions, so the replay is of the trajectories' routes."""
+    import json
+
+    from conftest import run_python
+
+    run = json.loads(run_python(["-c", R3_STEP, moe_dir, planted]).stdout.strip().splitlines()[-1])
+    assert run["recorded"] == sum(run["lengths"]) - len(run["lengths"])  # all but each last sampled token
+    assert run["replayed"] == 2 * run["recorded"]  # the log-prob pass and the update
+    if planted == "recorded":
+        assert run["router_mismatch"] == 0.0 and run["logp_mismatch"] < 1e-4, run
+    else:
+        assert run["router_mismatch"] > 0.05, run
+
+
+PARITY_ENV = """def reward_fn(messages, answer):
+    return float(len(messages[-1]["content"]) % 2)
+"""
+
+
+def test_ppo_with_r3_runs_and_no_replayed_decision_changes_with_the_engines_weights(moe_dir, tmp_path):
+    """`rl2.trainer.ppo` with the hf engine and actor.router_replay=r3, fp32, one update per rollout: the engine
+    records routes (the run does not stop for want of them), and each step's forwards run with the weights the
+    engine sampled with (synced after every update), so router/mismatch is 0.0 at every step."""
+    import json
+
+    from conftest import run_python, run_torchrun
+
+    data = str(tmp_path / "data")
+    run_python(["recipes/make_demo_data.py", "--task", "successor", "--out", data, "--rows", "16", "--test-rows", "4"])
+    env = tmp_path / "parity.py"
+    env.write_text(PARITY_ENV)
+    run_torchrun([
+        "-m", "rl2.trainer.ppo", f"data.path={data}/train.jsonl", f"data.test_path={data}/test.jsonl",
+        "data.prompts_per_rollout=4", "data.responses_per_prompt=4", f"actor.model_name={moe_dir}",
+        "actor.dtype=float32", "actor.lr=1e-3", "actor.gradient_checkpointing=false", f"actor.save_dir={tmp_path / 'run'}",
+        f"rollout.env_path={env}", "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 6}",
+        "rollout.test_sampling_params={temperature: 0.0, max_new_tokens: 6}", "trainer.total_steps=2",
+        "trainer.test_freq=2", "trainer.disable_wandb=true", "actor.router_replay=r3",
+    ], nproc=1)
+    steps = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
+    assert len(steps) == 2 and all(s["router/mismatch"] == 0.0 for s in steps), steps
