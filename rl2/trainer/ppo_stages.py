@@ -167,8 +167,8 @@ def compute_logps(sequences: list[RLSequence], plan: StepPlan, models: StepModel
     metrics: dict[str, float] = {}
     if (plan.actor.router_replay == "r3" and getattr(models.actor, "routing", None) is not None
             and not any("routes" in seq for seq in sequences)):
-        raise ConfigError("actor.router_replay=r3: the rollout recorded no routes for this step's trajectories: only "
-                          "rollout.engine=hf records them (sglang and vllm do not yet), for rollouts through an env "
+        raise ConfigError("actor.router_replay=r3: the rollout recorded no routes for this step's trajectories: "
+                          "rollout.engine=hf and sglang record them (vllm does not yet), for rollouts through an env "
                           "file (an agent file's or an RL2 HEAD env file's trajectories carry none); use "
                           "actor.router_replay=r2 or off")
     if plan.proximal_in_update(step):
