@@ -209,3 +209,91 @@ def test_ppo_with_r3_runs_and_no_replayed_decision_changes_with_the_engines_weig
     ], nproc=1)
     steps = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
     assert len(steps) == 2 and all(s["router/mismatch"] == 0.0 for s in steps), steps
+
+
+# ---- engines that report every decoder layer's experts (SGLang, vLLM) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sparse_moe_dir(tmp_path_factory) -> str:
+    """The config of a Qwen3-MoE whose middle layer is dense (mlp_only_layers): MoE layers 0 and 2 of 3."""
+    from transformers import Qwen3MoeConfig
+
+    folder = str(tmp_path_factory.mktemp("sparse_moe"))
+    Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=32,
+                   mlp_only_layers=[1]).save_pretrained(folder)
+    return folder
+
+
+def test_an_engines_routes_over_every_decoder_layer_become_the_moe_layers(sparse_moe_dir, moe_dir, tiny_model_dir):
+    """`RouteLayout`: the decoder layers with a router, read from the model's structure; an engine's ids over every
+    decoder layer (SGLang's base64 int32, vLLM's array) keep those layers' alone, in rl2's route type."""
+    from rl2.engines.routed_experts import RouteLayout
+
+    layout = RouteLayout.of(sparse_moe_dir)
+    assert (layout.decoder_layers, layout.moe_layers, layout.top_k, layout.dtype) == (3, (0, 2), 2, torch.int8)
+    assert RouteLayout.of(moe_dir).moe_layers == (0, 1) and RouteLayout.of(tiny_model_dir) is None  # dense: none
+    every_layer = torch.arange(5 * 3 * 2, dtype=torch.int32).reshape(5, 3, 2) % 8
+    expected = every_layer[:, [0, 2]].to(torch.int8)
+    assert torch.equal(layout.moe_routes(every_layer.numpy()), expected)
+    import base64
+
+    payload = base64.b64encode(every_layer.numpy().tobytes()).decode()
+    assert torch.equal(layout.decode(payload), expected) and torch.equal(layout.decode(layout.encode(expected)), expected)
+    with pytest.raises(ValueError, match="not whole tokens"):
+        layout.moe_routes(every_layer.numpy().reshape(-1)[:-1])
+
+
+class FakeVLLM:
+    """`LLMEngine`'s add_request / step as the vLLM adapter drives them: every step finishes every request with one
+    token; started with enable_return_routed_experts, a finished output carries vLLM's `routed_experts` (each fed
+    token's experts for every decoder layer: the prompt's, [len(prompt), layers, k])."""
+
+    def __init__(self, routed: bool):
+        self.routed, self.waiting = routed, []
+
+    def add_request(self, request_id, prompt, sampling):
+        self.waiting.append((request_id, prompt["prompt_token_ids"]))
+
+    def step(self):
+        from types import SimpleNamespace
+
+        import numpy as np
+
+        outputs = []
+        for request_id, prompt in self.waiting:
+            experts = (np.arange(len(prompt) * 3 * 2, dtype=np.int32).reshape(len(prompt), 3, 2) + len(prompt)) % 8
+            outputs.append(SimpleNamespace(request_id=request_id, finished=True, outputs=[SimpleNamespace(
+                token_ids=[7], logprobs=[{7: SimpleNamespace(logprob=-0.5)}], finish_reason="length",
+                routed_experts=experts if self.routed else None)]))
+        self.waiting = []
+        return outputs
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_the_vllm_adapter_hands_back_the_routed_experts_of_the_moe_layers(sparse_moe_dir, record):
+    import itertools
+    import threading
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rl2.engines.routed_experts import RouteLayout
+    from rl2.engines.vllm import VLLMEngine
+
+    adapter = object.__new__(VLLMEngine)  # the adapter's request loop, without vLLM
+    adapter.engine, adapter.image_processor = FakeVLLM(routed=record), None
+    adapter.routes = RouteLayout.of(sparse_moe_dir) if record else None
+    adapter._params_class, adapter._output_kind, adapter._prompt = lambda **kwargs: kwargs, SimpleNamespace(DELTA=0), dict
+    adapter.generator, adapter.aborting, adapter._ids = torch.Generator().manual_seed(0), threading.Event(), itertools.count()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    generations = adapter.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=1))
+    for prompt, generation in zip(prompts, generations):
+        assert generation.token_ids == [7]
+        if not record:
+            assert generation.routes is None
+            continue
+        every_layer = (np.arange(len(prompt) * 6).reshape(len(prompt), 3, 2) + len(prompt)) % 8
+        assert generation.routes.shape == (len(prompt), 2, 2)  # the prompt and the fed tokens (none), MoE layers
+        assert torch.equal(generation.routes, torch.from_numpy(every_layer[:, [0, 2]]).to(torch.int8))

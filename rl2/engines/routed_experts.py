@@ -1,7 +1,8 @@
 """Routes (R3 routing replay) from an engine that reports each token's experts for every decoder layer.
 
-SGLang (`return_routed_experts`) hands back, per request, the top-k experts of each token it fed through the
-model, `[tokens, decoder layers, k]` int32 (the layers without experts hold filler), base64-encoded. rl2's routes
+SGLang (`return_routed_experts`) and vLLM (`enable_return_routed_experts`) hand back, per finished request, the
+top-k experts of each token they fed through the model, `[tokens, decoder layers, k]` (the layers without experts
+hold filler): SGLang as int32 base64-encoded, vLLM as an array. rl2's routes
 (`Generation.routes`, `rl2.models.routing_replay`) hold the MoE layers alone, in model order, in the smallest
 integer type: `RouteLayout` says which decoder layers those are, read from the model's structure (built on the
 meta device: nothing is allocated).
@@ -47,7 +48,11 @@ class RouteLayout:
     def decode(self, payload: str, dtype: str = "int32") -> torch.Tensor:
         """rl2's routes [tokens, moe layers, k] from an engine's base64 `payload` of [tokens, decoder layers, k]
         expert ids of type `dtype`."""
-        values = np.frombuffer(base64.b64decode(payload), dtype=_DTYPES[dtype])
+        return self.moe_routes(np.frombuffer(base64.b64decode(payload), dtype=_DTYPES[dtype]))
+
+    def moe_routes(self, values: np.ndarray) -> torch.Tensor:
+        """rl2's routes [tokens, moe layers, k] from an engine's expert ids [tokens, decoder layers, k] (or flat)."""
+        values = np.asarray(values)
         per_token = self.decoder_layers * self.top_k
         if values.size % per_token:
             raise ValueError(f"routed experts of {values.size} ids are not whole tokens of {self.decoder_layers} "

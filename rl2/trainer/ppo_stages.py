@@ -167,10 +167,10 @@ def compute_logps(sequences: list[RLSequence], plan: StepPlan, models: StepModel
     metrics: dict[str, float] = {}
     if (plan.actor.router_replay == "r3" and getattr(models.actor, "routing", None) is not None
             and not any("routes" in seq for seq in sequences)):
-        raise ConfigError("actor.router_replay=r3: the rollout recorded no routes for this step's trajectories: "
-                          "rollout.engine=hf and sglang record them (vllm does not yet), for rollouts through an env "
-                          "file (an agent file's or an RL2 HEAD env file's trajectories carry none); use "
-                          "actor.router_replay=r2 or off")
+        raise ConfigError("actor.router_replay=r3: the rollout recorded no routes for this step's trajectories: the "
+                          "engines record them for rollouts through an env file (an agent file's or an RL2 HEAD env "
+                          "file's trajectories carry none), SGLang and vLLM only in versions that return routed "
+                          "experts; use actor.router_replay=r2 or off")
     if plan.proximal_in_update(step):
         pass  # the update's forward pass gives them (`update`, `actor_loss`)
     elif plan.recompute_logprobs and plan.actor.router_replay == "r2" and getattr(models.actor, "routing", None):
