@@ -297,3 +297,25 @@ def test_the_vllm_adapter_hands_back_the_routed_experts_of_the_moe_layers(sparse
         every_layer = (np.arange(len(prompt) * 6).reshape(len(prompt), 3, 2) + len(prompt)) % 8
         assert generation.routes.shape == (len(prompt), 2, 2)  # the prompt and the fed tokens (none), MoE layers
         assert torch.equal(generation.routes, torch.from_numpy(every_layer[:, [0, 2]]).to(torch.int8))
+
+
+def test_a_trajectory_without_routes_among_routed_ones_is_routed_live():
+    """Under r3 a step's sequences carry routes all or none (the packed rows hold them per row): one whose trajectory
+    has none (a refused generation, a prompt at the length limit) gets UNRECORDED routes, routed live; the others
+    keep theirs, UNRECORDED after the last routed token."""
+    from rl2.config import load_config
+    from rl2.rollout.trajectory import Trajectory
+    from rl2.trainer.ppo_stages import sequences_of
+    from rl2.trainer.step_plan import StepPlan
+
+    routes = torch.randint(0, 8, (3, 2, 2), dtype=torch.int8)
+    routed = Trajectory(messages=[], answer=None, group=0, token_ids=[1, 2, 3, 4], action_mask=[0, 0, 1, 1],
+                        logprobs=[0.0] * 4, reward=1.0, routes=routes)
+    refused = Trajectory(messages=[], answer=None, group=0, token_ids=[1, 2], action_mask=[0, 0], logprobs=[0.0] * 2,
+                         errors=["refused"])
+    plan = StepPlan.from_config(load_config(["actor.router_replay=r3"]), 8)
+    first, second = sequences_of([refused, routed], plan)
+    assert first["routes"].shape == (2, 2, 2) and (first["routes"] == UNRECORDED).all()
+    assert torch.equal(second["routes"][:3], routes) and (second["routes"][3] == UNRECORDED).all()
+    off = StepPlan.from_config(load_config([]), 8)
+    assert all("routes" not in seq for seq in sequences_of([refused, routed], off))

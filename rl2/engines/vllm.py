@@ -82,13 +82,13 @@ class VLLMEngine(Engine):
     """vLLM serving `model_path` on this rank (tensor parallel over `tp_size` GPUs of its own)."""
 
     keeps_weights_asleep = True
+    routes: RouteLayout | None = None  # R3: the layout of the routed experts vLLM returns (`record_routes`)
 
     def __init__(self, model_path: str, tokenizer, device: torch.device, dtype: str = "bfloat16", seed: int = 0,
                  max_batch_size: int = 256, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
                  tp_size: int = 1, record_routes: bool = False, **_):
         on_cpu = device.type == "cpu"
-        # R3 (`record_routes`, a mixture-of-experts model): vLLM returns each finished request's routed experts
-        self.routes = RouteLayout.of(model_path) if record_routes else None
+        self.routes = RouteLayout.of(model_path) if record_routes else None  # a MoE model's, else None
         LLM, self._params_class, self._output_kind, self._prompt = load_vllm()
         if on_cpu:  # only once vLLM is there: this turns torch.compile off in the whole process
             os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # else a 13 s compile at the first log-prob request
