@@ -14,6 +14,9 @@ first thing to run on a lent GPU, before timing anything.
   (prefill after cached prefixes);
 - `engine hybrid`: the same on a tiny Qwen3-Next (gated delta-nets beside full attention: the linear-attention
   states kept per slot, `rl2/engines/linear_attention_slots.py`; graphs must not advance them at their warm-ups).
+- `engine routes`: the experts the hf engine records for a tiny MoE's samples (R3), in float32, against a plain
+  forward's over each sample: the share of decisions that differ, per prefill attention and with CUDA graphs on
+  and off (the captured decode writes them too).
 
 Each line prints the worst error and its tolerance; the exit status is 1 if any check fails. On
 CPU the same checks run in float32 with what CPU has (the engine's loop; the fused ring
@@ -39,8 +42,9 @@ from gpu_train import save_shape  # noqa: E402
 from rl2.distributed.ring_attention import FusedBlocks, ring_attention, zigzag_cu_seqlens  # noqa: E402
 from rl2.engines import HFEngine, SamplingParams  # noqa: E402
 from rl2.kernels.attention import available_attention, torch_varlen_attention  # noqa: E402
-from rl2.testing.tiny import build_tiny_tokenizer, sharpen_weights  # noqa: E402
+from rl2.models.routing_replay import RoutingReplay, routing_mismatch  # noqa: E402
 from rl2.testing.tiny_moe import save_tiny_moe  # noqa: E402
+from rl2.testing.tiny import build_tiny_tokenizer, sharpen_weights  # noqa: E402
 
 
 def dense(q, k, v, q_bounds, k_bounds, scale):
@@ -149,6 +153,27 @@ def check_engine(folder: str, device, dtype: str, attention: str, cuda_graphs: b
     return error
 
 
+def check_engine_routes(folder: str, device, attention: str, cuda_graphs: bool) -> float:
+    """The share of the engine's recorded routing decisions (fp32) that a plain forward over the sample makes
+    otherwise."""
+    from transformers import AutoTokenizer
+
+    engine = HFEngine(folder, AutoTokenizer.from_pretrained(folder), device, dtype="float32", seed=0, max_batch_size=4,
+                      cuda_graphs=cuda_graphs, attn_implementation=attention, record_routes=True)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in (40, 70, 5, 33)]
+    prompts = [p for p in prompts for _ in range(3)]  # shared prefixes, more requests than slots
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=list(range(3, 60)))
+    changed = []
+    with RoutingReplay(engine.model) as replay, torch.no_grad():
+        for prompt, generation in zip(prompts, engine.generate(prompts, params)):
+            replay.record()
+            engine.model(input_ids=torch.tensor([prompt + generation.token_ids], device=device), use_cache=False)
+            changed.append(routing_mismatch(replay.routes()[:, :-1].cpu(), generation.routes.transpose(0, 1)))
+    engine.shutdown()
+    return max(changed)
+
+
 def save_peaked_tiny_model(folder: str) -> None:
     """The tiny shape with larger random weights: varied, peaked next-token distributions, so a wrong
     attention mask shows in the log-probs (at the default init they are nearly uniform)."""
@@ -184,12 +209,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as hybrid:
         save_peaked_tiny_model(folder)
         save_tiny_moe(hybrid, "qwen3_next")
+        moe = save_tiny_moe(os.path.join(folder, "moe"), "qwen3_moe")
         for model, kind in ((folder, ""), (hybrid, " hybrid")):
             for attention in attentions:
                 for cuda_graphs in graphs:
                     name = f"engine{kind} {attention}{', graphs' if cuda_graphs else ''}"
                     checks.append((name, functools.partial(check_engine, model, device, engine_dtype, attention,
                                                            cuda_graphs), logprob_tolerance))
+        for attention in attentions:
+            for cuda_graphs in graphs:
+                # fp32 kernels differ in the last bits: a rare near-tie may flip (a misplaced route flips most)
+                checks.append((f"engine routes {attention}{', graphs' if cuda_graphs else ''}",
+                               functools.partial(check_engine_routes, moe, device, attention, cuda_graphs),
+                               0.01 if cuda else 0.0))
         for name, check, limit in checks:
             try:
                 error = check()

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -182,6 +183,48 @@ def test_server_args_from_the_config_reach_the_engine(stand_in, tiny_model_dir, 
     assert engine.engine.args["attention_backend"] == "torch_native"
     assert engine.engine.args["mem_fraction_static"] == 0.3
     engine.shutdown()
+
+
+def test_r3_asks_sglang_for_the_routed_experts_and_hands_back_the_moe_layers(stand_in, tmp_path):
+    """actor.router_replay=r3 with rollout.engine=sglang on a MoE model: the engine starts with
+    enable_return_routed_experts, each request asks for them, and each generation's routes (SGLang's over every
+    decoder layer, the MoE layers kept) are those a plain forward over the sample routes, cut with a stop string's
+    cut; without r3 nothing is asked for."""
+    from rl2.models.routing_replay import RoutingReplay
+    from rl2.testing.tiny_moe import save_tiny_moe
+
+    moe = save_tiny_moe(str(tmp_path / "moe"), "qwen3_moe")
+    tokenizer = AutoTokenizer.from_pretrained(moe)
+    plain = AutoModelForCausalLM.from_pretrained(moe, dtype=torch.float32)
+
+    def plain_routes(tokens):
+        with RoutingReplay(plain) as replay, torch.no_grad():
+            replay.record()
+            plain(input_ids=torch.tensor([tokens]), use_cache=False)
+            return replay.routes().transpose(0, 1)[:-1]
+
+    def engine_for(*overrides):
+        config = load_config(["rollout.engine=sglang", f"actor.model_name={moe}", "actor.dtype=float32", *overrides])
+        with patch("rl2.engines.sglang.load_sglang", return_value=stand_in):
+            return build_engine_from_config(config.rollout, config.actor, tokenizer, seed=1)
+
+    engine = engine_for("actor.router_replay=r3")
+    assert engine.engine.args["enable_return_routed_experts"] is True
+    prompts = [list(range(5, 5 + n)) for n in (3, 20, 9)]
+    generations = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10))
+    for prompt, generation in zip(prompts, generations):
+        assert generation.routes.dtype == torch.int8
+        assert torch.equal(generation.routes, plain_routes(prompt + generation.token_ids))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=10)
+    whole = engine.generate(prompts[1:2], greedy)[0]
+    cut = engine.generate(prompts[1:2], replace(greedy, stop=[tokenizer.decode(whole.token_ids[2:4])]))[0]
+    assert len(cut.token_ids) < len(whole.token_ids) and len(cut.routes) == len(prompts[1]) + len(cut.token_ids) - 1
+    assert torch.equal(cut.routes, plain_routes(prompts[1] + cut.token_ids))
+    engine.shutdown()
+    off = engine_for()
+    assert "enable_return_routed_experts" not in off.engine.args
+    assert off.generate(prompts[:1], greedy)[0].routes is None
+    off.shutdown()
 
 
 def test_server_args_are_checked_with_the_config(tiny_model_dir):

@@ -33,16 +33,17 @@ def build_engine(
 
 def build_engine_from_config(rollout: RolloutConfig, policy: ModelConfig, tokenizer, seed: int) -> Engine:
     """The `rollout.engine` serving `policy.model_name` on this rank in `rollout.dtype` (else the policy's),
-    with the rollout section's options."""
+    with the rollout section's options; under actor.router_replay=r3 the engine records routes."""
+    record_routes = getattr(policy, "router_replay", "off") == "r3"
     options = {"max_batch_size": rollout.max_batch_size, "cuda_graphs": rollout.cuda_graphs,
-               "attn_implementation": rollout.attn_implementation}
+               "attn_implementation": rollout.attn_implementation, "record_routes": record_routes}
     if rollout.engine == "sglang":
         options = {"tp_size": rollout.tp_size, "memory_fraction": rollout.gpu_memory_utilization,
                    "bucket_mb": rollout.sync_bucket_mb, "server_args": dict(rollout.server_args),
-                   "image_embedding_cache": policy.freeze_vision}
+                   "image_embedding_cache": policy.freeze_vision, "record_routes": record_routes}
     if rollout.engine == "vllm":
         options = {"tp_size": rollout.tp_size, "gpu_memory_utilization": rollout.gpu_memory_utilization,
-                   "max_batch_size": rollout.max_batch_size}
+                   "max_batch_size": rollout.max_batch_size, "record_routes": record_routes}
     dtype = rollout.dtype or policy.dtype
     return build_engine(rollout.engine, policy.model_name, tokenizer, device(), dtype, seed=seed, **options)
 

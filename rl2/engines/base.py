@@ -64,7 +64,10 @@ class Generation:
     completed a stop string). `logprobs[i]` is log p(token_ids[i]) under softmax(logits / T),
     T the temperature (T = 1 when greedy); top_p / top_k filtering does not change them.
     `finish_reason` is "stop", "length" or "abort" (cut short by `Engine.abort` or refused by
-    the engine; `error` then says why).
+    the engine; `error` then says why). `routes`, where the engine records them (R3 routing replay, a
+    mixture-of-experts model): the experts each token of the prompt and each generated token but the last (the
+    one no forward fed back) was routed to, [len(prompt) + len(token_ids) - 1, moe layers, k] int8/int16
+    (`rl2.models.routing_replay`).
     """
 
     token_ids: list[int]
@@ -72,6 +75,7 @@ class Generation:
     finish_reason: str
     error: str | None = None
     stream: tuple[int, int] | None = None  # the random stream it drew from, where the engine has one (`Turn.stream`)
+    routes: torch.Tensor | None = None
 
     @staticmethod
     def refused(why: str) -> "Generation":
@@ -229,5 +233,8 @@ def _within(generation: Generation, max_new_tokens: int) -> Generation:
     if len(generation.token_ids) <= max_new_tokens:
         return generation
     reason = "abort" if generation.finish_reason == "abort" else "length"
+    routes = generation.routes
+    if routes is not None:  # the tokens cut off were not fed back either
+        routes = routes[: len(routes) - (len(generation.token_ids) - max_new_tokens)]
     return dataclasses.replace(generation, token_ids=generation.token_ids[:max_new_tokens],
-                               logprobs=generation.logprobs[:max_new_tokens], finish_reason=reason)
+                               logprobs=generation.logprobs[:max_new_tokens], finish_reason=reason, routes=routes)

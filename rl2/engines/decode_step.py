@@ -8,6 +8,7 @@ power of two from `MIN_KV_BUCKET`, both capped at the cache's size. On CPU the s
 eagerly at the exact sizes.
 """
 
+import contextlib
 import logging
 
 import torch
@@ -38,6 +39,9 @@ class DecodeStep:
 
     With `mrope` (a Qwen-VL model) a token at cache position p is rotated by p + `rope_deltas[slot]` in
     its three mRoPE rows: the engine sets a slot's delta when it prefills the slot's prompt.
+
+    Where the cache keeps routes (`KVSlots.keep_routes`), each row's experts are written beside its key, in
+    the captured graphs too.
     """
 
     def __init__(self, model: nn.Module, kv: KVSlots, use_graphs: bool, mrope: bool = False):
@@ -86,14 +90,19 @@ class DecodeStep:
             rows = input_ids.shape[0]
             rotated = position_ids + (self.rope_deltas[:rows] if slots is None else self.rope_deltas[slots])[:, None]
             position_ids = torch.stack([position_ids, rotated, rotated, rotated])
-        return self.model(
-            input_ids=input_ids[:, None],
-            position_ids=position_ids,
-            attention_mask=self.no_masks,
-            kv_slots=self.kv,
-            kv_plan=plan,
-            use_cache=False,
-        ).logits[:, -1]
+        routed = contextlib.nullcontext()
+        if self.kv.route_shape is not None:  # routes kept (R3): row r's token goes where its key goes
+            rows = torch.arange(input_ids.shape[0], device=input_ids.device) if slots is None else slots
+            routed = self.kv.routing_to(rows, write_positions)
+        with routed:
+            return self.model(
+                input_ids=input_ids[:, None],
+                position_ids=position_ids,
+                attention_mask=self.no_masks,
+                kv_slots=self.kv,
+                kv_plan=plan,
+                use_cache=False,
+            ).logits[:, -1]
 
     def _capture(self, rows: int, kv_length: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         ids, positions = self.static_ids[:rows], self.static_positions[:rows]

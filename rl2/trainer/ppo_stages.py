@@ -118,7 +118,7 @@ def sequences_of(trajectories: list[Trajectory], plan: StepPlan) -> list[RLSeque
     error, an aborted generation) stays in the batch, so groups keep their shape, but carries no loss and
     does not count in its group's baseline. With overlong filtering a truncated one carries no loss either,
     but counts in the baseline."""
-    return [
+    sequences = [
         {
             "input_ids": torch.tensor(t.token_ids),
             "loss_mask": torch.tensor(t.action_mask, dtype=torch.float32)
@@ -130,6 +130,12 @@ def sequences_of(trajectories: list[Trajectory], plan: StepPlan) -> list[RLSeque
         }
         for t in trajectories
     ]
+    recorded = next((seq["routes"] for seq in sequences if "routes" in seq), None)
+    if recorded is not None:  # e.g. a refused generation's trajectory: routed live, as the packed rows need all or none
+        for seq in sequences:
+            if "routes" not in seq:
+                seq["routes"] = recorded.new_full((len(seq["input_ids"]), *recorded.shape[1:]), UNRECORDED)
+    return sequences
 
 
 def route_fields(trajectory: Trajectory, plan: StepPlan) -> dict[str, torch.Tensor]:
@@ -161,8 +167,10 @@ def compute_logps(sequences: list[RLSequence], plan: StepPlan, models: StepModel
     metrics: dict[str, float] = {}
     if (plan.actor.router_replay == "r3" and getattr(models.actor, "routing", None) is not None
             and not any("routes" in seq for seq in sequences)):
-        raise ConfigError("actor.router_replay=r3: the rollout engine recorded no routes for this step's trajectories "
-                          "(the engines do not hand them to the rollout yet); use actor.router_replay=r2 or off")
+        raise ConfigError("actor.router_replay=r3: the rollout recorded no routes for this step's trajectories: the "
+                          "engines record them for rollouts through an env file (an agent file's or an RL2 HEAD env "
+                          "file's trajectories carry none), SGLang and vLLM only in versions that return routed "
+                          "experts; use actor.router_replay=r2 or off")
     if plan.proximal_in_update(step):
         pass  # the update's forward pass gives them (`update`, `actor_loss`)
     elif plan.recompute_logprobs and plan.actor.router_replay == "r2" and getattr(models.actor, "routing", None):

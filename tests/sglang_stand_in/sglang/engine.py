@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import torch
 from transformers.core_model_loading import revert_weight_conversion
 
+from rl2.engines.routed_experts import RouteLayout
 from sglang.srt.utils import producer_and_payload
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
@@ -57,8 +58,11 @@ class Engine:
         multiprocessing.set_start_method("spawn", force=True)
         no_tokenizer = SimpleNamespace(eos_token_id=None, pad_token_id=None)  # eos from the model's config
         dtype = kwargs.get("dtype", "float32")
+        # SGLang's --enable-return-routed-experts: the embedded engine records them (a MoE model's)
+        self.return_routes = kwargs.get("enable_return_routed_experts", False)
         self.hf = HFEngine(kwargs["model_path"], no_tokenizer, "cpu", dtype=dtype if dtype != "auto" else "float32",
-                           seed=kwargs["random_seed"])
+                           seed=kwargs["random_seed"], record_routes=self.return_routes)
+        self.route_layout = RouteLayout.of(kwargs["model_path"]) if self.return_routes else None
         self.context_length = getattr(self.hf.model.config, "max_position_embeddings", 1 << 30)
         self.tokenizer_manager = SimpleNamespace(abort_request=self._abort_request)
         # SGLang's Engine drives its tokenizer manager (and its ZMQ sockets) from this loop, in the thread
@@ -75,9 +79,12 @@ class Engine:
 
     # ---- generation ------------------------------------------------------------------------
 
-    def generate(self, input_ids=None, sampling_params=None, return_logprob=False, image_data=None, **kwargs):
+    def generate(self, input_ids=None, sampling_params=None, return_logprob=False, image_data=None,
+                 return_routed_experts=False, **kwargs):
         from rl2.engines.base import SamplingParams
 
+        if return_routed_experts and not self.return_routes:
+            raise ValueError("return_routed_experts needs the engine started with enable_return_routed_experts")
         if self.released:
             raise RuntimeError(f"generate with released memory {sorted(self.released)}: SGLang would crash here")
         single = bool(input_ids) and isinstance(input_ids[0], int)
@@ -115,6 +122,8 @@ class Engine:
                 else:
                     reason = {"type": "abort", "message": "Abort in waiting queue"}
                 outputs[i] = _output(generation.token_ids, generation.logprobs, reason, return_logprob)
+                if return_routed_experts and generation.routes is not None:  # int32 [prompt + output - 1, decoder layers, k], base64 (SGLang's)
+                    outputs[i]["meta_info"]["routed_experts"] = self.route_layout.encode(generation.routes)
         return outputs[0] if single else outputs
 
     def _images(self, prompts, image_data) -> list:
