@@ -28,8 +28,8 @@ def test_gpu_checks_run_on_cpu(tmp_path):
                             timeout=300, env={**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
-    assert len(lines) == 5 and all(line.startswith("PASS") for line in lines), result.stdout
-    assert "5 of 5 checks passed" in result.stdout
+    assert len(lines) == 6 and all(line.startswith("PASS") for line in lines), result.stdout
+    assert "6 of 6 checks passed" in result.stdout
 
 
 def test_varlen_check_tells_the_mask_alignment(monkeypatch):
