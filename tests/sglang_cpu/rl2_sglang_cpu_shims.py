@@ -1,5 +1,6 @@
-"""Shims that let the real SGLang run on a CPU machine without CUDA, in `make test-sglang`'s virtual environment
-only (its .pth file imports this module at start-up and calls `install()`; nothing of rl2's imports it).
+"""Shims that let the real SGLang run on a CPU machine without CUDA, in `make test-sglang`'s virtual environments
+(and vLLM's Qwen-VL models, for the torchvision part, in `make test-vllm`'s): their .pth file imports this module at
+start-up and calls `install()`; nothing of rl2's imports it.
 
 - `sgl_kernel`: SGLang's kernel package is built for CUDA alone (its wheels fail to import without libcuda.so.1).
   On a CPU without AMX SGLang takes its pure-torch paths and only *imports* kernel names at module load. This is
