@@ -1,12 +1,15 @@
 """PPO/GRPO with images (issue 68): a fixed batch of trajectories whose prompts hold images goes through the
 stages of a PPO step on a tiny random Qwen2.5-VL. The log-probs the trainer computes equal a plain transformers
 forward of each sequence alone with its images; 2 gloo ranks, one of them without an image, update the policy
-as 1 rank does; the vision tower stays frozen while the text model trains. A vision-language run that rl2
-cannot train yet (a critic, per-turn sequences, a text-only teacher) is refused before any model loads."""
+as 1 rank does; the vision tower stays frozen while the text model trains. A vision-language critic's values of
+rows that mix sequences with and without images equal each sequence's alone, and it saves and reloads to the
+same values. A vision-language run that rl2 cannot train (a text-only critic or teacher, per-turn sequences) is
+refused before any model loads."""
 
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from conftest import run_torchrun
@@ -53,7 +56,7 @@ def run_step(model_dir, tmp_path, nproc: int, *extra: str) -> dict:
     batch, out = tmp_path / f"batch_{nproc}.pt", tmp_path / f"out_{nproc}.pt"
     torch.save(trajectories(model_dir), batch)
     run_torchrun([WORKER, model_dir, str(batch), str(out), *ARGS, *extra], nproc=nproc, timeout=300)
-    return torch.load(out, weights_only=False)
+    return {**torch.load(out, weights_only=False), "critic_dir": f"{out}.critic"}
 
 
 def reference_and_teacher(model_dir: str) -> list[str]:
@@ -142,13 +145,62 @@ def test_lora_on_two_ranks_trains_the_text_models_adapters_against_the_base_as_r
         assert torch.equal(old, ref)
 
 
+def hf_values(model_dir: str, score: dict[str, torch.Tensor], trajectory: dict) -> torch.Tensor:
+    """The critic's values of the sequence alone with its images: the head `score` over the last hidden states of
+    transformers' own image-text-to-text model's backbone; value[t] is the head's output at t - 1, 0 at t = 0."""
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    ids = torch.tensor([trajectory["token_ids"]])
+    images = trajectory["images"] or {}
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).long(),
+                             **images).last_hidden_state[0]
+    out = hidden @ score["score.weight"][0] + score["score.bias"][0]
+    return torch.cat([torch.zeros(1), out[:-1]])
+
+
+@pytest.fixture(scope="module")
+def with_critic(vlm_dir, tmp_path_factory) -> dict:
+    """A GAE step with a vision-language critic (the actor's model with a fresh value head) on one rank: its
+    rows mix sequences with and without images."""
+    return run_step(vlm_dir, tmp_path_factory.mktemp("critic"), 1, "adv.estimator=gae", "critic.lr=1e-2",
+                    "critic.warmup_ratio=0", "critic.max_length_per_device=512")
+
+
+def test_critic_values_equal_each_sequence_alone_with_its_images(with_critic, vlm_dir):
+    batch = trajectories(vlm_dir)
+    score = {name: with_critic["critic_before"][name] for name in ("score.weight", "score.bias")}
+    for trajectory, values in zip(batch, with_critic["old_values"]):
+        torch.testing.assert_close(values, hf_values(vlm_dir, score, trajectory), rtol=0, atol=1e-5)
+    images = batch[0]["images"]  # the values read the images
+    blank = hf_values(vlm_dir, score, {**batch[0], "images": {**images, "pixel_values": torch.zeros_like(images["pixel_values"])}})
+    assert (blank - with_critic["old_values"][0]).abs().max() > 1e-4
+
+
+def test_the_critic_trains_its_text_model_and_head_and_reloads_to_the_same_values(with_critic):
+    before = with_critic["critic_before"]
+    metrics = with_critic["metrics"]
+    assert metrics["critic/grad_norm"] > 0 and "critic/loss" in metrics
+    visual = [name for name in before if ".visual." in name]
+    assert visual and "score.weight" in before and "lm_head.weight" not in before
+    saved = load_file(f"{with_critic['critic_dir']}/model.safetensors")
+    assert saved.keys() == before.keys()  # transformers' names: model.visual.*, model.language_model.*, score.*
+    assert all(torch.equal(before[name], saved[name]) for name in visual)  # critic.freeze_vision (default on)
+    assert not torch.equal(before["score.weight"], saved["score.weight"])
+    assert any(not torch.equal(before[name], saved[name]) for name in before if ".language_model.layers." in name)
+    for after, reloaded in zip(with_critic["values_after"], with_critic["values_reloaded"]):
+        torch.testing.assert_close(reloaded, after, rtol=0, atol=1e-6)
+    assert any(not torch.equal(old, after) for old, after in zip(with_critic["old_values"], with_critic["values_after"]))
+
+
 def test_runs_rl2_cannot_train_with_images_yet_are_refused(vlm_dir, tiny_model_dir):
     base = [f"actor.model_name={vlm_dir}"]
-    for extra, words in ((["adv.estimator=gae"], "critic"), (["rollout.trajectory_format=per_turn"], "per_turn"),
+    for extra, words in ((["adv.estimator=gae", f"critic.model_name={tiny_model_dir}"], "critic"),
+                         (["rollout.trajectory_format=per_turn"], "per_turn"),
                          ([f"teacher.model_name={tiny_model_dir}", "distill.coef=1"], "text-only")):
         with pytest.raises(ConfigError, match=words):
             check_vision_run(load_config([*base, *extra], "ppo"))
     check_vision_run(load_config(base, "ppo"))
+    check_vision_run(load_config([*base, "adv.estimator=gae"], "ppo"))  # the actor's model as critic
     check_vision_run(load_config([f"actor.model_name={tiny_model_dir}"], "ppo"))
 
 

@@ -8,5 +8,7 @@
   into one row;
 - `placeholder`: a one-token blank image for rows without one, so the vision tower runs on every FSDP rank;
 - `forward`: the stock transformers model over one packed row, text attention varlen, vision attention sdpa;
-- `tower`: the vision tower found, frozen, and kept free of LoRA adapters.
+- `tower`: the vision tower found, frozen, and kept free of LoRA adapters;
+- `value_model`: the token- and sequence-classification classes (a critic's, a reward model's) that transformers
+  has for text models only: the backbone with a `score` head.
 """
