@@ -13,10 +13,16 @@ from safetensors.torch import load_file
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from conftest import run_torchrun
-from rl2.config import ConfigError, load_config
+from rl2.config import ConfigError, DataConfig, load_config
 from rl2.distributed.packing import plan_grouped_micro_batches
+from rl2.engines import SamplingParams
+from rl2.rollout.env import Env
+from rl2.rollout.images import RolloutImages
+from rl2.rollout.multi_turn import rollout
 from rl2.trainer.ppo import check_vision_run
-from rl2.vision.inputs import build_vision_sample
+from rl2.vision.image_inputs import ImageInputs
+from rl2.vision.inputs import build_vision_sample, text_messages
+from scripted_engine import ScriptedEngine
 
 WORKER = "tests/workers/vision_ppo_step.py"
 GROUP_SIZE = 2
@@ -192,15 +198,89 @@ def test_the_critic_trains_its_text_model_and_head_and_reloads_to_the_same_value
     assert any(not torch.equal(old, after) for old, after in zip(with_critic["old_values"], with_critic["values_after"]))
 
 
+TOOL_ENV = """
+from PIL import Image
+
+def interact(messages):
+    if "look" in messages[-1]["content"]:
+        return [{"role": "user", "content": [{"type": "text", "text": "here:"},
+                                             {"type": "image", "image": Image.new("RGB", (84, 56), (0, 0, 255))}]}]
+    return []
+
+def reward_fn(messages, answer):
+    return 0.0
+"""
+
+
+class ImageScriptedEngine(ScriptedEngine):
+    """Scripted replies (`ScriptedEngine`) to prompts that hold images."""
+
+    def generate(self, prompts, params, images=None):
+        return super().generate(prompts, params)
+
+
+def per_turn_trajectories(model_dir: str, tmp_path) -> list[dict]:
+    """Two groups of two per-turn trajectories of two turns, from a rollout whose tool returns an image: the first
+    group's prompt holds an image (its turns' sequences hold 1, then 2 images), the second's none (0, then 1)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    red = Image.new("RGB", (56, 56), (200, 30, 30))
+    rows = [{"messages": [{"role": "user", "content": "<image> what colour?"}], "images": [red], "answer": "r"},
+            {"messages": [{"role": "user", "content": "say a word"}], "images": [], "answer": "w"}]
+    env_path = tmp_path / "env.py"
+    env_path.write_text(TOOL_ENV)
+    images = RolloutImages.for_model(model_dir, DataConfig(), tokenizer)
+    prompts = [{"prompt_ids": build_vision_sample(row, i, tokenizer, images.processing.image_processor,
+                                                  add_generation_prompt=True)["input_ids"].tolist(),
+                "messages": text_messages(row["messages"], row["images"], "test")[0], "answer": row["answer"],
+                "images": ImageInputs.of_sample(build_vision_sample(row, i, tokenizer, images.processing.image_processor,
+                                                                    add_generation_prompt=True))}
+               for i, row in enumerate(rows)]
+    engine = ImageScriptedEngine(tokenizer, lambda text: "blue sky" if "here:" in text else "look")
+    with Env(str(env_path), need_interact=True) as env:
+        rolled = rollout(engine, env, tokenizer, prompts, GROUP_SIZE, SamplingParams(temperature=0.0, max_new_tokens=8),
+                         max_turns=2, images=images, per_turn=True)
+    images.close()
+    batch = []
+    for i, t in enumerate(rolled):
+        assert t.errors == [] and t.turn_images == ([1, 2] if i < 2 else [0, 1])
+        batch.append({"token_ids": t.token_ids, "action_mask": t.action_mask, "logprobs": t.logprobs,
+                      "reward": [1.0, 0.0, 0.0, 1.0][i], "group": t.group, "turn_starts": t.turn_starts,
+                      "turn_images": t.turn_images,
+                      "images": {"pixel_values": t.images.pixel_values, "image_grid_thw": t.images.image_grid_thw}})
+    return batch
+
+
+def test_per_turn_sequences_with_tool_images_have_the_logps_of_each_sequence_alone_with_its_images(vlm_dir, tmp_path):
+    """rollout.trajectory_format=per_turn with a tool that returns an image: each turn's sequence (the conversation
+    so far) is scored with the images it holds (the first `turn_images[k]` of the trajectory's), as transformers'
+    own forward of that sequence alone with them gives; the step trains."""
+    batch = per_turn_trajectories(vlm_dir, tmp_path)
+    torch.save(batch, tmp_path / "batch.pt")
+    out = tmp_path / "out.pt"
+    run_torchrun([WORKER, vlm_dir, str(tmp_path / "batch.pt"), str(out), *ARGS, "rollout.trajectory_format=per_turn"],
+                 nproc=1, timeout=300)
+    result = torch.load(out, weights_only=False)
+    assert result["metrics"]["actor/grad_norm"] > 0
+    for trajectory, old in zip(batch, result["old_logps"]):
+        bounds = [*trajectory["turn_starts"], len(trajectory["token_ids"])]
+        grid, pixels = trajectory["images"]["image_grid_thw"], trajectory["images"]["pixel_values"]
+        for start, end, count in zip(bounds, bounds[1:], trajectory["turn_images"]):
+            images = {"pixel_values": pixels[:int(grid[:count].prod(-1).sum())], "image_grid_thw": grid[:count]}
+            sequence = {"token_ids": trajectory["token_ids"][start:end], "images": images if count else None}
+            mask = torch.tensor(trajectory["action_mask"][start:end], dtype=torch.bool)
+            assert mask.any()
+            torch.testing.assert_close(old[start:end][mask], hf_logps(vlm_dir, sequence)[mask], rtol=0, atol=1e-5)
+
+
 def test_runs_rl2_cannot_train_with_images_yet_are_refused(vlm_dir, tiny_model_dir):
     base = [f"actor.model_name={vlm_dir}"]
     for extra, words in ((["adv.estimator=gae", f"critic.model_name={tiny_model_dir}"], "critic"),
-                         (["rollout.trajectory_format=per_turn"], "per_turn"),
                          ([f"teacher.model_name={tiny_model_dir}", "distill.coef=1"], "text-only")):
         with pytest.raises(ConfigError, match=words):
             check_vision_run(load_config([*base, *extra], "ppo"))
     check_vision_run(load_config(base, "ppo"))
     check_vision_run(load_config([*base, "adv.estimator=gae"], "ppo"))  # the actor's model as critic
+    check_vision_run(load_config([*base, "rollout.trajectory_format=per_turn"], "ppo"))
     check_vision_run(load_config([f"actor.model_name={tiny_model_dir}"], "ppo"))
 
 
