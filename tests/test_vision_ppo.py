@@ -3,8 +3,12 @@ stages of a PPO step on a tiny random Qwen2.5-VL. The log-probs the trainer comp
 forward of each sequence alone with its images; 2 gloo ranks, one of them without an image, update the policy
 as 1 rank does; the vision tower stays frozen while the text model trains. A vision-language critic's values of
 rows that mix sequences with and without images equal each sequence's alone, and it saves and reloads to the
-same values. A vision-language run that rl2 cannot train (a text-only critic or teacher, per-turn sequences) is
-refused before any model loads."""
+same values. Trajectories of several sequences (per turn, with a tool that returns an image; an agent's
+conversations) give each sequence its own images. A vision-language run that rl2 cannot train (a text-only critic
+or teacher) is refused before any model loads."""
+
+import base64
+import io
 
 import pytest
 import torch
@@ -13,15 +17,19 @@ from safetensors.torch import load_file
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from conftest import run_torchrun
+from rl2.chat.tool_parsers import get_tool_parser
 from rl2.config import ConfigError, DataConfig, load_config
 from rl2.distributed.packing import plan_grouped_micro_batches
-from rl2.engines import SamplingParams
+from rl2.engines import HFEngine, SamplingParams
+from rl2.rollout.agent_rollout import AgentFile, agent_rollout
 from rl2.rollout.env import Env
 from rl2.rollout.images import RolloutImages
 from rl2.rollout.multi_turn import rollout
 from rl2.trainer.ppo import check_vision_run
 from rl2.vision.image_inputs import ImageInputs
+from rl2.serve.openai_server import OpenAIServer
 from rl2.vision.inputs import build_vision_sample, text_messages
+from rl2.vision.processing import ImageProcessing
 from scripted_engine import ScriptedEngine
 
 WORKER = "tests/workers/vision_ppo_step.py"
@@ -240,36 +248,89 @@ def per_turn_trajectories(model_dir: str, tmp_path) -> list[dict]:
         rolled = rollout(engine, env, tokenizer, prompts, GROUP_SIZE, SamplingParams(temperature=0.0, max_new_tokens=8),
                          max_turns=2, images=images, per_turn=True)
     images.close()
-    batch = []
     for i, t in enumerate(rolled):
-        assert t.errors == [] and t.turn_images == ([1, 2] if i < 2 else [0, 1])
-        batch.append({"token_ids": t.token_ids, "action_mask": t.action_mask, "logprobs": t.logprobs,
-                      "reward": [1.0, 0.0, 0.0, 1.0][i], "group": t.group, "turn_starts": t.turn_starts,
-                      "turn_images": t.turn_images,
-                      "images": {"pixel_values": t.images.pixel_values, "image_grid_thw": t.images.image_grid_thw}})
-    return batch
+        assert t.errors == [] and t.turn_images == ([[0, 1], [0, 2]] if i < 2 else [[0, 0], [0, 1]])
+    return batch_of(rolled)
 
 
-def test_per_turn_sequences_with_tool_images_have_the_logps_of_each_sequence_alone_with_its_images(vlm_dir, tmp_path):
-    """rollout.trajectory_format=per_turn with a tool that returns an image: each turn's sequence (the conversation
-    so far) is scored with the images it holds (the first `turn_images[k]` of the trajectory's), as transformers'
-    own forward of that sequence alone with them gives; the step trains."""
-    batch = per_turn_trajectories(vlm_dir, tmp_path)
+def batch_of(rolled: list) -> list[dict]:
+    """The fields of rolled-out trajectories that the step worker reads, rewards differing within each group."""
+    return [{"token_ids": t.token_ids, "action_mask": t.action_mask, "logprobs": t.logprobs,
+             "reward": [1.0, 0.0, 0.0, 1.0][i], "group": t.group, "turn_starts": t.turn_starts,
+             "turn_images": t.turn_images,
+             "images": {"pixel_values": t.images.pixel_values, "image_grid_thw": t.images.image_grid_thw}}
+            for i, t in enumerate(rolled)]
+
+
+def assert_each_sequence_scores_as_alone_with_its_images(model_dir: str, batch: list[dict], tmp_path, *extra: str):
+    """A step on `batch` (several sequences per trajectory) trains, and each sequence's old log-probs are those of
+    transformers' own forward of that sequence alone with the images `turn_images` gives it."""
     torch.save(batch, tmp_path / "batch.pt")
     out = tmp_path / "out.pt"
-    run_torchrun([WORKER, vlm_dir, str(tmp_path / "batch.pt"), str(out), *ARGS, "rollout.trajectory_format=per_turn"],
-                 nproc=1, timeout=300)
+    run_torchrun([WORKER, model_dir, str(tmp_path / "batch.pt"), str(out), *ARGS, *extra], nproc=1, timeout=300)
     result = torch.load(out, weights_only=False)
     assert result["metrics"]["actor/grad_norm"] > 0
     for trajectory, old in zip(batch, result["old_logps"]):
         bounds = [*trajectory["turn_starts"], len(trajectory["token_ids"])]
         grid, pixels = trajectory["images"]["image_grid_thw"], trajectory["images"]["pixel_values"]
-        for start, end, count in zip(bounds, bounds[1:], trajectory["turn_images"]):
-            images = {"pixel_values": pixels[:int(grid[:count].prod(-1).sum())], "image_grid_thw": grid[:count]}
+        for start, end, (first, count) in zip(bounds, bounds[1:], trajectory["turn_images"]):
+            patches = grid.prod(-1).cumsum(0).tolist()
+            begin = patches[first - 1] if first else 0
+            images = {"pixel_values": pixels[begin:patches[first + count - 1] if count else begin],
+                      "image_grid_thw": grid[first:first + count]}
             sequence = {"token_ids": trajectory["token_ids"][start:end], "images": images if count else None}
             mask = torch.tensor(trajectory["action_mask"][start:end], dtype=torch.bool)
             assert mask.any()
-            torch.testing.assert_close(old[start:end][mask], hf_logps(vlm_dir, sequence)[mask], rtol=0, atol=1e-5)
+            torch.testing.assert_close(old[start:end][mask], hf_logps(model_dir, sequence)[mask], rtol=0, atol=1e-5)
+
+
+def test_per_turn_sequences_with_tool_images_have_the_logps_of_each_sequence_alone_with_its_images(vlm_dir, tmp_path):
+    """rollout.trajectory_format=per_turn with a tool that returns an image: each turn's sequence (the conversation
+    so far) is scored with the images it holds (`turn_images[k]`: the first 1 or 2 of the trajectory's), as transformers'
+    own forward of that sequence alone with them gives; the step trains."""
+    assert_each_sequence_scores_as_alone_with_its_images(vlm_dir, per_turn_trajectories(vlm_dir, tmp_path), tmp_path,
+                                                         "rollout.trajectory_format=per_turn")
+
+
+AGENT = """
+async def run(row, client):
+    for content in row["requests"]:  # each a new conversation: a sequence of its own
+        await client.chat.completions.create(model="rl2", messages=[{"role": "user", "content": content}],
+                                             max_tokens=4)
+    return 1.0
+"""
+
+
+def data_uri(colour) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (56, 84), colour).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_an_agents_sequences_with_images_have_the_logps_of_each_sequence_alone_with_its_images(vlm_dir, tmp_path):
+    """An agent file's requests with `image_url` data URIs through rl2's OpenAI server (the `hf` engine): each of
+    its conversations is a sequence of its trajectory holding its own images (`turn_images`: the first, then the
+    second image; for a group whose first conversation has none: none, then the first); a step on them scores
+    each sequence as transformers' forward of it alone with its images."""
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    red, blue = data_uri((200, 30, 30)), data_uri((30, 30, 200))
+    image = lambda uri, text: [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": text}]
+    rows = [{"requests": [image(red, "what colour?"), image(blue, "and this one?")]},
+            {"requests": ["say a word", image(blue, "what is this?")]}]
+    prompts = [{"messages": [], "prompt_ids": [1], "row": row} for row in rows]
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    server = OpenAIServer(tokenizer, image_processing=ImageProcessing.from_pretrained(vlm_dir))
+    try:
+        rolled = agent_rollout(server, HFEngine(vlm_dir, tokenizer, torch.device("cpu")), AgentFile(str(agent)),
+                               tokenizer, get_tool_parser("hermes"), prompts, GROUP_SIZE,
+                               SamplingParams(temperature=1.0, max_new_tokens=4), 8, 4096)
+    finally:
+        server.close()
+    for i, t in enumerate(rolled):
+        assert t.errors == [] and len(t.turn_starts) == 2
+        assert t.turn_images == ([[0, 1], [1, 1]] if i < 2 else [[0, 0], [0, 1]])
+    assert_each_sequence_scores_as_alone_with_its_images(vlm_dir, batch_of(rolled), tmp_path)
 
 
 def test_runs_rl2_cannot_train_with_images_yet_are_refused(vlm_dir, tiny_model_dir):

@@ -214,8 +214,8 @@ def test_a_tool_that_returns_an_image_adds_it_to_the_next_turns_images(rows, tok
 
 def test_per_turn_each_turns_sequence_holds_the_images_of_the_conversation_so_far(rows, tokenizer, images, tmp_path):
     """rollout.trajectory_format=per_turn: the second turn's sequence is the whole conversation rendered again, the
-    prompt's image and the tool's both expanded; `turn_images` says how many of the trajectory's images each turn's
-    sequence holds (a prompt without images: 0, then 1), and the engine's turns carry exactly those. The state
+    prompt's image and the tool's both expanded; `turn_images` says which of the trajectory's images each turn's
+    sequence holds (the first 1, then 2; for a prompt without images none, then the first), and the engine's turns carry exactly those. The state
     round-trips through a checkpoint."""
     path = tmp_path / "env.py"
     path.write_text(TOOL_ENV)
@@ -228,7 +228,7 @@ def test_per_turn_each_turns_sequence_holds_the_images_of_the_conversation_so_fa
         {"type": "image", "image": Image.new("RGB", (84, 56), (0, 0, 255))}]}], "test")[1]
     for trajectory, prompt, expected_counts in zip(trajectories, prompts, ([1, 2], [0, 1])):
         assert trajectory.errors == [] and trajectory.turns == 2 and len(trajectory.turn_starts) == 2
-        assert trajectory.turn_images == expected_counts
+        assert trajectory.turn_images == [[0, count] for count in expected_counts]
         expected = ImageInputs.concat([prompt.get("images"), tool_image])
         assert torch.equal(trajectory.images.pixel_values, expected.pixel_values)
         assert torch.equal(trajectory.images.image_grid_thw, expected.image_grid_thw)
@@ -242,7 +242,7 @@ def test_per_turn_each_turns_sequence_holds_the_images_of_the_conversation_so_fa
     assert [turn.images.count if turn.images else 0 for turn in turns] == [1, 2, 0, 1]  # one request at a time
     assert turns[1].prompt == trajectories[0].token_ids[trajectories[0].turn_starts[1]:][:len(turns[1].prompt)]
     restored = Trajectory.from_dict(json.loads(json.dumps(trajectories[0].state())))
-    assert restored.turn_images == [1, 2] and restored.turn_starts == trajectories[0].turn_starts
+    assert restored.turn_images == [[0, 1], [0, 2]] and restored.turn_starts == trajectories[0].turn_starts
 
 
 def test_a_native_tool_that_returns_a_pil_image_adds_it_to_the_next_turns_images(rows, tokenizer, images, tmp_path):

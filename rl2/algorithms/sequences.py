@@ -35,11 +35,11 @@ class RLSequence(TypedDict, total=False):
     # [tokens, moe layers, k] int8/int16 (`rl2.models.routing_replay`; UNRECORDED where none was recorded).
     routes: Tensor
     # A vision-language model's trajectory (not per token; packing concatenates them in the row's order): the
-    # images its image-pad tokens stand for (`rl2.vision.image_inputs.ImageInputs`); per turn, the images of the
-    # whole conversation, of which each turn's sequence holds the first `turn_images[k]` (`split_turns`).
+    # images its image-pad tokens stand for (`rl2.vision.image_inputs.ImageInputs`); with several sequences, the
+    # k-th holds images first .. first + count − 1, turn_images[k] = (first, count) (`split_turns`).
     pixel_values: Tensor  # [patches, dim]
     image_grid_thw: Tensor  # [images, 3]
-    turn_images: Tensor  # [turns]
+    turn_images: Tensor  # [turns, 2]
 
 
 # Fields of a per-turn sequence that are not split by its turns' lengths.
@@ -65,10 +65,11 @@ def split_turns(sequence: RLSequence) -> list[RLSequence]:
     turns = [{key: pieces[i] for key, pieces in fields.items()} for i in range(len(lengths))]
     if "turn_images" in sequence:
         grid, pixels = sequence["image_grid_thw"], sequence["pixel_values"]
-        for turn, count in zip(turns, sequence["turn_images"].tolist()):
+        for turn, (first, count) in zip(turns, sequence["turn_images"].tolist()):
             if count:
-                turn["pixel_values"] = pixels[: int(grid[:count].prod(-1).sum())]
-                turn["image_grid_thw"] = grid[:count]
+                start = int(grid[:first].prod(-1).sum())  # each image's patches: t x h x w
+                turn["pixel_values"] = pixels[start : start + int(grid[first : first + count].prod(-1).sum())]
+                turn["image_grid_thw"] = grid[first : first + count]
     return turns
 
 

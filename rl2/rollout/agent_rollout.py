@@ -175,6 +175,8 @@ def agent_trajectory(session: AgentSession, row: dict, group: int, version: int)
         token_ids = list(row["prompt_ids"])
         action_mask, logprobs, versions = [0] * len(token_ids), [0.0] * len(token_ids), [-1] * len(token_ids)
     messages = session.sequences[-1].messages if session.sequences else list(row["messages"])
+    counts = [sequence.images.count if sequence.images is not None else 0 for sequence in session.sequences]
+    firsts = [sum(counts[:k]) for k in range(len(counts))]
     return Trajectory(
         messages=messages, answer=row.get("answer"), group=group, token_ids=token_ids, action_mask=action_mask,
         logprobs=logprobs, turns=session.requests, truncated=session.truncated, done=True,
@@ -182,6 +184,7 @@ def agent_trajectory(session: AgentSession, row: dict, group: int, version: int)
         tools=session.sequences[-1].tools if session.sequences else None,
         images=ImageInputs.concat([sequence.images for sequence in session.sequences]),
         turn_starts=starts if len(starts) > 1 else None,
+        turn_images=[[first, count] for first, count in zip(firsts, counts)] if len(starts) > 1 and any(counts) else None,
         source=row.get("source"),
         agent_stats={"extras": session.extras, "requests": session.requests, "sequences": len(session.sequences),
                      "reused_tokens": session.reused_tokens, "rendered_tokens": session.rendered_tokens,

@@ -116,7 +116,7 @@ def new_trajectories(prompts: list[dict], responses_per_prompt: int, first_group
             source=prompt.get("source"),
             running=RunningState(row=prompt.get("row")),
             images=prompt.get("images"),  # shared by the group's trajectories: never changed in place
-            turn_images=[prompt["images"].count] if per_turn and prompt.get("images") is not None else None,
+            turn_images=[[0, prompt["images"].count]] if per_turn and prompt.get("images") is not None else None,
         )
         for g, prompt in enumerate(prompts)
         for _ in range(responses_per_prompt)
@@ -524,7 +524,7 @@ def _start_turn_sequence(trajectory: Trajectory, new_messages: list[dict], token
         trajectory.done = True
         return
     if held is not None:
-        trajectory.turn_images = (trajectory.turn_images or [0] * len(trajectory.turn_starts)) + [held.count]
+        trajectory.turn_images = (trajectory.turn_images or [[0, 0]] * len(trajectory.turn_starts)) + [[0, held.count]]
         trajectory.images = held
     trajectory.turn_starts.append(len(trajectory.token_ids))
     trajectory.token_ids += tokens

@@ -145,7 +145,7 @@ def route_fields(trajectory: Trajectory, plan: StepPlan) -> dict[str, torch.Tens
 
 def image_fields(trajectory: Trajectory) -> dict[str, torch.Tensor]:
     """A vision-language trajectory's images as its sequence carries them into the packed rows
-    (`RLSequence.pixel_values`, `image_grid_thw`; per turn also `turn_images`, how many of them each turn's
+    (`RLSequence.pixel_values`, `image_grid_thw`; with several sequences also `turn_images`, which of them each
     sequence holds, which `split_turns` gives it); none for a trajectory without images."""
     if trajectory.images is None:
         return {}
@@ -154,8 +154,9 @@ def image_fields(trajectory: Trajectory) -> dict[str, torch.Tensor]:
         return images
     if trajectory.turn_images is None or len(trajectory.turn_images) != len(trajectory.turn_starts):
         raise ConfigError("a trajectory of several sequences with images that does not say which images each "
-                          "sequence holds (an agent's, an RL2 HEAD env file's): rl2 trains those without images "
-                          "only; use an env file (rollout.env_path) with a vision-language model")
+                          "sequence holds (an RL2 HEAD env file's): rl2 trains those without images only; use an "
+                          "env file (rollout.env_path) or an agent file (rollout.agent_path) with a vision-language "
+                          "model")
     return {**images, "turn_images": torch.tensor(trajectory.turn_images)}
 
 
