@@ -32,7 +32,9 @@ from rl2.rollout.multi_turn import assign_rewards
 from rl2.rollout.trajectory import Trajectory
 from rl2.serve.openai_server import OpenAIServer, finite_reward
 from rl2.serve.session import AgentSession
+from rl2.data.image_rows import IMAGE_ROW
 from rl2.vision.image_inputs import ImageInputs
+from rl2.vision.inputs import image_pad_id
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +175,8 @@ def agent_trajectory(session: AgentSession, row: dict, group: int, version: int)
     if not session.sequences:  # nothing to train: the prompt alone keeps the trajectory's place in its group
         errors = errors or ["the agent made no request"]
         token_ids = list(row["prompt_ids"])
+        if IMAGE_ROW in row:  # its images never processed: the prompt without their pad tokens (it trains nothing)
+            token_ids = [token for token in token_ids if token != image_pad_id(session.tokenizer)]
         action_mask, logprobs, versions = [0] * len(token_ids), [0.0] * len(token_ids), [-1] * len(token_ids)
     messages = session.sequences[-1].messages if session.sequences else list(row["messages"])
     counts = [sequence.images.count if sequence.images is not None else 0 for sequence in session.sequences]
