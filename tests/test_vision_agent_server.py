@@ -176,5 +176,6 @@ def test_an_agent_that_made_no_request_for_an_image_row_keeps_no_image_pad_token
     row = {"prompt_ids": [5, pad, 6], "messages": [], IMAGE_ROW: {"row": {}}}
     trajectory = agent_trajectory(AgentSession(tokenizer, get_tool_parser("hermes")), row, 0, 0)
     assert trajectory.token_ids == [5, 6] and trajectory.errors == ["the agent made no request"] and trajectory.excluded
-    text = agent_trajectory(AgentSession(tokenizer, get_tool_parser("hermes")), {"prompt_ids": [5, 7, 6], "messages": []}, 0, 0)
+    text = agent_trajectory(AgentSession(tokenizer, get_tool_parser("hermes")), {"prompt_ids": [5, 7, 6], "messages": []},
+                            0, 0)
     assert text.token_ids == [5, 7, 6]

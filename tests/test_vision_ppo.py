@@ -186,7 +186,8 @@ def test_critic_values_equal_each_sequence_alone_with_its_images(with_critic, vl
     for trajectory, values in zip(batch, with_critic["old_values"]):
         torch.testing.assert_close(values, hf_values(vlm_dir, score, trajectory), rtol=0, atol=1e-5)
     images = batch[0]["images"]  # the values read the images
-    blank = hf_values(vlm_dir, score, {**batch[0], "images": {**images, "pixel_values": torch.zeros_like(images["pixel_values"])}})
+    blank = {**images, "pixel_values": torch.zeros_like(images["pixel_values"])}
+    blank = hf_values(vlm_dir, score, {**batch[0], "images": blank})
     assert (blank - with_critic["old_values"][0]).abs().max() > 1e-4
 
 
@@ -203,7 +204,7 @@ def test_the_critic_trains_its_text_model_and_head_and_reloads_to_the_same_value
     assert any(not torch.equal(before[name], saved[name]) for name in before if ".language_model.layers." in name)
     for after, reloaded in zip(with_critic["values_after"], with_critic["values_reloaded"]):
         torch.testing.assert_close(reloaded, after, rtol=0, atol=1e-6)
-    assert any(not torch.equal(old, after) for old, after in zip(with_critic["old_values"], with_critic["values_after"]))
+    assert any(not torch.equal(old, new) for old, new in zip(with_critic["old_values"], with_critic["values_after"]))
 
 
 TOOL_ENV = """
@@ -237,12 +238,11 @@ def per_turn_trajectories(model_dir: str, tmp_path) -> list[dict]:
     env_path = tmp_path / "env.py"
     env_path.write_text(TOOL_ENV)
     images = RolloutImages.for_model(model_dir, DataConfig(), tokenizer)
-    prompts = [{"prompt_ids": build_vision_sample(row, i, tokenizer, images.processing.image_processor,
-                                                  add_generation_prompt=True)["input_ids"].tolist(),
-                "messages": text_messages(row["messages"], row["images"], "test")[0], "answer": row["answer"],
-                "images": ImageInputs.of_sample(build_vision_sample(row, i, tokenizer, images.processing.image_processor,
-                                                                    add_generation_prompt=True))}
+    samples = [build_vision_sample(row, i, tokenizer, images.processing.image_processor, add_generation_prompt=True)
                for i, row in enumerate(rows)]
+    prompts = [{"prompt_ids": sample["input_ids"].tolist(), "images": ImageInputs.of_sample(sample),
+                "messages": text_messages(row["messages"], row["images"], "test")[0], "answer": row["answer"]}
+               for row, sample in zip(rows, samples)]
     engine = ImageScriptedEngine(tokenizer, lambda text: "blue sky" if "here:" in text else "look")
     with Env(str(env_path), need_interact=True) as env:
         rolled = rollout(engine, env, tokenizer, prompts, GROUP_SIZE, SamplingParams(temperature=0.0, max_new_tokens=8),
@@ -286,8 +286,8 @@ def assert_each_sequence_scores_as_alone_with_its_images(model_dir: str, batch: 
 
 def test_per_turn_sequences_with_tool_images_have_the_logps_of_each_sequence_alone_with_its_images(vlm_dir, tmp_path):
     """rollout.trajectory_format=per_turn with a tool that returns an image: each turn's sequence (the conversation
-    so far) is scored with the images it holds (`turn_images[k]`: the first 1 or 2 of the trajectory's), as transformers'
-    own forward of that sequence alone with them gives; the step trains."""
+    so far) is scored with the images it holds (`turn_images[k]`: the first 1 or 2 of the trajectory's), as
+    transformers' own forward of that sequence alone with them gives; the step trains."""
     assert_each_sequence_scores_as_alone_with_its_images(vlm_dir, per_turn_trajectories(vlm_dir, tmp_path), tmp_path,
                                                          "rollout.trajectory_format=per_turn")
 

@@ -215,8 +215,8 @@ def test_a_tool_that_returns_an_image_adds_it_to_the_next_turns_images(rows, tok
 def test_per_turn_each_turns_sequence_holds_the_images_of_the_conversation_so_far(rows, tokenizer, images, tmp_path):
     """rollout.trajectory_format=per_turn: the second turn's sequence is the whole conversation rendered again, the
     prompt's image and the tool's both expanded; `turn_images` says which of the trajectory's images each turn's
-    sequence holds (the first 1, then 2; for a prompt without images none, then the first), and the engine's turns carry exactly those. The state
-    round-trips through a checkpoint."""
+    sequence holds (the first 1, then 2; for a prompt without images none, then the first), and the engine's turns
+    carry exactly those. The state round-trips through a checkpoint."""
     path = tmp_path / "env.py"
     path.write_text(TOOL_ENV)
     prompts = images.prepare([dataset(rows, tokenizer)[i] for i in (0, 2)])

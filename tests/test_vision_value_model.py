@@ -29,7 +29,9 @@ def test_the_backbone_comes_from_the_vlm_and_a_saved_model_reloads(model_dir, he
     vlm = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     backbone = vlm.model.state_dict()
     ours = model.state_dict()
-    assert sorted(ours) == sorted([f"model.{name}" for name in backbone] + [name for name in ours if name.startswith("score.")])
+    scores = sorted(name for name in ours if name.startswith("score."))
+    assert sorted(ours) == sorted([f"model.{name}" for name in backbone] + scores)
+    assert scores == (["score.bias", "score.weight"] if head is AutoModelForTokenClassification else ["score.weight"])
     assert all(torch.equal(ours[f"model.{name}"], value) for name, value in backbone.items())
     assert model.score.weight.shape == (1, config.text_config.hidden_size) and model.score.weight.abs().sum() > 0
 

@@ -188,7 +188,7 @@ def agent_trajectory(session: AgentSession, row: dict, group: int, version: int)
         tools=session.sequences[-1].tools if session.sequences else None,
         images=ImageInputs.concat([sequence.images for sequence in session.sequences]),
         turn_starts=starts if len(starts) > 1 else None,
-        turn_images=[[first, count] for first, count in zip(firsts, counts)] if len(starts) > 1 and any(counts) else None,
+        turn_images=[list(pair) for pair in zip(firsts, counts)] if len(starts) > 1 and any(counts) else None,
         source=row.get("source"),
         agent_stats={"extras": session.extras, "requests": session.requests, "sequences": len(session.sequences),
                      "reused_tokens": session.reused_tokens, "rendered_tokens": session.rendered_tokens,

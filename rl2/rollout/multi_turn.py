@@ -506,7 +506,8 @@ def _cut_to_room(new_messages: list[dict], room: int) -> tuple[list[dict], bool]
 
 
 def _start_turn_sequence(trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None,
-                         images: RolloutImages | None = None, added: tuple[ImageInputs, list[int]] | None = None) -> None:
+                         images: RolloutImages | None = None,
+                         added: tuple[ImageInputs, list[int]] | None = None) -> None:
     """Per turn: the next turn's sequence begins with the template's rendering of the whole conversation,
     `new_messages` and the generation prompt included, every image's pad tokens expanded (the trajectory's
     images and `added`, those of `new_messages`, which it then holds all of). One that leaves no room to
