@@ -163,3 +163,19 @@ def test_a_turns_images_survive_a_snapshot_and_the_rest_of_a_cut_turn():
     rest = _rest(turn, [(Generation([9, 9], [-1.0, -1.0], "abort", None, (5, 6)), 0)])
     assert rest.prompt == [1, 2, 3, 4, 9, 9] and rest.offset == 2 and rest.images is images
     assert "images" not in _turn_state(Turn([1], 4)) and _turn(_turn_state(Turn([1], 4))) == Turn([1], 4)
+
+
+def test_an_agent_that_made_no_request_for_an_image_row_keeps_no_image_pad_tokens(tokenizer):
+    """Such a trajectory is the prompt alone, left out of training but still scored by the models: the prompt's
+    image pads stand for images never processed, so they are dropped (a text row keeps all its tokens)."""
+    from rl2.data.image_rows import IMAGE_ROW
+    from rl2.rollout.agent_rollout import agent_trajectory
+    from rl2.serve.session import AgentSession
+
+    pad = image_pad_id(tokenizer)
+    row = {"prompt_ids": [5, pad, 6], "messages": [], IMAGE_ROW: {"row": {}}}
+    trajectory = agent_trajectory(AgentSession(tokenizer, get_tool_parser("hermes")), row, 0, 0)
+    assert trajectory.token_ids == [5, 6] and trajectory.errors == ["the agent made no request"] and trajectory.excluded
+    text = agent_trajectory(AgentSession(tokenizer, get_tool_parser("hermes")), {"prompt_ids": [5, 7, 6], "messages": []},
+                            0, 0)
+    assert text.token_ids == [5, 7, 6]

@@ -1,6 +1,6 @@
 """DPO and reward modelling with images (issue 68): preference pairs whose prompts hold images train a tiny
-random Qwen2.5-VL with DPO on 2 gloo ranks, one of them without an image in every step, and its loss falls;
-a vision-language reward model is refused with a ConfigError that says why."""
+random Qwen2.5-VL with DPO and as a reward model (its backbone with a value head) on 2 gloo ranks, one of them
+without an image in every step, and their losses fall; the reward model's checkpoint reloads to the same rewards."""
 
 import json
 import os
@@ -16,7 +16,7 @@ from rl2.data.conversations import PairDataset, last_run
 from rl2.data.image_rows import ImageInputs
 from rl2.data.rows import Columns
 from rl2.metrics import read_metrics
-from test_sft import run_python_raw
+from rl2.vision.value_model import Qwen2_5_VLForSequenceClassification
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30)}
 STEPS = 8
@@ -71,8 +71,42 @@ def test_dpo_on_two_ranks_one_without_images_learns_the_image_pairs(vlm_dir, col
     assert os.path.exists(f"{save_dir}/step{STEPS}/preprocessor_config.json")  # the checkpoint reads images
 
 
-def test_a_vision_language_reward_model_is_refused_saying_why(vlm_dir, colour_pairs):
-    result = run_python_raw(["-m", "rl2.trainer.rm", f"data.path={colour_pairs}", f"critic.model_name={vlm_dir}",
-                             "trainer.disable_wandb=true"])
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "is a vision-language model: rl2 trains no reward model on those yet" in result.stderr
+def test_a_vision_language_reward_model_on_two_ranks_learns_the_image_pairs_and_reloads(vlm_dir, colour_pairs, tmp_path):
+    """The reward model is the VLM's backbone with a fresh `score` head (`rl2.vision.value_model`); its exported
+    folder loads with `Qwen2_5_VLForSequenceClassification`, whose reward of each sequence alone with its images
+    gives the test loss and accuracy the packed run logged (the test set is the training set here)."""
+    save_dir = str(tmp_path / "rm")
+    run_torchrun(["-m", "rl2.trainer.rm", f"data.path={colour_pairs}", f"data.test_path={colour_pairs}",
+                  "data.batch_size=2", "data.shuffle=false", f"critic.model_name={vlm_dir}", "critic.dtype=float32",
+                  "critic.lr=1e-2", "critic.warmup_ratio=0", "critic.max_length_per_device=128",
+                  "critic.gradient_checkpointing=false", f"critic.save_dir={save_dir}", f"trainer.total_steps={STEPS}",
+                  f"trainer.test_freq={STEPS}", "trainer.disable_wandb=true"], nproc=2, timeout=300)
+    metrics = read_metrics(f"{save_dir}/metrics.jsonl")
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    tests = [m for m in metrics if "test/loss" in m]
+    assert len(losses) == STEPS and [m["step"] for m in tests] == [0, STEPS]
+    assert tests[-1]["test/loss"] < tests[0]["test/loss"] - 0.1, tests
+    final = f"{save_dir}/step{STEPS}"
+    assert os.path.exists(f"{final}/preprocessor_config.json")  # the checkpoint reads images
+
+    model = Qwen2_5_VLForSequenceClassification.from_pretrained(final, dtype=torch.float32, attn_implementation="sdpa")
+    config = load_config([f"critic.model_name={vlm_dir}", f"data.path={colour_pairs}"], "rm")
+    dataset = PairDataset.reading_images(ImageInputs.for_model(vlm_dir, config.data))(
+        colour_pairs, AutoTokenizer.from_pretrained(vlm_dir), None, columns=Columns.for_run(config, "pair"))
+    rewards = {"chosen": [], "rejected": []}
+    with torch.no_grad():
+        for i in range(len(dataset)):
+            for field, sample in dataset[i].items():
+                images = {key: sample[key] for key in ("pixel_values", "image_grid_thw") if key in sample}
+                out = model(input_ids=sample["input_ids"][None], mm_token_type_ids=sample["mm_token_type_ids"][None],
+                            **images)
+                rewards[field].append(out.logits[0, 0].item())
+    chosen, rejected = torch.tensor(rewards["chosen"]), torch.tensor(rewards["rejected"])
+    loss = -torch.nn.functional.logsigmoid(chosen - rejected).mean().item()
+    assert loss == pytest.approx(tests[-1]["test/loss"], abs=1e-4)
+    assert (chosen > rejected).float().mean().item() == tests[-1]["test/accuracy"]
+
+
+def test_the_image_keys_are_rm_keys():
+    for key in ("data.image_key=pics", "data.min_pixels=100", "data.max_pixels=1000", "critic.freeze_vision=false"):
+        load_config([key], "rm")

@@ -2,19 +2,35 @@
 stages of a PPO step on a tiny random Qwen2.5-VL. The log-probs the trainer computes equal a plain transformers
 forward of each sequence alone with its images; 2 gloo ranks, one of them without an image, update the policy
 as 1 rank does, and so do 2 ranks that split each row (actor.sp_size=2); the vision tower stays frozen while
-the text model trains. A vision-language run that rl2
-cannot train yet (a critic, per-turn sequences, a text-only teacher) is refused before any model loads."""
+the text model trains. A vision-language critic's values of rows that mix sequences with and without images equal
+each sequence's alone, and it saves and reloads to the same values. Trajectories of several sequences (per turn,
+with a tool that returns an image; an agent's conversations) give each sequence its own images. A vision-language
+run that rl2 cannot train (a text-only critic or teacher) is refused before any model loads."""
+
+import base64
+import io
 
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file
 from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from conftest import run_torchrun
-from rl2.config import ConfigError, load_config
+from rl2.chat.tool_parsers import get_tool_parser
+from rl2.config import ConfigError, DataConfig, load_config
 from rl2.distributed.packing import plan_grouped_micro_batches
+from rl2.engines import HFEngine, SamplingParams
+from rl2.rollout.agent_rollout import AgentFile, agent_rollout
+from rl2.rollout.env import Env
+from rl2.rollout.images import RolloutImages
+from rl2.rollout.multi_turn import rollout
 from rl2.trainer.ppo import check_vision_run
-from rl2.vision.inputs import build_vision_sample
+from rl2.vision.image_inputs import ImageInputs
+from rl2.serve.openai_server import OpenAIServer
+from rl2.vision.inputs import build_vision_sample, text_messages
+from rl2.vision.processing import ImageProcessing
+from scripted_engine import ScriptedEngine
 
 WORKER = "tests/workers/vision_ppo_step.py"
 GROUP_SIZE = 2
@@ -54,7 +70,7 @@ def run_step(model_dir, tmp_path, nproc: int, *extra: str) -> dict:
     batch, out = tmp_path / f"batch_{nproc}.pt", tmp_path / f"out_{nproc}.pt"
     torch.save(trajectories(model_dir), batch)
     run_torchrun([WORKER, model_dir, str(batch), str(out), *ARGS, *extra], nproc=nproc, timeout=300)
-    return torch.load(out, weights_only=False)
+    return {**torch.load(out, weights_only=False), "critic_dir": f"{out}.critic"}
 
 
 def reference_and_teacher(model_dir: str) -> list[str]:
@@ -158,13 +174,189 @@ def test_lora_on_two_ranks_trains_the_text_models_adapters_against_the_base_as_r
         assert torch.equal(old, ref)
 
 
+def hf_values(model_dir: str, score: dict[str, torch.Tensor], trajectory: dict) -> torch.Tensor:
+    """The critic's values of the sequence alone with its images: the head `score` over the last hidden states of
+    transformers' own image-text-to-text model's backbone; value[t] is the head's output at t - 1, 0 at t = 0."""
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    ids = torch.tensor([trajectory["token_ids"]])
+    images = trajectory["images"] or {}
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).long(),
+                             **images).last_hidden_state[0]
+    out = hidden @ score["score.weight"][0] + score["score.bias"][0]
+    return torch.cat([torch.zeros(1), out[:-1]])
+
+
+@pytest.fixture(scope="module")
+def with_critic(vlm_dir, tmp_path_factory) -> dict:
+    """A GAE step with a vision-language critic (the actor's model with a fresh value head) on one rank: its
+    rows mix sequences with and without images."""
+    return run_step(vlm_dir, tmp_path_factory.mktemp("critic"), 1, "adv.estimator=gae", "critic.lr=1e-2",
+                    "critic.warmup_ratio=0", "critic.max_length_per_device=512")
+
+
+def test_critic_values_equal_each_sequence_alone_with_its_images(with_critic, vlm_dir):
+    batch = trajectories(vlm_dir)
+    score = {name: with_critic["critic_before"][name] for name in ("score.weight", "score.bias")}
+    for trajectory, values in zip(batch, with_critic["old_values"]):
+        torch.testing.assert_close(values, hf_values(vlm_dir, score, trajectory), rtol=0, atol=1e-5)
+    images = batch[0]["images"]  # the values read the images
+    blank = {**images, "pixel_values": torch.zeros_like(images["pixel_values"])}
+    blank = hf_values(vlm_dir, score, {**batch[0], "images": blank})
+    assert (blank - with_critic["old_values"][0]).abs().max() > 1e-4
+
+
+def test_the_critic_trains_its_text_model_and_head_and_reloads_to_the_same_values(with_critic):
+    before = with_critic["critic_before"]
+    metrics = with_critic["metrics"]
+    assert metrics["critic/grad_norm"] > 0 and "critic/loss" in metrics
+    visual = [name for name in before if ".visual." in name]
+    assert visual and "score.weight" in before and "lm_head.weight" not in before
+    saved = load_file(f"{with_critic['critic_dir']}/model.safetensors")
+    assert saved.keys() == before.keys()  # transformers' names: model.visual.*, model.language_model.*, score.*
+    assert all(torch.equal(before[name], saved[name]) for name in visual)  # critic.freeze_vision (default on)
+    assert not torch.equal(before["score.weight"], saved["score.weight"])
+    assert any(not torch.equal(before[name], saved[name]) for name in before if ".language_model.layers." in name)
+    for after, reloaded in zip(with_critic["values_after"], with_critic["values_reloaded"]):
+        torch.testing.assert_close(reloaded, after, rtol=0, atol=1e-6)
+    assert any(not torch.equal(old, new) for old, new in zip(with_critic["old_values"], with_critic["values_after"]))
+
+
+TOOL_ENV = """
+from PIL import Image
+
+def interact(messages):
+    if "look" in messages[-1]["content"]:
+        return [{"role": "user", "content": [{"type": "text", "text": "here:"},
+                                             {"type": "image", "image": Image.new("RGB", (84, 56), (0, 0, 255))}]}]
+    return []
+
+def reward_fn(messages, answer):
+    return 0.0
+"""
+
+
+class ImageScriptedEngine(ScriptedEngine):
+    """Scripted replies (`ScriptedEngine`) to prompts that hold images."""
+
+    def generate(self, prompts, params, images=None):
+        return super().generate(prompts, params)
+
+
+def per_turn_trajectories(model_dir: str, tmp_path) -> list[dict]:
+    """Two groups of two per-turn trajectories of two turns, from a rollout whose tool returns an image: the first
+    group's prompt holds an image (its turns' sequences hold 1, then 2 images), the second's none (0, then 1)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    red = Image.new("RGB", (56, 56), (200, 30, 30))
+    rows = [{"messages": [{"role": "user", "content": "<image> what colour?"}], "images": [red], "answer": "r"},
+            {"messages": [{"role": "user", "content": "say a word"}], "images": [], "answer": "w"}]
+    env_path = tmp_path / "env.py"
+    env_path.write_text(TOOL_ENV)
+    images = RolloutImages.for_model(model_dir, DataConfig(), tokenizer)
+    samples = [build_vision_sample(row, i, tokenizer, images.processing.image_processor, add_generation_prompt=True)
+               for i, row in enumerate(rows)]
+    prompts = [{"prompt_ids": sample["input_ids"].tolist(), "images": ImageInputs.of_sample(sample),
+                "messages": text_messages(row["messages"], row["images"], "test")[0], "answer": row["answer"]}
+               for row, sample in zip(rows, samples)]
+    engine = ImageScriptedEngine(tokenizer, lambda text: "blue sky" if "here:" in text else "look")
+    with Env(str(env_path), need_interact=True) as env:
+        rolled = rollout(engine, env, tokenizer, prompts, GROUP_SIZE, SamplingParams(temperature=0.0, max_new_tokens=8),
+                         max_turns=2, images=images, per_turn=True)
+    images.close()
+    for i, t in enumerate(rolled):
+        assert t.errors == [] and t.turn_images == ([[0, 1], [0, 2]] if i < 2 else [[0, 0], [0, 1]])
+    return batch_of(rolled)
+
+
+def batch_of(rolled: list) -> list[dict]:
+    """The fields of rolled-out trajectories that the step worker reads, rewards differing within each group."""
+    return [{"token_ids": t.token_ids, "action_mask": t.action_mask, "logprobs": t.logprobs,
+             "reward": [1.0, 0.0, 0.0, 1.0][i], "group": t.group, "turn_starts": t.turn_starts,
+             "turn_images": t.turn_images,
+             "images": {"pixel_values": t.images.pixel_values, "image_grid_thw": t.images.image_grid_thw}}
+            for i, t in enumerate(rolled)]
+
+
+def assert_each_sequence_scores_as_alone_with_its_images(model_dir: str, batch: list[dict], tmp_path, *extra: str):
+    """A step on `batch` (several sequences per trajectory) trains, and each sequence's old log-probs are those of
+    transformers' own forward of that sequence alone with the images `turn_images` gives it."""
+    torch.save(batch, tmp_path / "batch.pt")
+    out = tmp_path / "out.pt"
+    run_torchrun([WORKER, model_dir, str(tmp_path / "batch.pt"), str(out), *ARGS, *extra], nproc=1, timeout=300)
+    result = torch.load(out, weights_only=False)
+    assert result["metrics"]["actor/grad_norm"] > 0
+    for trajectory, old in zip(batch, result["old_logps"]):
+        bounds = [*trajectory["turn_starts"], len(trajectory["token_ids"])]
+        grid, pixels = trajectory["images"]["image_grid_thw"], trajectory["images"]["pixel_values"]
+        for start, end, (first, count) in zip(bounds, bounds[1:], trajectory["turn_images"]):
+            patches = grid.prod(-1).cumsum(0).tolist()
+            begin = patches[first - 1] if first else 0
+            images = {"pixel_values": pixels[begin:patches[first + count - 1] if count else begin],
+                      "image_grid_thw": grid[first:first + count]}
+            sequence = {"token_ids": trajectory["token_ids"][start:end], "images": images if count else None}
+            mask = torch.tensor(trajectory["action_mask"][start:end], dtype=torch.bool)
+            assert mask.any()
+            torch.testing.assert_close(old[start:end][mask], hf_logps(model_dir, sequence)[mask], rtol=0, atol=1e-5)
+
+
+def test_per_turn_sequences_with_tool_images_have_the_logps_of_each_sequence_alone_with_its_images(vlm_dir, tmp_path):
+    """rollout.trajectory_format=per_turn with a tool that returns an image: each turn's sequence (the conversation
+    so far) is scored with the images it holds (`turn_images[k]`: the first 1 or 2 of the trajectory's), as
+    transformers' own forward of that sequence alone with them gives; the step trains."""
+    assert_each_sequence_scores_as_alone_with_its_images(vlm_dir, per_turn_trajectories(vlm_dir, tmp_path), tmp_path,
+                                                         "rollout.trajectory_format=per_turn")
+
+
+AGENT = """
+async def run(row, client):
+    for content in row["requests"]:  # each a new conversation: a sequence of its own
+        await client.chat.completions.create(model="rl2", messages=[{"role": "user", "content": content}],
+                                             max_tokens=4)
+    return 1.0
+"""
+
+
+def data_uri(colour) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (56, 84), colour).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_an_agents_sequences_with_images_have_the_logps_of_each_sequence_alone_with_its_images(vlm_dir, tmp_path):
+    """An agent file's requests with `image_url` data URIs through rl2's OpenAI server (the `hf` engine): each of
+    its conversations is a sequence of its trajectory holding its own images (`turn_images`: the first, then the
+    second image; for a group whose first conversation has none: none, then the first); a step on them scores
+    each sequence as transformers' forward of it alone with its images."""
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    red, blue = data_uri((200, 30, 30)), data_uri((30, 30, 200))
+    image = lambda uri, text: [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": text}]
+    rows = [{"requests": [image(red, "what colour?"), image(blue, "and this one?")]},
+            {"requests": ["say a word", image(blue, "what is this?")]}]
+    prompts = [{"messages": [], "prompt_ids": [1], "row": row} for row in rows]
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    server = OpenAIServer(tokenizer, image_processing=ImageProcessing.from_pretrained(vlm_dir))
+    try:
+        rolled = agent_rollout(server, HFEngine(vlm_dir, tokenizer, torch.device("cpu")), AgentFile(str(agent)),
+                               tokenizer, get_tool_parser("hermes"), prompts, GROUP_SIZE,
+                               SamplingParams(temperature=1.0, max_new_tokens=4), 8, 4096)
+    finally:
+        server.close()
+    for i, t in enumerate(rolled):
+        assert t.errors == [] and len(t.turn_starts) == 2
+        assert t.turn_images == ([[0, 1], [1, 1]] if i < 2 else [[0, 0], [0, 1]])
+    assert_each_sequence_scores_as_alone_with_its_images(vlm_dir, batch_of(rolled), tmp_path)
+
+
 def test_runs_rl2_cannot_train_with_images_yet_are_refused(vlm_dir, tiny_model_dir):
     base = [f"actor.model_name={vlm_dir}"]
-    for extra, words in ((["adv.estimator=gae"], "critic"), (["rollout.trajectory_format=per_turn"], "per_turn"),
+    for extra, words in ((["adv.estimator=gae", f"critic.model_name={tiny_model_dir}"], "critic"),
                          ([f"teacher.model_name={tiny_model_dir}", "distill.coef=1"], "text-only")):
         with pytest.raises(ConfigError, match=words):
             check_vision_run(load_config([*base, *extra], "ppo"))
     check_vision_run(load_config(base, "ppo"))
+    check_vision_run(load_config([*base, "adv.estimator=gae"], "ppo"))  # the actor's model as critic
+    check_vision_run(load_config([*base, "rollout.trajectory_format=per_turn"], "ppo"))
     check_vision_run(load_config([f"actor.model_name={tiny_model_dir}"], "ppo"))
 
 

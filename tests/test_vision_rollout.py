@@ -25,6 +25,7 @@ from rl2.rollout.images import RolloutImages
 from rl2.rollout.multi_turn import Pause, ToolCalling, continue_rollout, new_trajectories, rollout
 from rl2.rollout.trajectory import Trajectory
 from rl2.testing.vision_task import COLOURS, QUADRANTS, draw_shapes, write_task
+from rl2.vision.image_inputs import ImageInputs
 from rl2.vision.inputs import IMAGE_PAD, build_vision_sample, image_pad_id
 from scripted_engine import ScriptedEngine
 
@@ -209,6 +210,39 @@ def test_a_tool_that_returns_an_image_adds_it_to_the_next_turns_images(rows, tok
     assert trajectory.messages[2]["content"].startswith("here:") and IMAGE_PAD in trajectory.messages[2]["content"]
     generated = sum(len(tokenizer(word, add_special_tokens=False)["input_ids"]) + 1 for word in ("look", "blue"))
     assert trajectory.action_mask.count(1) == generated  # the two replies and their <|im_end|>, no image token
+
+
+def test_per_turn_each_turns_sequence_holds_the_images_of_the_conversation_so_far(rows, tokenizer, images, tmp_path):
+    """rollout.trajectory_format=per_turn: the second turn's sequence is the whole conversation rendered again, the
+    prompt's image and the tool's both expanded; `turn_images` says which of the trajectory's images each turn's
+    sequence holds (the first 1, then 2; for a prompt without images none, then the first), and the engine's turns
+    carry exactly those. The state round-trips through a checkpoint."""
+    path = tmp_path / "env.py"
+    path.write_text(TOOL_ENV)
+    prompts = images.prepare([dataset(rows, tokenizer)[i] for i in (0, 2)])
+    engine = RecordingEngine(tokenizer, lambda text: "blue" if "here:" in text else "look")
+    with Env(str(path), need_interact=True) as env:
+        trajectories = rollout(engine, env, tokenizer, prompts, 1, params(), max_turns=2, images=images, per_turn=True)
+    pad = image_pad_id(tokenizer)
+    tool_image = images.tool_messages([{"role": "user", "content": [
+        {"type": "image", "image": Image.new("RGB", (84, 56), (0, 0, 255))}]}], "test")[1]
+    for trajectory, prompt, expected_counts in zip(trajectories, prompts, ([1, 2], [0, 1])):
+        assert trajectory.errors == [] and trajectory.turns == 2 and len(trajectory.turn_starts) == 2
+        assert trajectory.turn_images == [[0, count] for count in expected_counts]
+        expected = ImageInputs.concat([prompt.get("images"), tool_image])
+        assert torch.equal(trajectory.images.pixel_values, expected.pixel_values)
+        assert torch.equal(trajectory.images.image_grid_thw, expected.image_grid_thw)
+        start = trajectory.turn_starts[1]
+        first, second = trajectory.token_ids[:start], trajectory.token_ids[start:]
+        assert first[:len(prompt["prompt_ids"])] == prompt["prompt_ids"]
+        per_image = images.counts(trajectory.images)
+        assert first.count(pad) == sum(per_image[:expected_counts[0]]) and second.count(pad) == sum(per_image)
+        assert second[:len(prompt["prompt_ids"]) - 1] == prompt["prompt_ids"][:-1]  # the conversation again
+    turns = [turn for _, turn in engine.turns]
+    assert [turn.images.count if turn.images else 0 for turn in turns] == [1, 2, 0, 1]  # one request at a time
+    assert turns[1].prompt == trajectories[0].token_ids[trajectories[0].turn_starts[1]:][:len(turns[1].prompt)]
+    restored = Trajectory.from_dict(json.loads(json.dumps(trajectories[0].state())))
+    assert restored.turn_images == [[0, 1], [0, 2]] and restored.turn_starts == trajectories[0].turn_starts
 
 
 def test_a_native_tool_that_returns_a_pil_image_adds_it_to_the_next_turns_images(rows, tokenizer, images, tmp_path):

@@ -35,9 +35,15 @@ class RLSequence(TypedDict, total=False):
     # [tokens, moe layers, k] int8/int16 (`rl2.models.routing_replay`; UNRECORDED where none was recorded).
     routes: Tensor
     # A vision-language model's trajectory (not per token; packing concatenates them in the row's order): the
-    # images its image-pad tokens stand for (`rl2.vision.image_inputs.ImageInputs`). Never with `turn_starts`.
+    # images its image-pad tokens stand for (`rl2.vision.image_inputs.ImageInputs`); with several sequences, the
+    # k-th holds images first .. first + count − 1, turn_images[k] = (first, count) (`split_turns`).
     pixel_values: Tensor  # [patches, dim]
     image_grid_thw: Tensor  # [images, 3]
+    turn_images: Tensor  # [turns, 2]
+
+
+# Fields of a per-turn sequence that are not split by its turns' lengths.
+NOT_PER_TOKEN = ("turn_starts", "turn_images", "pixel_values", "image_grid_thw")
 
 
 def turn_start_mask(turn_starts: list[int], length: int) -> Tensor:
@@ -48,15 +54,23 @@ def turn_start_mask(turn_starts: list[int], length: int) -> Tensor:
 
 
 def split_turns(sequence: RLSequence) -> list[RLSequence]:
-    """A per-turn trajectory's sequence → one sequence per turn (every field split alike, `turn_starts`
-    dropped); any other sequence as it is."""
+    """A per-turn trajectory's sequence → one sequence per turn (every per-token field split alike, `turn_starts`
+    dropped; each turn with the images it holds, `turn_images`); any other sequence as it is."""
     if "turn_starts" not in sequence:
         return [sequence]
     starts = sequence["turn_starts"].nonzero().flatten().tolist()
     bounds = [*(starts if starts and starts[0] == 0 else [0, *starts]), len(sequence["turn_starts"])]
     lengths = [end - start for start, end in zip(bounds, bounds[1:])]
-    fields = {key: value.split(lengths) for key, value in sequence.items() if key != "turn_starts"}
-    return [{key: pieces[i] for key, pieces in fields.items()} for i in range(len(lengths))]
+    fields = {key: value.split(lengths) for key, value in sequence.items() if key not in NOT_PER_TOKEN}
+    turns = [{key: pieces[i] for key, pieces in fields.items()} for i in range(len(lengths))]
+    if "turn_images" in sequence:
+        grid, pixels = sequence["image_grid_thw"], sequence["pixel_values"]
+        for turn, (first, count) in zip(turns, sequence["turn_images"].tolist()):
+            if count:
+                start = int(grid[:first].prod(-1).sum())  # each image's patches: t x h x w
+                turn["pixel_values"] = pixels[start : start + int(grid[first : first + count].prod(-1).sum())]
+                turn["image_grid_thw"] = grid[first : first + count]
+    return turns
 
 
 def per_turn_sequences(sequences: list[RLSequence]) -> list[RLSequence]:

@@ -143,6 +143,7 @@ class ActorConfig(DPOKeys, ModelConfig):
 class CriticConfig(ModelConfig):
     clip: float = _f(0.5, "clip range of the value update", only=RL)
     lr: float = _f(5e-6, "learning rate of the optimizer", only=TRAINING)
+    freeze_vision: bool = _f(True, "vision-language critic or reward model: the vision tower (and its merger into the text model) does not train; ignored for text-only models", only=IMAGES)
 
 
 @dataclass

@@ -16,7 +16,7 @@ TRAINING = "training"  # a training run: the model's optimizer, sharding, checkp
 RL = "rl"  # training on sampled rollouts: the update's minibatches and clipping, reward shaping, partial rollouts
 POLICY_LOSS = "policy_loss"  # the RL policy loss, its rollout corrections and entropy bonus
 DPO = "dpo"  # the DPO loss
-IMAGES = "images"  # rows with images for a vision-language model: SFT, PPO, DPO (issue 68)
+IMAGES = "images"  # rows with images for a vision-language model: SFT, PPO, DPO, RM (issue 68)
 
 
 def _key_tag(key: str) -> str | None:
@@ -74,7 +74,7 @@ COMMANDS: dict[str, Command] = {command.name: command for command in (
             skips=(DPO,), ignores=("critic.logps_chunk_size",), checkpoints="actor"),
     Command("sft", "rl2.trainer.sft", ("data", "actor", "trainer"), skips=(*OFFLINE, DPO), checkpoints="actor"),
     # POLICY_LOSS is not skipped: critic.clip_c (inherited from ModelConfig, unused by a critic) stays accepted
-    Command("rm", "rl2.trainer.rm", ("data", "critic", "trainer"), skips=(SAMPLING, RL, IMAGES),
+    Command("rm", "rl2.trainer.rm", ("data", "critic", "trainer"), skips=(SAMPLING, RL),
             ignores=("critic.logps_chunk_size",),
             checkpoints="critic", note="rl2.trainer.rm trains the reward model in the critic section "
                                        "(critic.model_name, critic.lr, critic.save_dir, ...), as RL2 does"),

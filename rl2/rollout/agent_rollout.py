@@ -32,7 +32,9 @@ from rl2.rollout.multi_turn import assign_rewards
 from rl2.rollout.trajectory import Trajectory
 from rl2.serve.openai_server import OpenAIServer, finite_reward
 from rl2.serve.session import AgentSession
+from rl2.data.image_rows import IMAGE_ROW
 from rl2.vision.image_inputs import ImageInputs
+from rl2.vision.inputs import image_pad_id
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +175,12 @@ def agent_trajectory(session: AgentSession, row: dict, group: int, version: int)
     if not session.sequences:  # nothing to train: the prompt alone keeps the trajectory's place in its group
         errors = errors or ["the agent made no request"]
         token_ids = list(row["prompt_ids"])
+        if IMAGE_ROW in row:  # its images never processed: the prompt without their pad tokens (it trains nothing)
+            token_ids = [token for token in token_ids if token != image_pad_id(session.tokenizer)]
         action_mask, logprobs, versions = [0] * len(token_ids), [0.0] * len(token_ids), [-1] * len(token_ids)
     messages = session.sequences[-1].messages if session.sequences else list(row["messages"])
+    counts = [sequence.images.count if sequence.images is not None else 0 for sequence in session.sequences]
+    firsts = [sum(counts[:k]) for k in range(len(counts))]
     return Trajectory(
         messages=messages, answer=row.get("answer"), group=group, token_ids=token_ids, action_mask=action_mask,
         logprobs=logprobs, turns=session.requests, truncated=session.truncated, done=True,
@@ -182,6 +188,7 @@ def agent_trajectory(session: AgentSession, row: dict, group: int, version: int)
         tools=session.sequences[-1].tools if session.sequences else None,
         images=ImageInputs.concat([sequence.images for sequence in session.sequences]),
         turn_starts=starts if len(starts) > 1 else None,
+        turn_images=[list(pair) for pair in zip(firsts, counts)] if len(starts) > 1 and any(counts) else None,
         source=row.get("source"),
         agent_stats={"extras": session.extras, "requests": session.requests, "sequences": len(session.sequences),
                      "reused_tokens": session.reused_tokens, "rendered_tokens": session.rendered_tokens,

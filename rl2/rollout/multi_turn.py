@@ -121,6 +121,7 @@ def new_trajectories(prompts: list[dict], responses_per_prompt: int, first_group
             source=prompt.get("source"),
             running=RunningState(row=prompt.get("row")),
             images=prompt.get("images"),  # shared by the group's trajectories: never changed in place
+            turn_images=[[0, prompt["images"].count]] if per_turn and prompt.get("images") is not None else None,
         )
         for g, prompt in enumerate(prompts)
         for _ in range(responses_per_prompt)
@@ -206,8 +207,8 @@ def continue_rollout(
                 trajectory.errors.append(str(exc))
                 finish(trajectory)
                 return None
-        else:
-            _append_observation(trajectory, result.value, tokenizer, max_length, apply_chat_template)
+        else:  # per turn, the next sequence holds the images so far again
+            _append_observation(trajectory, result.value, tokenizer, max_length, apply_chat_template, images)
         if trajectory.done:
             finish(trajectory)
             return None
@@ -451,8 +452,6 @@ def _tool_images(trajectory: Trajectory, messages: list[dict],
     if images is None:
         raise DataError(f"{where}: a message's content is a list of parts (an image?), but the policy is not a "
                         "vision-language model: give the content as a string")
-    if trajectory.turn_starts is not None:
-        raise DataError(f"{where}: images in tool messages need rollout.trajectory_format=whole")
     text, added, counts = images.tool_messages(messages, where)
     return text, (added, counts) if added is not None else None
 
@@ -463,7 +462,7 @@ def _append_observation(
 ) -> None:
     """Append the tokens of `new_messages` (a tool's); `added`: their images and each one's pad-token count."""
     if trajectory.turn_starts is not None:
-        _start_turn_sequence(trajectory, new_messages, tokenizer, max_length)
+        _start_turn_sequence(trajectory, new_messages, tokenizer, max_length, images, added)
         return
     new_messages, cut = _cut_to_room(new_messages, _room(trajectory, max_length))
     tokens = observation_tokens(tokenizer, trajectory.token_ids, trajectory.messages, new_messages, apply_chat_template,
@@ -525,18 +524,28 @@ def _cut_to_room(new_messages: list[dict], room: int) -> tuple[list[dict], bool]
             for m in new_messages], True
 
 
-def _start_turn_sequence(trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None) -> None:
+def _start_turn_sequence(trajectory: Trajectory, new_messages: list[dict], tokenizer, max_length: int | None,
+                         images: RolloutImages | None = None,
+                         added: tuple[ImageInputs, list[int]] | None = None) -> None:
     """Per turn: the next turn's sequence begins with the template's rendering of the whole conversation,
-    `new_messages` and the generation prompt included. One that leaves no room to generate is not begun:
-    the episode ends at the limit."""
+    `new_messages` and the generation prompt included, every image's pad tokens expanded (the trajectory's
+    images and `added`, those of `new_messages`, which it then holds all of). One that leaves no room to
+    generate is not begun: the episode ends at the limit."""
     new_messages, cut = _cut_to_room(new_messages, 2**62 if max_length is None else max_length)
     trajectory.messages.extend(new_messages)
     text = render_chat(trajectory.messages, tokenizer, True, trajectory.tools)
     tokens = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    held = ImageInputs.concat([trajectory.images, added[0] if added is not None else None])
+    if held is not None and not cut:
+        tokens = images.expand(tokens, images.counts(held), f"turn {len(trajectory.turn_starts) + 1} of the "
+                                                            f"trajectory of group {trajectory.group}")
     if max_length is not None and (len(tokens) >= max_length or cut):
         trajectory.truncated = True
         trajectory.done = True
         return
+    if held is not None:
+        trajectory.turn_images = (trajectory.turn_images or [[0, 0]] * len(trajectory.turn_starts)) + [[0, held.count]]
+        trajectory.images = held
     trajectory.turn_starts.append(len(trajectory.token_ids))
     trajectory.token_ids += tokens
     trajectory.action_mask += [0] * len(tokens)

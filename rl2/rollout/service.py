@@ -117,10 +117,10 @@ class RolloutService(RolloutRecords):
         self.tool_calling = ToolCalling.for_env(self.env, rollout)
         # A vision-language policy: its prompts' images and its tools' (None for a text-only model).
         self.images = RolloutImages.for_model(actor.model_name, data, tokenizer)
-        if self.images is not None and (agent or self.rl2_head or rollout.trajectory_format == "per_turn"):
-            raise ConfigError("a vision-language policy rolls out through an env file (rollout.env_path) with "
-                              "rollout.trajectory_format=whole so far: not an agent file, an RL2 HEAD env file "
-                              "or per-turn trajectories")
+        if self.images is not None and self.rl2_head:
+            raise ConfigError("a vision-language policy rolls out through an env file (rollout.env_path) or an agent "
+                              "file (rollout.agent_path), not an RL2 HEAD env file (env_step / generate): its "
+                              "trajectories' images do not reach training")
         self.engine = build_engine_from_config(rollout, actor, tokenizer, seed)
         if agent or self.rl2_head:
             from rl2.serve.openai_server import OpenAIServer

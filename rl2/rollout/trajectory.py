@@ -88,8 +88,11 @@ class Trajectory:
     # the trajectories made whole (an agent's, an RL2 HEAD file's).
     running: RunningState | None = None
     # A vision-language model's trajectory: the images its image-pad tokens stand for, in order (the
-    # prompt's, then those tool results added); None: none.
+    # prompt's, then those tool results added); None: none. With several sequences (`turn_starts`), the k-th
+    # holds `images[first : first + count]`, `turn_images[k] = [first, count]` (per turn: those of the
+    # conversation so far, first = 0; an agent's: each sequence's own); None: no images, or one sequence.
     images: ImageInputs | None = None
+    turn_images: list[list[int]] | None = None
     # Routing replay (actor.router_replay=r3, a mixture-of-experts policy): the experts the engine routed each
     # token to, [tokens, moe layers, k] int8/int16 (`rl2.models.routing_replay`); None: not recorded.
     routes: torch.Tensor | None = None

@@ -36,7 +36,7 @@ class OfflineTrainer(Trainer):
     group_size = 1  # sequences kept together in one packed row (a preference pair: 2)
     # Log the test metrics once before the first step (step 0), the start of the test curve.
     evaluate_before_training = False
-    image_inputs: ImageInputs | None = None  # a vision-language actor's (`reading_images`)
+    image_inputs: ImageInputs | None = None  # a vision-language model's (`reading_images`)
 
     def __init__(self, config: Config):
         check_config(config, self.name.lower())
@@ -64,8 +64,9 @@ class OfflineTrainer(Trainer):
         return self.dataset_cls
 
     def reading_images(self, dataset_cls: type) -> type:
-        """`dataset_cls`, reading the rows' images where the actor is a vision-language model (`image_inputs`)."""
-        self.image_inputs = ImageInputs.for_model(self.config.actor.model_name, self.config.data)
+        """`dataset_cls`, reading the rows' images where the trained model (the actor, the reward model) is a
+        vision-language model (`image_inputs`)."""
+        self.image_inputs = ImageInputs.for_model(self.main_config.model_name, self.config.data)
         return dataset_cls if self.image_inputs is None else dataset_cls.reading_images(self.image_inputs)
 
     def save(self, step: int) -> str:

@@ -241,24 +241,19 @@ class PPOTrainer(Trainer):
 
 
 def check_vision_run(config: Config) -> None:
-    """A vision-language actor trains on whole trajectories (one sequence each, its images with it), with a
-    reference of its own kind (a copy of it) and a teacher that reads images too; no critic (transformers has
-    no value-head class for Qwen-VL models). Refuse the rest before any model loads."""
+    """A vision-language actor trains with a reference of its own kind (a copy of it), and a teacher and a critic
+    that read images too. Refuse the rest before any model loads."""
     if not is_vision_model(config.actor.model_name):
         if config.distill.coef > 0 and is_vision_model(config.teacher.model_name):
             raise ConfigError(f"teacher.model_name={config.teacher.model_name} is a vision-language model and "
                               f"actor.model_name={config.actor.model_name} a text-only one: distil from a text model")
         return
     actor = config.actor.model_name
-    if config.rollout.trajectory_format == "per_turn":
-        raise ConfigError(f"rollout.trajectory_format=per_turn with the vision-language model {actor}: a turn's "
-                          f"sequence would need its own share of the trajectory's images, which rl2 does not split "
-                          f"yet; use rollout.trajectory_format=whole")
-    if config.adv.estimator == "gae":
-        raise ConfigError(f"adv.estimator=gae needs a critic, and {actor} is a vision-language model: rl2 has no "
-                          f"critic (value head) for those yet (transformers has no token-classification class for "
-                          f"Qwen-VL models); use a critic-free estimator (GRPO is adv.estimator=reinforce "
-                          f"adv.norm_var=true; rloo, ...)")
+    critic = config.critic.model_name or actor
+    if config.adv.estimator == "gae" and not is_vision_model(critic):
+        raise ConfigError(f"critic.model_name={critic} is a text-only model and actor.model_name={actor} a "
+                          f"vision-language one: the critic must read the trajectories' images too (use a "
+                          f"vision-language critic, e.g. the actor's model: leave critic.model_name unset)")
     if config.distill.coef > 0 and not is_vision_model(config.teacher.model_name):
         raise ConfigError(f"teacher.model_name={config.teacher.model_name} is a text-only model and "
                           f"actor.model_name={actor} a vision-language one: the teacher must read the trajectories' "

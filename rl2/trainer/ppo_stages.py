@@ -151,14 +151,19 @@ def route_fields(trajectory: Trajectory, plan: StepPlan) -> dict[str, torch.Tens
 
 def image_fields(trajectory: Trajectory) -> dict[str, torch.Tensor]:
     """A vision-language trajectory's images as its sequence carries them into the packed rows
-    (`RLSequence.pixel_values`, `image_grid_thw`); none for a trajectory without images."""
+    (`RLSequence.pixel_values`, `image_grid_thw`; with several sequences also `turn_images`, which of them each
+    sequence holds, which `split_turns` gives it); none for a trajectory without images."""
     if trajectory.images is None:
         return {}
-    if trajectory.turn_starts is not None:
-        raise ConfigError("a trajectory of several sequences (rollout.trajectory_format=per_turn, an agent's) with "
-                          "images: each sequence would need its own share of the trajectory's images, which rl2 "
-                          "does not split yet; use rollout.trajectory_format=whole with a vision-language model")
-    return {"pixel_values": trajectory.images.pixel_values, "image_grid_thw": trajectory.images.image_grid_thw}
+    images = {"pixel_values": trajectory.images.pixel_values, "image_grid_thw": trajectory.images.image_grid_thw}
+    if trajectory.turn_starts is None:
+        return images
+    if trajectory.turn_images is None or len(trajectory.turn_images) != len(trajectory.turn_starts):
+        raise ConfigError("a trajectory of several sequences with images that does not say which images each "
+                          "sequence holds (an RL2 HEAD env file's): rl2 trains those without images only; use an "
+                          "env file (rollout.env_path) or an agent file (rollout.agent_path) with a vision-language "
+                          "model")
+    return {**images, "turn_images": torch.tensor(trajectory.turn_images)}
 
 
 def compute_logps(sequences: list[RLSequence], plan: StepPlan, models: StepModels, step: int) -> dict[str, float]:

@@ -8,11 +8,9 @@ The reward model is trained in the `critic` section (`critic.model_name`, `criti
 import torch
 
 from rl2.algorithms.preference import PAIR, count_pairs, pair_sequences, reward_model_loss, with_pair_weights
-from rl2.config import ConfigError
 from rl2.data.conversations import PairDataset
 from rl2.trainer.base import run_main
 from rl2.trainer.offline import OfflineTrainer
-from rl2.vision.detect import is_vision_model
 from rl2.workers.reward_model import RewardModel
 
 
@@ -20,7 +18,9 @@ class RMTrainer(OfflineTrainer):
     """A scalar reward per conversation, read at its last token, trained with the Bradley–Terry loss
     −log σ(r_chosen − r_rejected) on preference pairs, a per-pair mean. Evaluation gives the loss,
     accuracy (ties count ½), margin and mean rewards over the test pairs. Checkpoints are Hugging Face
-    folders that load with `AutoModelForSequenceClassification` (or `AutoModelForTokenClassification`)."""
+    folders that load with `AutoModelForSequenceClassification` (or `AutoModelForTokenClassification`); a
+    vision-language reward model (Qwen2.5-VL, Qwen3-VL) trains on pairs whose prompts hold images and its
+    folders load with `rl2.vision.value_model`'s classes (e.g. `Qwen2_5_VLForSequenceClassification`)."""
 
     name = "RM"
     dataset_cls = PairDataset
@@ -29,12 +29,7 @@ class RMTrainer(OfflineTrainer):
     evaluate_before_training = True
 
     def dataset_class(self) -> type:
-        if is_vision_model(self.config.critic.model_name):
-            raise ConfigError(f"critic.model_name={self.config.critic.model_name} is a vision-language model: rl2 "
-                              f"trains no reward model on those yet (transformers has no sequence- or "
-                              f"token-classification class for Qwen-VL models, which rl2's reward-model checkpoints "
-                              f"load with)")
-        return PairDataset
+        return self.reading_images(PairDataset)
 
     def build_models(self) -> RewardModel:
         self.reward_model = RewardModel(self.config.critic, self.total_steps)

@@ -10,4 +10,6 @@
 - `forward`: the stock transformers model over one packed row, text attention varlen, vision attention sdpa;
 - `tower`: the vision tower found, frozen, and kept free of LoRA adapters;
 - `sequence_parallel`: with sequence parallelism, the text model on this rank's share of the merged row.
+- `value_model`: the token- and sequence-classification classes (a critic's, a reward model's) that transformers
+  has for text models only: the backbone with a `score` head.
 """

@@ -28,6 +28,7 @@ from rl2.vision.placeholder import with_placeholder_image
 from rl2.vision.positions import IMAGE_KEYS, VISION_POSITIONS, pack_vision_samples, rope_index_of
 from rl2.vision.sequence_parallel import split_text_model_inputs
 from rl2.vision.tower import freeze_vision_tower
+from rl2.vision.value_model import vision_head_class
 from rl2.workers.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,8 @@ class ModelWorker:
     `config_overrides` (set on the model's config) choose the head; `prepare` may then change the
     model before it is sharded. With `config.lora.rank` > 0 only LoRA adapters (and
     `lora_modules_to_save`, a head) train (`rl2.lora`). A vision-language model (`vlm_config`, its
-    config; None for a text model) loads as an image-text-to-text model and packs its samples with their
+    config; None for a text model) loads as an image-text-to-text model (with a head other than a causal
+    LM's: its backbone with that head, `rl2.vision.value_model`) and packs its samples with their
     images and mRoPE positions (`rl2.vision`); trained, its vision tower is frozen unless `freeze_vision`
     is false. With `sp_size > 1` every rank of a group runs its vision tower over the whole row, and its
     text model runs on the rank's share (`rl2.vision.sequence_parallel`).
@@ -120,7 +122,7 @@ class ModelWorker:
             split_text_model_inputs(self.model, self.sp_rank, self.sp_size)
         if self.vlm_config is not None and trainable and getattr(config, "freeze_vision", True):
             frozen = freeze_vision_tower(self.model)  # before the optimizer is built and FSDP's lazy init
-            logger.info(f"vision tower frozen: {len(frozen)} parameter tensors (actor.freeze_vision)")
+            logger.info(f"vision tower frozen: {len(frozen)} parameter tensors (freeze_vision)")
         self.optimizer = self.scheduler = None
         if trainable:
             self.optimizer, self.scheduler = build_optimizer(
@@ -138,18 +140,26 @@ class ModelWorker:
                            "this trained model stays on the device")
 
     def _vision_model(self, model_cls: type, ring: str | None) -> tuple[type, dict[str, str]]:
-        """The model class and attention of a vision-language model: the image-text-to-text class, rl2's
-        packed-row attention (`ring`, the registered ring attention, with sequence parallelism) for its text
-        model and bidirectional sdpa for its vision tower."""
-        if model_cls is not AutoModelForCausalLM:
-            raise ConfigError(f"{self.config.model_name} is a vision-language model: rl2 trains those as "
-                              f"policies only (SFT, PPO/GRPO, DPO), not with a {model_cls.__name__} head (a critic, "
-                              f"a reward model): transformers has no such class for Qwen-VL models")
+        """The model class and attention of a vision-language model: the image-text-to-text class (for a
+        policy) or its backbone with `model_cls`'s head (a critic, a reward model: `rl2.vision.value_model`),
+        rl2's packed-row attention (`ring`, the registered ring attention, with sequence parallelism) for its
+        text model and bidirectional sdpa for its vision tower."""
+        if model_cls is AutoModelForCausalLM:
+            model_cls = AutoModelForImageTextToText
+        else:
+            if ring is not None:
+                raise ConfigError(f"{self.config.model_name} is a vision-language model: as a critic or reward "
+                                  f"model it trains with sp_size=1 only (ring attention is tested for its "
+                                  f"policy); set sp_size=1")
+            try:
+                model_cls = vision_head_class(self.vlm_config, model_cls)
+            except ValueError as error:
+                raise ConfigError(f"{self.config.model_name} is a vision-language model: {error}") from None
         if ring is not None:
-            return AutoModelForImageTextToText, {"text_config": ring, "vision_config": "sdpa"}
+            return model_cls, {"text_config": ring, "vision_config": "sdpa"}
         dtype = DTYPES[self.config.dtype]
         try:
-            return AutoModelForImageTextToText, vision_attention_implementation(self.device, self.config.attn_implementation, dtype)
+            return model_cls, vision_attention_implementation(self.device, self.config.attn_implementation, dtype)
         except ValueError as error:
             raise ConfigError(f"{self.config.model_name}: {error}") from None
 
