@@ -1,7 +1,8 @@
 """The mixture-of-experts demo under each routing replay: `recipes/ppo_moe_tiny.sh` (what `make demo-moe` runs) for
 actor.router_replay in off, r2, r3, all from one SFT warm-up; prints each run's greedy test reward before and after
-GRPO, its sampled reward over the first and last steps, the mean router/mismatch and router/load_max over the steps
-that updated, and the seconds per step. A run that fails (r3, while the engine records no routes) prints its error.
+GRPO, its sampled reward over the first and last steps, and the means of router/mismatch, router/load_max and
+time/step over the steps that updated (a step whose groups all got equal rewards trains nothing and logs none).
+A run that fails (r3, while the engine records no routes) prints its error.
 
     python bench/demo_moe.py [--modes off r2 r3] [--ranks 2] [--seed 42] [--out DIR] [key=value ...]
 
@@ -32,10 +33,12 @@ def run_recipe(out: str, env: dict[str, str], args: list[str]) -> tuple[int, flo
 
 
 def last_error(log: str) -> str:
-    """The last line of `log` that names an error (or its last line)."""
+    """The error `log` ends with: rl2's message if it has one, else the last line naming an error other than
+    torchrun's (or its last line)."""
     lines = [line.strip() for line in open(log) if line.strip()]
-    errors = [line for line in lines if "Error" in line]
-    return (errors or lines or ["(no output)"])[-1][:300]
+    ours = [line for line in lines if line.startswith("rl2: error")]
+    errors = [line for line in lines if "Error" in line and "ChildFailedError" not in line]
+    return (ours or errors or lines or ["(no output)"])[-1][:300]
 
 
 def summary(metrics: str) -> dict:
@@ -81,7 +84,7 @@ def main() -> None:
     print(f"warm-up: {args.sft_steps} SFT steps in {seconds:.0f}s", flush=True)
     checkpoint = os.path.join(warmup, "sft", f"step{args.sft_steps}")
     print(f"{'replay':6s}  test start -> end   reward first{FIRST_LAST} -> last{FIRST_LAST}   router/mismatch   "
-          f"router/load_max   s/step   (steps that updated)")
+          f"router/load_max   s/step   (steps that updated: the means' steps)")
     for mode in args.modes:
         out = os.path.join(root, mode)
         env = {**common, "ROUTER_REPLAY": mode, "PPO_STEPS": str(args.ppo_steps), "SFT_CKPT": checkpoint}

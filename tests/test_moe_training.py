@@ -263,3 +263,25 @@ def test_ppo_with_r2_trains_a_tiny_moe_and_reports_the_router_metrics(tiny_moe_d
                and s["router/load_max"] == (s["router/load_max/layer0"] + s["router/load_max/layer1"]) / 2
                and "router/load_max/layer2" not in s for s in steps), steps
     assert any(s["router/mismatch"] > 0 for s in steps), steps
+
+
+def test_the_moe_demo_recipe_runs_without_routing_replay_and_logs_the_expert_load(tmp_path):
+    """`make demo-moe`'s recipe, shortened (40 warm-up and 3 GRPO steps, 1 rank), with ROUTER_REPLAY=off (a word YAML
+    reads as false): it runs and logs router/load_max per layer and no router/mismatch; another ROUTER_REPLAY is
+    refused."""
+    import json
+    import os
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OUT": str(tmp_path), "NPROC": "1", "SFT_STEPS": "40", "PPO_STEPS": "3", "ROUTER_REPLAY": "off",
+           "PYTHONPATH": repo}
+    done = subprocess.run(["bash", "recipes/ppo_moe_tiny.sh", "trainer.test_freq=null", "trainer.dump_trajectories=false"],
+                          cwd=repo, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-5000:]
+    steps = [json.loads(line) for line in open(tmp_path / "ppo" / "metrics.jsonl")]
+    updated = [s for s in steps if "actor/loss" in s]
+    assert updated and all("router/load_max/layer1" in s and "router/mismatch" not in s for s in updated), steps
+    refused = subprocess.run(["bash", "recipes/ppo_moe_tiny.sh"], cwd=repo, env={**env, "ROUTER_REPLAY": "r4"},
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "ROUTER_REPLAY must be off, r2 or r3" in refused.stderr
