@@ -3,7 +3,7 @@
 PYTHON ?= python3
 NPROC ?= 2
 
-.PHONY: install sandbox-tools demo demo-tool demo-vision demo-distill demo-sft demo-rm demo-dpo test test-gpu-pins test-vllm sglang-venv test-sglang bench docs docs-serve docs-screenshots
+.PHONY: install sandbox-tools demo demo-tool demo-vision demo-moe demo-distill demo-sft demo-rm demo-dpo test test-gpu-pins test-vllm sglang-venv test-sglang bench docs docs-serve docs-screenshots
 
 install:
 	$(PYTHON) -m pip install --quiet torch==2.13.0
@@ -17,6 +17,9 @@ demo-tool: install
 
 demo-vision: install
 	NPROC=$(NPROC) bash recipes/ppo_vision_tiny.sh
+
+demo-moe: install
+	NPROC=$(NPROC) bash recipes/ppo_moe_tiny.sh
 
 demo-distill: install
 	NPROC=$(NPROC) bash recipes/distill_tiny.sh

@@ -214,6 +214,16 @@ def test_bad_choice():
         load_config(["kl.loss_estimator=k4"])
 
 
+def test_a_choice_yaml_reads_as_a_bool_is_its_word(tmp_path):
+    """YAML 1.1 reads `off` as false: `actor.router_replay=off` (the command line's or a file's) is still "off"."""
+    assert load_config(["actor.router_replay=r2", "actor.router_replay=off"]).actor.router_replay == "off"
+    path = tmp_path / "recipe.yaml"
+    path.write_text("actor:\n  router_replay: off\n")
+    assert load_config([f"config={path}"]).actor.router_replay == "off"
+    with pytest.raises(ConfigError, match="'True'; choose one of off, r2, r3"):
+        load_config(["actor.router_replay=on"])
+
+
 @pytest.mark.parametrize("arg", ["actor.lr", "--actor.lr=1e-5", "=3"])
 def test_bad_arg_form(arg):
     with pytest.raises(ConfigError, match="key=value"):

@@ -95,6 +95,9 @@ unchanged = actor.router_mismatch()
 for _ in range(3):
     stepped = actor.train_step(replayed, loss_fn)
 trained_mismatch = actor.router_mismatch()
+recorded = torch.cat(routes).long()  # [tokens, layers, k]
+expected_counts = torch.stack([torch.bincount(recorded[:, layer].flatten(), minlength=8) for layer in range(recorded.shape[1])])
+counts_replayed = torch.equal(actor.expert_counts(), 3 * expected_counts)
 after = actor.compute(replayed)
 after_live = actor.compute(sequences)
 changed = actor.router_mismatch()
@@ -113,7 +116,7 @@ with RoutingReplay(plain) as replay, torch.no_grad():
 if rank() == 0:
     print("RESULT", abs(before_off - before_replay), unchanged, changed, worst_replay, worst_live,
           (torch.cat(logps) - torch.cat(plain_logps)).abs().max().item(), stepped.get("moe_aux_loss", -1.0),
-          routes[0].dtype, tuple(routes[1].shape))
+          routes[0].dtype, tuple(routes[1].shape), counts_replayed)
 """
 
 
@@ -137,7 +140,71 @@ def test_r2_replays_the_old_logprob_forwards_experts_in_the_update(tiny_moe_dir,
     assert replay_diff < 1e-5, result.stdout  # the replayed forward used the recorded experts
     assert live_diff > 1e-3, result.stdout  # routing live would have given other log-probs (a mutant that recomputes fails)
     assert aux > 0.0, result.stdout  # the load-balancing loss is in the trained loss
-    assert fields[7] == "torch.int8" and fields[8:] == ["(40,", "2,", "2)"], fields
+    assert fields[7] == "torch.int8" and fields[8:11] == ["(40,", "2,", "2)"], fields
+    assert fields[11] == "True", fields  # the updates' expert counts are the replayed routes' (3 updates)
+
+
+EXPERT_LOAD = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from rl2.workers.policy import Policy
+from rl2.config import ActorConfig
+from rl2.distributed.process_group import init_distributed, rank
+from rl2.models.expert_load import load_max
+from rl2.models.routing_replay import RoutingReplay
+init_distributed()
+folder = sys.argv[1]
+config = ActorConfig(model_name=folder, dtype="float32", max_length_per_device=96, lr=1e-3, warmup_ratio=0.0,
+                     gradient_checkpointing=True, router_replay="off")
+actor = Policy(config, total_steps=2)
+generator = torch.Generator().manual_seed(4)
+lengths = (9, 40, 17, 23, 30, 6)
+sequences = [{"input_ids": torch.randint(0, 1000, (n,), generator=generator), "loss_mask": torch.ones(n),
+              "loss_weight": torch.full((n,), 1.0 / sum(lengths))} for n in lengths]
+others = [{**seq, "input_ids": torch.randint(0, 1000, (len(seq["input_ids"]),), generator=generator)} for seq in sequences]
+none_yet = actor.expert_counts()
+actor.compute(others)  # an inference forward: not counted
+actor.train_step(sequences, lambda outputs, row: (-(outputs["logps"] * row["loss_weight"]).sum(), {}))
+counts = actor.expert_counts()
+after = actor.expert_counts()  # taken: none since
+# the hand count: a plain transformers forward of each sequence alone, its routes recorded
+plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+with RoutingReplay(plain) as replay, torch.no_grad():
+    routes = []
+    for seq in sequences:
+        replay.record()
+        plain(input_ids=seq["input_ids"].unsqueeze(0), use_cache=False)
+        routes.append(replay.routes().long())
+routes = torch.cat(routes, dim=1)  # [layers, tokens, k]
+expected = torch.stack([torch.bincount(layer.flatten(), minlength=8) for layer in routes])
+if rank() == 0:
+    print("RESULT", none_yet is None, after is None, torch.equal(counts, expected), int(counts.sum()),
+          " ".join(f"{x:.6f}" for x in load_max(counts)), " ".join(f"{x:.6f}" for x in load_max(expected)))
+"""
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_the_expert_counts_of_training_forwards_equal_a_hand_count_of_plain_routes(tiny_moe_dir, nproc):
+    """A tiny Qwen3-MoE policy without routing replay (gradient checkpointing on): `expert_counts` after an update
+    is each layer's count per expert of the routes plain transformers gives each sequence alone, over all ranks;
+    inference forwards and the checkpointed layers' recomputation in backward are not counted, and a call takes
+    the counts; `load_max` is the busiest expert's count over the uniform share."""
+    args = ["-c", EXPERT_LOAD, tiny_moe_dir]
+    result = run_python(args) if nproc == 1 else run_torchrun(args, nproc=nproc)
+    fields = result.stdout.split("RESULT")[-1].split()
+    assert fields[:3] == ["True", "True", "True"], result.stdout
+    assert int(fields[3]) == 2 * 2 * (9 + 40 + 17 + 23 + 30 + 6), fields  # layers x k x tokens
+    loads = list(map(float, fields[4:6]))
+    assert loads == list(map(float, fields[6:8])) and all(1.0 < load <= 8.0 for load in loads), fields
+
+
+def test_load_max_is_the_busiest_experts_share_over_the_uniform_one():
+    import torch
+
+    from rl2.models.expert_load import load_max
+
+    counts = torch.tensor([[5, 5, 5, 5], [20, 0, 0, 0], [10, 6, 4, 0], [0, 0, 0, 0]])
+    assert load_max(counts) == [1.0, 4.0, 2.0, 0.0]
 
 
 def test_trajectory_routes_survive_a_checkpoint_and_reach_the_sequences_under_r3():
@@ -192,6 +259,9 @@ def test_ppo_with_r2_trains_a_tiny_moe_and_reports_the_router_metrics(tiny_moe_d
     ], nproc=1)
     steps = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
     assert all("router/mismatch" in s and s["actor/moe_aux_loss"] > 0 for s in steps), steps
+    assert all(1.0 <= s["router/load_max/layer0"] <= 8.0 and 1.0 <= s["router/load_max/layer1"] <= 8.0
+               and s["router/load_max"] == (s["router/load_max/layer0"] + s["router/load_max/layer1"]) / 2
+               and "router/load_max/layer2" not in s for s in steps), steps
     assert any(s["router/mismatch"] > 0 for s in steps), steps
 
 
@@ -216,3 +286,25 @@ def test_ppo_with_a_hybrid_actor_on_the_hf_engine(tiny_hybrid_dir, tmp_path):
     ], nproc=1)
     steps = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
     assert len(steps) == 2 and all(s["logp_mismatch/max"] < 1e-4 for s in steps), steps
+
+
+def test_the_moe_demo_recipe_runs_without_routing_replay_and_logs_the_expert_load(tmp_path):
+    """`make demo-moe`'s recipe, shortened (40 warm-up and 3 GRPO steps, 1 rank), with ROUTER_REPLAY=off (a word YAML
+    reads as false): it runs and logs router/load_max per layer and no router/mismatch; another ROUTER_REPLAY is
+    refused."""
+    import json
+    import os
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OUT": str(tmp_path), "NPROC": "1", "SFT_STEPS": "40", "PPO_STEPS": "3", "ROUTER_REPLAY": "off",
+           "PYTHONPATH": repo}
+    done = subprocess.run(["bash", "recipes/ppo_moe_tiny.sh", "trainer.test_freq=null", "trainer.dump_trajectories=false"],
+                          cwd=repo, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-5000:]
+    steps = [json.loads(line) for line in open(tmp_path / "ppo" / "metrics.jsonl")]
+    updated = [s for s in steps if "actor/loss" in s]
+    assert updated and all("router/load_max/layer1" in s and "router/mismatch" not in s for s in updated), steps
+    refused = subprocess.run(["bash", "recipes/ppo_moe_tiny.sh"], cwd=repo, env={**env, "ROUTER_REPLAY": "r4"},
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "ROUTER_REPLAY must be off, r2 or r3" in refused.stderr

@@ -402,7 +402,8 @@ def _lookup_type(cls: type, dotted: str) -> Any:
 
 
 def _check_keys(raw: dict, cls: type, prefix: str = "") -> None:
-    """Reject unknown keys at any depth (naming the closest valid keys), and sections given a plain value."""
+    """Reject unknown keys at any depth (naming the closest valid keys), and sections given a plain value; a
+    choice YAML 1.1 read as a bool (`actor.router_replay=off`) is set back to its word in `raw`."""
     hints = _hints(cls)
     for key, value in raw.items():
         name = f"{prefix}{key}"
@@ -416,6 +417,8 @@ def _check_keys(raw: dict, cls: type, prefix: str = "") -> None:
             if not isinstance(value, dict):
                 raise ConfigError(f"'{name}' is a section, not a value; set its keys, e.g. {name}.{next(iter(_hints(tp)))}=...")
             _check_keys(value, tp, name + ".")
+        elif type(value) is bool and ("on" if value else "off") in _choices(tp):
+            raw[key] = "on" if value else "off"
         elif tp is bool and type(value) is int:
             # OmegaConf would silently turn any int into a bool (`disable_wandb=2` -> True).
             raise ConfigError(f"invalid value for '{name}': expected bool (true/false), got {value!r}")

@@ -29,6 +29,7 @@ from rl2.algorithms.off_policy import correction_weights, mismatch_metrics
 from rl2.algorithms.overlong import overlong_penalty
 from rl2.algorithms.sequences import RLSequence, computed_per_turn, joined_per_turn, per_turn_sequences, turn_start_mask
 from rl2.config import ConfigError
+from rl2.models.expert_load import load_max
 from rl2.models.routing_replay import UNRECORDED
 from rl2.rollout.trajectory import Trajectory
 from rl2.tools.roc_penalty import roc_error_rates
@@ -329,6 +330,11 @@ def update(sequences: list[RLSequence], plan: StepPlan, models: StepModels, step
     router_mismatch = getattr(models.actor, "router_mismatch", lambda: None)()
     if router_mismatch is not None:  # over the step's replayed forwards (log-probs and updates)
         averaged["router/mismatch"] = router_mismatch
+    counts = getattr(models.actor, "expert_counts", lambda: None)()
+    if counts is not None:  # a MoE actor's expert balance in the step's training forwards, per layer and mean
+        loads = load_max(counts)
+        averaged.update({f"router/load_max/layer{layer}": load for layer, load in enumerate(loads)})
+        averaged["router/load_max"] = sum(loads) / len(loads)
     if "actor/logp_mismatch" in metrics:  # only the first minibatch ran the old policy
         averaged["logp_mismatch/mean"] = metrics["actor/logp_mismatch"][0]
         del averaged["actor/logp_mismatch"]

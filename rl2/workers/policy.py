@@ -1,5 +1,7 @@
 """The policy: a causal LM's per-token log-probs (and entropy) at the sampling temperature."""
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -8,6 +10,7 @@ from rl2.distributed.process_group import all_reduce_sum
 from rl2.errors import ConfigError
 from rl2.kernels.logps_head import TokenLogpsHead
 from rl2.lora import base_model
+from rl2.models.expert_load import ExpertLoad
 from rl2.models.routing_replay import UNRECORDED, RoutingReplay, routers, sequence_routes
 from rl2.workers.base import ModelWorker, align_to_tokens
 
@@ -46,7 +49,8 @@ class Policy(ModelWorker):
     A mixture-of-experts policy with `router_replay` other than "off" routes the tokens of sequences that
     carry `routes` ([tokens, moe layers, k] expert ids, `rl2.models.routing_replay`) to those experts
     (`compute_with_routes` records them); trained, it adds the router load-balancing loss ("moe_aux_loss",
-    weighted by "moe_aux_loss_coef") to its outputs where that weight is not 0."""
+    weighted by "moe_aux_loss_coef") to its outputs where that weight is not 0, and counts each MoE layer's
+    routed decisions per expert in its training forwards (`expert_counts`)."""
 
     def __init__(self, config: ModelConfig, total_steps: int, temperature: float = 1.0, trainable: bool = True):
         super().__init__(config, total_steps, trainable, logps_chunk_size=config.logps_chunk_size)
@@ -58,6 +62,8 @@ class Policy(ModelWorker):
         self.routing = RoutingReplay(base_model(self.model)) if moe and self.router_replay != "off" else None
         if self.routing is not None and self.sp_group is not None:
             raise ConfigError("actor.router_replay with sp_size > 1 (ring attention) is not supported yet: set sp_size=1")
+        # after routing replay's hooks: it counts the experts the tokens go to, replayed or not
+        self.expert_load = ExpertLoad(base_model(self.model)) if moe and trainable else None
         coef = getattr(config, "moe_aux_loss_coef", None)
         self.moe_aux_loss_coef = 0.0 if not moe else (
             coef if coef is not None else float(getattr(base_model(self.model).config, "router_aux_loss_coef", 0.0) or 0.0))
@@ -114,6 +120,14 @@ class Policy(ModelWorker):
         self._router_counts = [0, 0]
         return changed / decided if decided else 0.0
 
+    def expert_counts(self) -> torch.Tensor | None:
+        """Each MoE layer's routed decisions per expert ([layers, experts], on CPU) in all ranks' training forwards
+        since the last call; None for a dense policy, or without any. A collective: every rank calls it."""
+        if self.expert_load is None:
+            return None
+        counts = all_reduce_sum(self.expert_load.take().to(self.device)).cpu()
+        return counts if counts.sum() > 0 else None
+
     def _replaying(self, micro_batch: dict[str, torch.Tensor]) -> bool:
         """Set the routers for this row: replay its `routes`, or leave them on their own."""
         if self.routing is None or self.routing.mode == "record":
@@ -134,7 +148,9 @@ class Policy(ModelWorker):
 
     def forward(self, micro_batch: dict[str, torch.Tensor], with_entropy: bool = False) -> dict[str, torch.Tensor]:
         replaying = self._replaying(micro_batch)
-        outputs = self._token_outputs(micro_batch, with_entropy)
+        training = self.expert_load is not None and torch.is_grad_enabled()
+        with self.expert_load.counting() if training else contextlib.nullcontext():
+            outputs = self._token_outputs(micro_batch, with_entropy)
         if replaying:
             changed, decided = self.routing.counts()
             self._router_counts = [self._router_counts[0] + changed, self._router_counts[1] + decided]
