@@ -2,7 +2,7 @@
 actor.router_replay in off, r2, r3, all from one SFT warm-up; prints each run's greedy test reward before and after
 GRPO, its sampled reward over the first and last steps, and the means of router/mismatch, router/load_max and
 time/step over the steps that updated (a step whose groups all got equal rewards trains nothing and logs none).
-A run that fails (r3, while the engine records no routes) prints its error.
+A run that fails prints its error.
 
     python bench/demo_moe.py [--modes off r2 r3] [--ranks 2] [--seed 42] [--out DIR] [key=value ...]
 
