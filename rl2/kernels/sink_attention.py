@@ -28,19 +28,34 @@ def sink_window_attention(
     with `sinks` [heads] (None: none) in its softmax."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # transformers' repeat_kv
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     q_positions = torch.arange(key.shape[2] - query.shape[2], key.shape[2], device=query.device)[:, None]
     k_positions = torch.arange(key.shape[2], device=query.device)[None, :]
     visible = k_positions <= q_positions
     if sliding_window is not None:
         visible = visible & (k_positions > q_positions - sliding_window)
+    head_sinks = None if sinks is None else sinks.reshape(1, -1, 1, 1)
+    return masked_sink_attention(query, key, value, visible, scaling, head_sinks, dropout)
+
+
+def masked_sink_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    scaling: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """query [B, H, Lq, dim], key/value [B, H, Lk, dim] → [B, H, Lq, dim], each query attending to the keys
+    `visible` (bool, broadcast to [B, H, Lq, Lk]) with `sinks` (broadcast to [B, H, Lq, 1]; None: none) in its
+    softmax."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
     scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
     if sinks is None:
         probs = F.softmax(scores, dim=-1)
     else:
-        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        combined = torch.cat([scores, sink], dim=-1)
+        combined = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values  # as transformers does (half precision)
         probs = F.softmax(combined, dim=-1)[..., :-1]  # the sink's share goes nowhere
     probs = F.dropout(probs, p=dropout).to(value.dtype)

@@ -56,10 +56,12 @@ def build_tiny_moe(
     top_k: int = 2,
     seed: int = 0,
     attn_implementation: str | None = None,
+    sliding_window: int = 16,
 ) -> PreTrainedModel:
     """A random-init MoE causal LM of `family` (one of MOE_FAMILIES), every layer's MLP a router over
     `num_experts` experts of which each token uses `top_k`. Qwen3-MoE renormalises its top-k weights
-    (as Qwen3-30B-A3B does), OLMoE does not (as OLMoE-1B-7B), gpt-oss takes a softmax over its top-k logits."""
+    (as Qwen3-30B-A3B does), OLMoE does not (as OLMoE-1B-7B), gpt-oss takes a softmax over its top-k logits
+    (its attention has sinks, and a `sliding_window` on every other layer, the first included)."""
     shared = _shared(vocab_size, hidden_size, num_layers)
     if family == "qwen3_moe":
         config = Qwen3MoeConfig(**shared, num_experts=num_experts, num_experts_per_tok=top_k,
@@ -72,7 +74,7 @@ def build_tiny_moe(
         model_cls = OlmoeForCausalLM
     elif family == "gpt_oss":
         config = GptOssConfig(**shared, num_local_experts=num_experts, num_experts_per_tok=top_k,
-                              intermediate_size=hidden_size, head_dim=hidden_size // 4, sliding_window=16,
+                              intermediate_size=hidden_size, head_dim=hidden_size // 4, sliding_window=sliding_window,
                               layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)
                               + ["sliding_attention"] * (num_layers % 2))
         model_cls = GptOssForCausalLM
