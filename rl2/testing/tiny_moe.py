@@ -3,7 +3,7 @@
 `build_tiny_moe` makes a Qwen3-MoE, OLMoE or gpt-oss model (8 experts, top-2 by default);
 `build_tiny_hybrid` a Qwen3.5 (gated delta-net layers beside full attention, dense MLP) or Qwen3-Next
 (the same mixers with MoE MLPs) model. Random weights, drawn larger than the init (as
-`rl2.testing.tiny.sharpen_weights` does, the experts' stacked weights too) so that router logits are far
+`rl2.testing.tiny.sharpen_weights` does, the experts' stacked weights and gpt-oss's attention sinks too) so that router logits are far
 from ties, routing matters and outputs vary. Nothing is downloaded. `save_tiny_moe` writes one, with
 `rl2.testing.tiny`'s tokenizer, to a folder usable as `actor.model_name` (`python -m rl2.testing.tiny_moe OUT_DIR
 --family F`).
@@ -128,9 +128,11 @@ def _build(model_cls: type, config, seed: int, attn_implementation: str | None) 
     with torch.no_grad():  # the experts' stacked [experts, out, in] weights too, so that routing matters
         generator = torch.Generator().manual_seed(seed + 1)
         experts = getattr(config, "num_experts", None)
-        for parameter in model.parameters():
+        for name, parameter in model.named_parameters():
             if parameter.dim() == 3 and parameter.shape[0] == experts:
                 parameter.normal_(0.0, 0.15, generator=generator)
+            elif name.endswith(".sinks"):  # gpt-oss's attention sinks: per head, of the scores' size, so that they matter
+                parameter.normal_(0.0, 1.0, generator=generator)
     return model
 
 
