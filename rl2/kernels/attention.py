@@ -74,6 +74,8 @@ def varlen_attention(
             else torch.tensor([0, query.shape[2]], dtype=torch.int32)
         )
     bounds = cu_seq_lens_q.tolist()
+    if sliding_window is not None and max(end - start for start, end in zip(bounds, bounds[1:])) <= sliding_window:
+        sliding_window = None  # no sequence reaches past it
     if s_aux is None and sliding_window is None:
         attention = lambda q, k, v: _causal_sdpa(q, k, v, dropout, scaling)  # noqa: E731
     else:
