@@ -113,7 +113,8 @@ def expected_greedy(reference, prompt: list[int], max_new_tokens: int) -> list[i
 
 def test_hf_engine_greedy_tokens_equal_transformers_generate(model_dir):
     """Prompts shorter and longer than the window, each twice (the copy shares the first's prefill), more than
-    there are slots, 20 new tokens (past the window); then a next turn that extends a kept slot."""
+    there are slots, 20 new tokens (past the window); then a next turn that extends a kept slot; and a plain
+    forward of the engine's model."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in (5, 17, 12, 1)]
     prompts = [p for p in prompts for _ in range(2)]
@@ -127,3 +128,7 @@ def test_hf_engine_greedy_tokens_equal_transformers_generate(model_dir):
     reused = engine.stats["reused_tokens"]
     assert engine.generate([following], params)[0].token_ids == expected_greedy(reference, following, 20)
     assert engine.stats["reused_tokens"] > reused  # the kept slot's cache was read, not computed again
+
+    with torch.no_grad():  # a plain forward of the engine's model (no slot plan) keeps the sinks and the window
+        ids = torch.tensor([following])
+        torch.testing.assert_close(engine.model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=1e-5)
