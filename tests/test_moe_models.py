@@ -26,19 +26,11 @@ def sequences(lengths: tuple[int, ...] = LENGTHS, seed: int = 0) -> list[torch.T
 
 
 def model_of(family: str, varlen: str) -> torch.nn.Module:
-    """A tiny model of `family`, in rl2's packed-row attention where rl2 can pack it (gpt-oss's attention
-    sinks and sliding window are not in rl2's varlen attention: it keeps its own, on one sequence)."""
+    """A tiny model of `family` in rl2's packed-row attention (gpt-oss's sinks and window:
+    tests/test_gpt_oss_packing.py)."""
     if family == "qwen3_next":
         return build_tiny_hybrid(family, attn_implementation=varlen)
-    if family == "gpt_oss":
-        return build_tiny_moe(family)
     return build_tiny_moe(family, attn_implementation=varlen)
-
-
-def inputs_for(family: str, seqs: list[torch.Tensor]) -> dict:
-    if family == "gpt_oss":
-        return dict(input_ids=torch.cat(seqs)[None], use_cache=False)
-    return packed_inputs(seqs)
 
 
 def forward(model: torch.nn.Module, family: str, inputs: dict) -> torch.Tensor:
@@ -79,7 +71,7 @@ class ExpertsSeen:
 # ---- packing ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "gpt_oss"])
 def test_a_packed_moe_row_gives_each_sequence_its_logits_and_gradients_alone(family, varlen):
     model = build_tiny_moe(family, attn_implementation=varlen)
     seqs = sequences()
@@ -112,7 +104,7 @@ FAMILIES = ["qwen3_moe", "olmoe", "gpt_oss", "qwen3_next"]
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replay_with_unchanged_weights_gives_the_recorded_forward_exactly(family, varlen):
     model = model_of(family, varlen)
-    inputs = inputs_for(family, sequences())
+    inputs = packed_inputs(sequences())
     with RoutingReplay(model) as replay:
         replay.record()
         with torch.no_grad():
@@ -129,7 +121,7 @@ def test_replay_with_unchanged_weights_gives_the_recorded_forward_exactly(family
 @pytest.mark.parametrize("family", FAMILIES)
 def test_after_the_routers_change_the_replayed_forward_uses_the_recorded_experts(family, varlen):
     model = model_of(family, varlen)
-    inputs = inputs_for(family, sequences())
+    inputs = packed_inputs(sequences())
     with RoutingReplay(model) as replay:
         replay.record()
         with torch.no_grad():
@@ -177,7 +169,7 @@ def test_the_experts_check_catches_a_replay_that_recomputes_routes(varlen):
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "gpt_oss"])
 def test_mismatch_is_zero_with_unchanged_weights_and_positive_after_the_routers_change(family, varlen):
     model = model_of(family, varlen)
-    inputs = inputs_for(family, sequences())
+    inputs = packed_inputs(sequences())
     with RoutingReplay(model) as replay, torch.no_grad():
         replay.record()
         forward(model, family, inputs)

@@ -70,7 +70,8 @@ def load_fsdp_model(
         model = model_cls.from_config(
             config,
             dtype=torch.float32,
-            attn_implementation=attn_implementation or packed_attention_implementation(device, attention, DTYPES[dtype]),
+            attn_implementation=attn_implementation
+            or packed_attention_implementation(device, attention, DTYPES[dtype], config.model_type),
         )
     if prepare is not None:
         prepare(model)

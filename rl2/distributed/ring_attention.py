@@ -497,6 +497,7 @@ def _ring_attention_forward(
     group: dist.ProcessGroup,
     cu_seq_lens_q: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ring attention over `group` (bound by the registration)."""
@@ -511,6 +512,8 @@ def _ring_attention_forward(
         raise ValueError(f"ring attention does not support attention dropout (got {dropout})")
     if sliding_window is not None:
         raise ValueError(f"ring attention does not support sliding-window attention (got {sliding_window})")
+    if s_aux is not None:
+        raise ValueError("ring attention does not support attention sinks (s_aux, gpt-oss)")
     if attention_mask is not None:
         raise ValueError("ring attention takes no attention_mask: sequence boundaries come from cu_seq_lens_q")
     return ring_attention(query, key, value, cu_seq_lens_q, group, scaling), None

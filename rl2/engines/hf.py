@@ -160,10 +160,11 @@ class HFEngine(Engine):
         cuda = self.device.type == "cuda"
         self.sync_interval = sync_interval or (8 if cuda else 1)
         self.max_prefill_tokens = max_prefill_tokens
-        self.prefill_attention = prefill_attention(self.device, attn_implementation, dtype=DTYPES[dtype])
+        config = AutoConfig.from_pretrained(model_path)
+        self.prefill_attention = prefill_attention(self.device, attn_implementation, dtype=DTYPES[dtype],
+                                                   model_type=config.model_type)
         logger.info(f"hf engine prefill attention on {self.device.type}: {self.prefill_attention}"
                     + (" (auto)" if attn_implementation == "auto" else ""))
-        config = AutoConfig.from_pretrained(model_path)
         self.vision = is_vision_config(config)
         model_cls, attention = AutoModelForCausalLM, register_slot_attention()
         if self.vision:  # the vision tower's attention stays bidirectional (the slot attention is causal)

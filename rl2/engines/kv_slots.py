@@ -28,7 +28,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from rl2.kernels.attention import available_attention, choose_attention, torch_varlen_attention
+from rl2.kernels.attention import NO_SINKS, available_attention, choose_attention, torch_varlen_attention
+from rl2.kernels.sink_attention import SINK_MODEL_TYPES, masked_sink_attention, sink_window_attention
 
 SLOT_ATTENTION = "rl2_kv_slots"
 # Given as `attention_mask`, a dict makes the model skip building masks: the plans carry their own (a hybrid
@@ -199,23 +200,36 @@ def slot_attention(
     kv_slots: KVSlots | None = None,
     kv_plan: DecodePlan | PrefillPlan | None = None,
     sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention through the slot cache: query [B, heads, T, dim], key/value [B, kv_heads, T, dim]
-    (this step's tokens) → output [B, T, heads, dim]. Without a plan (a plain forward of the
-    engine's model) it is transformers' causal sdpa."""
+    (this step's tokens) → output [B, T, heads, dim]. A `sliding_window` and attention sinks (`s_aux`,
+    gpt-oss) apply as in transformers' eager attention. Without a plan (a plain forward of the
+    engine's model) it is transformers' causal sdpa, or with sinks its eager arithmetic."""
     if kv_plan is None:
+        if s_aux is not None:
+            return _plain_sink_attention(query, key, value, attention_mask, scaling, s_aux, sliding_window), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
-    if sliding_window is not None:
-        raise NotImplementedError("the hf engine's slot cache supports full attention only, not sliding windows")
     layer_keys, layer_values = kv_slots.keys[module.layer_idx], kv_slots.values[module.layer_idx]
+    extras = (scaling, s_aux, sliding_window)
     if isinstance(kv_plan, DecodePlan):
-        return _decode_attention(query, key, value, layer_keys, layer_values, kv_plan, scaling), None
-    return _prefill_attention(query, key, value, layer_keys, layer_values, kv_plan, scaling), None
+        return _decode_attention(query, key, value, layer_keys, layer_values, kv_plan, *extras), None
+    return _prefill_attention(query, key, value, layer_keys, layer_values, kv_plan, *extras), None
 
 
-def _decode_attention(query, key, value, layer_keys, layer_values, plan: DecodePlan, scaling) -> torch.Tensor:
+def _plain_sink_attention(query, key, value, attention_mask, scaling, sinks, window) -> torch.Tensor:
+    """A plain forward's attention with sinks; `attention_mask` (bool, window included) or, if None, causal."""
+    if attention_mask is None:
+        return sink_window_attention(query, key, value, scaling, sinks, window).transpose(1, 2)
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return masked_sink_attention(query, key, value, attention_mask, scaling, sinks.reshape(1, -1, 1, 1)).transpose(1, 2)
+
+
+def _decode_attention(query, key, value, layer_keys, layer_values, plan: DecodePlan, scaling, sinks=None,
+                      window=None) -> torch.Tensor:
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     index = torch.arange(rows, device=query.device) if plan.slots is None else plan.slots
@@ -227,22 +241,34 @@ def _decode_attention(query, key, value, layer_keys, layer_values, plan: DecodeP
     # grouped-query attention needs no repeated keys (transformers' repeat_kv order: head h serves
     # query heads h*g .. h*g+g-1).
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask, scale=scaling)
+    if sinks is None and window is None:
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask, scale=scaling)
+    else:
+        visible = plan.mask
+        if window is not None:  # each row's token is at its write position
+            positions = torch.arange(plan.kv_length, device=query.device)
+            visible = visible & (positions > plan.write_positions[:, None, None, None] - window)
+        grouped_sinks = None if sinks is None else sinks.reshape(1, kv_heads, heads // kv_heads, 1)
+        out = masked_sink_attention(grouped, keys, values, visible, scaling, grouped_sinks)
     return out.reshape(rows, heads, 1, dim).transpose(1, 2)
 
 
-def _prefill_attention(query, key, value, layer_keys, layer_values, plan: PrefillPlan, scaling) -> torch.Tensor:
+def _prefill_attention(query, key, value, layer_keys, layer_values, plan: PrefillPlan, scaling, sinks=None,
+                       window=None) -> torch.Tensor:
     # [1, kv_heads, T, dim] → [T, kv_heads, dim], the layout of cache[slot, :, position]
     layer_keys[plan.slots, :, plan.positions] = key[0].transpose(0, 1)
     layer_values[plan.slots, :, plan.positions] = value[0].transpose(0, 1)
     if plan.attention != "sdpa_loop":
-        return _packed_prefill_attention(query, key, value, layer_keys, layer_values, plan, scaling)
+        return _packed_prefill_attention(query, key, value, layer_keys, layer_values, plan, scaling, window)
     grouped = query.shape[1] != key.shape[1]
     outputs = []
     for slot, first, start, end in plan.segments:
         length = first + end - start
         keys = layer_keys[slot : slot + 1, :, :length]
         values = layer_values[slot : slot + 1, :, :length]
+        if sinks is not None or window is not None:  # the new tokens are the last of the sequence's positions
+            outputs.append(sink_window_attention(query[:, :, start:end], keys, values, scaling, sinks, window))
+            continue
         if first == 0:
             mask, causal = None, True
         else:  # the new tokens at positions first.. see the cached prefix and each other causally
@@ -254,29 +280,33 @@ def _prefill_attention(query, key, value, layer_keys, layer_values, plan: Prefil
     return torch.cat(outputs, dim=2).transpose(1, 2)
 
 
-def _packed_prefill_attention(query, key, value, layer_keys, layer_values, plan: PrefillPlan, scaling) -> torch.Tensor:
+def _packed_prefill_attention(query, key, value, layer_keys, layer_values, plan: PrefillPlan, scaling,
+                              window=None) -> torch.Tensor:
     """One kernel call over the packed row: query [1, heads, T, dim] → [1, T, heads, dim]."""
     if plan.key_slots is not None:  # whole sequences, cached prefixes included: [T_k, kv_heads, dim] → [1, kv_heads, T_k, dim]
         key = layer_keys[plan.key_slots, :, plan.key_positions].transpose(0, 1)[None]
         value = layer_values[plan.key_slots, :, plan.key_positions].transpose(0, 1)[None]
     if plan.attention == "torch_varlen":
         out, _ = torch_varlen_attention(None, query, key, value, None, scaling, cu_seq_lens_q=plan.cu_q,
-                                        max_length_q=plan.max_q, cu_seq_lens_k=plan.cu_k, max_length_k=plan.max_k)
+                                        max_length_q=plan.max_q, cu_seq_lens_k=plan.cu_k, max_length_k=plan.max_k,
+                                        sliding_window=window)
         return out
     if plan.attention == "flash_attention_2":
         from flash_attn import flash_attn_varlen_func  # causal is aligned to the end of each sequence's keys
 
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+        left = -1 if window is None else window - 1  # flash-attn's window excludes the query itself
         return flash_attn_varlen_func(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, softmax_scale=scaling,
-                                      causal=True)[None]
+                                      causal=True, window_size=(left, 0))[None]
     raise ValueError(f"unknown prefill attention {plan.attention!r}")
 
 
 def prefill_attention(device: torch.device, requested: str = "auto", available: dict[str, bool] | None = None,
-                      dtype: torch.dtype | None = None) -> str:
+                      dtype: torch.dtype | None = None, model_type: str | None = None) -> str:
     """The kernel the engine prefills with on `device` for a model in `dtype` (one of ATTENTION_CHOICES):
     `auto` takes flash-attn, else torch's varlen kernel on CUDA in half precision, and the per-sequence
-    loop elsewhere. Flex attention is
+    loop elsewhere (always for a model with attention sinks, `model_type` in SINK_MODEL_TYPES, which the
+    flash kernels lack; asking for one of them is refused). Flex attention is
     refused: the engine's rows change length every call, so it would run uncompiled and materialise every
     score (compiled, it would recompile per row length)."""
     if requested == "flex_attention":
@@ -285,10 +315,10 @@ def prefill_attention(device: torch.device, requested: str = "auto", available: 
                          "flash_attention_2, torch_varlen or sdpa_loop (flex attention stays available for training)")
     if requested == "auto":
         available = available if available is not None else available_attention(device, dtype)
-        if device.type == "cuda":
-            return next(name for name in ("flash_attention_2", "torch_varlen", "sdpa_loop") if available[name])
+        if device.type == "cuda" and model_type not in SINK_MODEL_TYPES:
+            return next(name for name in (*NO_SINKS, "sdpa_loop") if available[name])
         return "sdpa_loop"
-    return choose_attention(device, requested, available, dtype)
+    return choose_attention(device, requested, available, dtype, model_type)
 
 
 def register_slot_attention() -> str:

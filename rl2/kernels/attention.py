@@ -11,7 +11,9 @@ transformers' sdpa path handles a packed row by building a block-diagonal T×T m
 - `sdpa_loop`: one sdpa call per sequence length (`varlen_attention`: the sequences of a length batched), anywhere.
 
 `auto` takes the first available in that order on CUDA and `sdpa_loop` on CPU, where it is the
-fastest (bench/RESULTS.md).
+fastest (bench/RESULTS.md). Sliding windows apply within each sequence in all four. Attention sinks
+(gpt-oss) are computed by `sdpa_loop` (exactly as transformers' eager attention, `sink_attention`) and
+by transformers' flex attention on CUDA only: for such a model `auto` skips the two flash kernels.
 """
 
 import importlib.util
@@ -25,6 +27,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from rl2.config import ATTENTION_CHOICES
+from rl2.errors import ConfigError
+from rl2.kernels.sink_attention import SINK_MODEL_TYPES, sink_window_attention
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +55,15 @@ def varlen_attention(
     dropout: float = 0.0,
     cu_seq_lens_q: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention restricted to each sequence of a packed row.
 
     query [1, heads, T, dim], key/value [1, kv_heads, T, dim] → output [1, T, heads, dim]. The
     boundaries come from `cu_seq_lens_q` if given, else from `position_ids`, else the row is one
-    sequence.
+    sequence. A `sliding_window` and attention sinks (`s_aux`, gpt-oss) apply within each sequence.
     """
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN_ATTENTION} attention takes packed rows of batch size 1, got {query.shape[0]}")
@@ -68,8 +74,14 @@ def varlen_attention(
             else torch.tensor([0, query.shape[2]], dtype=torch.int32)
         )
     bounds = cu_seq_lens_q.tolist()
+    if sliding_window is not None and max(end - start for start, end in zip(bounds, bounds[1:])) <= sliding_window:
+        sliding_window = None  # no sequence reaches past it
+    if s_aux is None and sliding_window is None:
+        attention = lambda q, k, v: _causal_sdpa(q, k, v, dropout, scaling)  # noqa: E731
+    else:
+        attention = lambda q, k, v: sink_window_attention(q, k, v, scaling, s_aux, sliding_window, dropout)  # noqa: E731
     if len(bounds) == 2:  # one sequence
-        return _causal_sdpa(query, key, value, dropout, scaling).transpose(1, 2).contiguous(), None
+        return attention(query, key, value).transpose(1, 2).contiguous(), None
     starts_of: dict[int, list[int]] = {}  # sequences by length
     runs: list[list[int]] = []  # [length, start, count] of consecutive sequences of one length
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -84,7 +96,7 @@ def varlen_attention(
         """`count` sequences of `length` tokens (`take`: a row's [heads, T, dim] -> theirs) in one call ->
         [heads, count * length, dim]."""
         batched = [take(t[0]).unflatten(1, (count, length)).transpose(0, 1) for t in (query, key, value)]
-        out = _causal_sdpa(*batched, dropout, scaling)  # [count, heads, length, dim]
+        out = attention(*batched)  # [count, heads, length, dim]
         return out.transpose(0, 1).reshape(out.shape[1], -1, out.shape[3])
 
     if len(runs) == len(starts_of):  # each length in one run (rows packed by length): batches are slices
@@ -135,6 +147,8 @@ def torch_varlen_attention(
     kernel=None,
     cu_seq_lens_k: torch.Tensor | None = None,
     max_length_k: int | None = None,
+    sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Causal attention within each sequence of a packed row through torch's varlen flash kernel.
@@ -142,13 +156,15 @@ def torch_varlen_attention(
     Shapes and boundaries as in `varlen_attention`; `max_length_q` (the longest sequence) saves a
     device-to-host copy per layer when given. With `cu_seq_lens_k` (and `max_length_k`) each
     sequence's keys may be longer than its queries: the queries are its last tokens, and the causal
-    mask is aligned to the end (the flash kernels' convention). `kernel` replaces
-    `torch_varlen_kernel()` (tests).
+    mask is aligned to the end (the flash kernels' convention). A `sliding_window` of W keeps each
+    query's W latest keys; attention sinks (`s_aux`) are refused. `kernel` replaces `torch_varlen_kernel()` (tests).
     """
     if query.shape[0] != 1:
         raise ValueError(f"{TORCH_VARLEN_ATTENTION} attention takes packed rows of batch size 1, got {query.shape[0]}")
     if dropout != 0.0:
         raise ValueError(f"{TORCH_VARLEN_ATTENTION} attention has no dropout (got {dropout})")
+    if s_aux is not None:
+        raise ValueError(f"{TORCH_VARLEN_ATTENTION} attention has no attention sinks (s_aux): use flex attention")
     kernel = kernel or torch_varlen_kernel()
     bounds = _sequence_bounds(query, cu_seq_lens_q, position_ids).to(device=query.device, dtype=torch.int32)
     longest = max_length_q or int((bounds[1:] - bounds[:-1]).max())
@@ -164,7 +180,8 @@ def torch_varlen_attention(
     grouped = {}
     if q.shape[1] != k.shape[1] and "enable_gqa" in inspect.signature(kernel).parameters:
         grouped["enable_gqa"] = True
-    out = kernel(q, k, v, bounds, key_bounds, longest, longest_key, scale=scaling, window_size=(-1, 0), **grouped)
+    left = -1 if sliding_window is None else sliding_window - 1  # the kernel's window excludes the query itself
+    out = kernel(q, k, v, bounds, key_bounds, longest, longest_key, scale=scaling, window_size=(left, 0), **grouped)
     return out.unsqueeze(0), None
 
 
@@ -189,6 +206,7 @@ def flash_attn_loads() -> bool:
 
 
 HALF_PRECISION = (torch.float16, torch.bfloat16)
+NO_SINKS = ("flash_attention_2", "torch_varlen")  # kernels without attention sinks (flex attention has them on CUDA)
 
 
 def available_attention(device: torch.device, dtype: torch.dtype | None = None) -> dict[str, bool]:
@@ -204,16 +222,22 @@ def available_attention(device: torch.device, dtype: torch.dtype | None = None) 
 
 
 def choose_attention(device: torch.device, requested: str = "auto", available: dict[str, bool] | None = None,
-                     dtype: torch.dtype | None = None) -> str:
+                     dtype: torch.dtype | None = None, model_type: str | None = None) -> str:
     """The implementation `requested` (one of ATTENTION_CHOICES) resolves to on `device` for a model
-    computing in `dtype`; an error names what is missing when an explicit choice cannot run there."""
+    computing in `dtype`; an error names what is missing when an explicit choice cannot run there.
+    A model with attention sinks (`model_type` in SINK_MODEL_TYPES: gpt-oss) needs a kernel that computes
+    them: `auto` then skips flash-attn 2's and torch's varlen kernels, and asking for either is refused."""
     if requested not in ATTENTION_CHOICES:
         raise ValueError(f"attn_implementation must be one of {ATTENTION_CHOICES}, got {requested!r}")
+    sinks = model_type in SINK_MODEL_TYPES
+    if sinks and requested in NO_SINKS:
+        raise ConfigError(f"attn_implementation={requested} cannot run {model_type}: its attention sinks are not in "
+                          f"{requested}'s kernel; use auto, flex_attention or sdpa_loop")
     available = available if available is not None else available_attention(device, dtype)
     if requested == "auto":
         if device.type != "cuda":
             return "sdpa_loop"
-        return next(name for name in ATTENTION_CHOICES[1:] if available[name])
+        return next(name for name in ATTENTION_CHOICES[1:] if available[name] and not (sinks and name in NO_SINKS))
     if not available[requested]:
         needs = {"flash_attention_2": "CUDA and the flash-attn package", "torch_varlen": "CUDA and torch >= 2.10",
                  "flex_attention": "torch >= 2.5"}[requested]
@@ -224,10 +248,10 @@ def choose_attention(device: torch.device, requested: str = "auto", available: d
 
 
 def packed_attention_implementation(device: torch.device, requested: str = "auto",
-                                    dtype: torch.dtype | None = None) -> str:
-    """The transformers attention name for packed training rows on `device` in `dtype` (see
-    `choose_attention`), registering ours where needed; logs the choice."""
-    choice = choose_attention(device, requested, dtype=dtype)
+                                    dtype: torch.dtype | None = None, model_type: str | None = None) -> str:
+    """The transformers attention name for packed training rows on `device` in `dtype` for a model of
+    `model_type` (see `choose_attention`), registering ours where needed; logs the choice."""
+    choice = choose_attention(device, requested, dtype=dtype, model_type=model_type)
     logger.info(f"packed-row attention on {device.type}: {choice}" + (" (auto)" if requested == "auto" else ""))
     if choice == "sdpa_loop":
         AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)

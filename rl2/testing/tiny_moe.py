@@ -3,7 +3,7 @@
 `build_tiny_moe` makes a Qwen3-MoE, OLMoE or gpt-oss model (8 experts, top-2 by default);
 `build_tiny_hybrid` a Qwen3.5 (gated delta-net layers beside full attention, dense MLP) or Qwen3-Next
 (the same mixers with MoE MLPs) model. Random weights, drawn larger than the init (as
-`rl2.testing.tiny.sharpen_weights` does, the experts' stacked weights too) so that router logits are far
+`rl2.testing.tiny.sharpen_weights` does, the experts' stacked weights and gpt-oss's attention sinks too) so that router logits are far
 from ties, routing matters and outputs vary. Nothing is downloaded. `save_tiny_moe` writes one, with
 `rl2.testing.tiny`'s tokenizer, to a folder usable as `actor.model_name` (`python -m rl2.testing.tiny_moe OUT_DIR
 --family F`).
@@ -56,10 +56,12 @@ def build_tiny_moe(
     top_k: int = 2,
     seed: int = 0,
     attn_implementation: str | None = None,
+    sliding_window: int = 16,
 ) -> PreTrainedModel:
     """A random-init MoE causal LM of `family` (one of MOE_FAMILIES), every layer's MLP a router over
     `num_experts` experts of which each token uses `top_k`. Qwen3-MoE renormalises its top-k weights
-    (as Qwen3-30B-A3B does), OLMoE does not (as OLMoE-1B-7B), gpt-oss takes a softmax over its top-k logits."""
+    (as Qwen3-30B-A3B does), OLMoE does not (as OLMoE-1B-7B), gpt-oss takes a softmax over its top-k logits
+    (its attention has sinks, and a `sliding_window` on every other layer, the first included)."""
     shared = _shared(vocab_size, hidden_size, num_layers)
     if family == "qwen3_moe":
         config = Qwen3MoeConfig(**shared, num_experts=num_experts, num_experts_per_tok=top_k,
@@ -72,7 +74,7 @@ def build_tiny_moe(
         model_cls = OlmoeForCausalLM
     elif family == "gpt_oss":
         config = GptOssConfig(**shared, num_local_experts=num_experts, num_experts_per_tok=top_k,
-                              intermediate_size=hidden_size, head_dim=hidden_size // 4, sliding_window=16,
+                              intermediate_size=hidden_size, head_dim=hidden_size // 4, sliding_window=sliding_window,
                               layer_types=["sliding_attention", "full_attention"] * (num_layers // 2)
                               + ["sliding_attention"] * (num_layers % 2))
         model_cls = GptOssForCausalLM
@@ -126,9 +128,11 @@ def _build(model_cls: type, config, seed: int, attn_implementation: str | None) 
     with torch.no_grad():  # the experts' stacked [experts, out, in] weights too, so that routing matters
         generator = torch.Generator().manual_seed(seed + 1)
         experts = getattr(config, "num_experts", None)
-        for parameter in model.parameters():
+        for name, parameter in model.named_parameters():
             if parameter.dim() == 3 and parameter.shape[0] == experts:
                 parameter.normal_(0.0, 0.15, generator=generator)
+            elif name.endswith(".sinks"):  # gpt-oss's attention sinks: per head, of the scores' size, so that they matter
+                parameter.normal_(0.0, 1.0, generator=generator)
     return model
 
 
