@@ -329,3 +329,56 @@ def test_a_trajectory_without_routes_among_routed_ones_is_routed_live():
     assert torch.equal(second["routes"][:3], routes) and (second["routes"][3] == UNRECORDED).all()
     off = StepPlan.from_config(load_config([]), 8)
     assert all("routes" not in seq for seq in sequences_of([refused, routed], off))
+
+
+# ---- partial rollout, checkpoints, split placement, LoRA ------------------------------------------------------------
+
+
+def test_a_paused_trajectory_keeps_its_routes_and_its_continuation_appends_the_new_weights(moe_dir, tokenizer, plain,
+                                                                                          tmp_path):
+    """Partial rollout: a trajectory paused at step 1's end holds the routes of every token fed so far (those
+    of the weights that sampled them); resumed in step 2 under new weights, its prefix is prefilled again, but
+    the routes of the tokens routed before the pause are kept as recorded (their successors were sampled under
+    that routing), and the tokens after get the new weights' routes (a plain forward of the new weights over
+    the whole trajectory); the new weights would have routed some of the kept ones otherwise."""
+    from types import SimpleNamespace
+
+    from conftest import counting_prompts
+
+    from rl2.rollout.partial import PartialRollout
+
+    path = tmp_path / "env.py"
+    path.write_text("def reward_fn(messages, answer):\n    return 0.0\n")
+    engine = HFEngine(moe_dir, tokenizer, CPU, dtype="float32", seed=5, max_batch_size=8, record_routes=True)
+    service = SimpleNamespace(engine=engine, tokenizer=tokenizer, max_length=4096, tool_calling=None,
+                              rollout_config=SimpleNamespace(max_turns=1, trajectory_format="whole"),
+                              data_config=SimpleNamespace(apply_chat_template=True))
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=list(range(3, 60)))  # lengths vary
+    with Env(str(path), workers=0) as env:
+        service.env = env
+        partial = PartialRollout(service, target=1, extra=5, max_age=1, responses_per_prompt=2)
+        partial.generate(counting_prompts(tokenizer, 6), params, seed=11, version=0)
+        paused = [t for group in partial.carried for t in group if not t.done]
+        assert paused, "nothing was paused: the test would not test resuming"
+        before = {id(t): t.routes.clone() for t in paused}
+        for t in paused:  # every fed token's routes, as the old weights route them
+            assert torch.equal(t.routes, plain_routes(plain, t.token_ids)[:-1])
+        new = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, parameter in new.named_parameters():
+                if name.endswith("gate.weight"):
+                    parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)))
+        engine.update_weights(new.state_dict().items())
+        trained = partial.generate(counting_prompts(tokenizer, partial.prompts_wanted(), start=100), params, seed=12,
+                                   version=1)
+    resumed = [t for t in trained if id(t) in before]
+    assert resumed and all(t.done and 1 in t.versions for t in resumed)
+    rerouted = 0
+    for t in resumed:
+        kept = before[id(t)]
+        now = plain_routes(new, t.token_ids)[:-1]
+        assert t.routes.shape == now.shape
+        assert torch.equal(t.routes[: len(kept)], kept)  # recorded when sampled, not the re-prefill's
+        assert torch.equal(t.routes[len(kept):], now[len(kept):])
+        rerouted += int((now[: len(kept)] != kept).any())
+    assert rerouted > 0  # the new weights route the kept tokens otherwise: keeping them is a choice
