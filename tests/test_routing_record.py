@@ -2,6 +2,7 @@
 rollout carries them into `Trajectory.routes`, and a PPO step with actor.router_replay=r3 replays them. On a tiny
 Qwen3-MoE in fp32 on CPU, against plain transformers forwards over each sample."""
 
+import json
 import textwrap
 
 import pytest
@@ -382,3 +383,59 @@ def test_a_paused_trajectory_keeps_its_routes_and_its_continuation_appends_the_n
         assert torch.equal(t.routes[len(kept):], now[len(kept):])
         rerouted += int((now[: len(kept)] != kept).any())
     assert rerouted > 0  # the new weights route the kept tokens otherwise: keeping them is a choice
+
+
+def r3_run_args(moe_dir: str, data: str, env: str, save_dir: str, *extra: str, prompts: int = 4,
+                responses: int = 4) -> list[str]:
+    """`rl2.trainer.ppo` on the tiny Qwen3-MoE with the hf engine and actor.router_replay=r3, fp32, 2 steps."""
+    return ["-m", "rl2.trainer.ppo", f"data.path={data}/train.jsonl", f"data.prompts_per_rollout={prompts}",
+            f"data.responses_per_prompt={responses}", f"actor.model_name={moe_dir}", "actor.dtype=float32", "actor.lr=1e-3",
+            "actor.gradient_checkpointing=false", f"actor.save_dir={save_dir}", f"rollout.env_path={env}",
+            "rollout.env_workers=0", "rollout.dynamic_filtering=false",
+            "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 6}", "trainer.total_steps=2",
+            "trainer.test_freq=null", "trainer.disable_wandb=true", "actor.router_replay=r3", *extra]
+
+
+@pytest.fixture(scope="module")
+def r3_data(tmp_path_factory) -> tuple[str, str]:
+    """A small successor data set and an env file whose rewards vary within groups."""
+    from conftest import run_python
+
+    folder = tmp_path_factory.mktemp("r3_data")
+    run_python(["recipes/make_demo_data.py", "--task", "successor", "--out", str(folder), "--rows", "32",
+                "--test-rows", "4"])
+    (folder / "parity.py").write_text(PARITY_ENV)
+    return str(folder), str(folder / "parity.py")
+
+
+def test_r3_with_partial_rollout_resumes_from_a_checkpoint_with_the_paused_trajectories_routes(moe_dir, r3_data,
+                                                                                              tmp_path):
+    """Partial rollout with r3 (answers long enough that trajectories are paused and carried over): the
+    checkpoint after step 1 holds each paused trajectory's routes (every token fed before the pause); step 2
+    trains the resumed trajectories with their routes replayed, router/mismatch small (the tokens sampled before
+    the pause were routed by the weights before step 1's update); resumed from step 1's checkpoint, step 2 is
+    the straight run's, router/mismatch and loss included."""
+    from conftest import run_torchrun
+
+    data, env = r3_data
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    # Answers of very different lengths, 2 groups trained of 6 in flight: the long ones are paused.
+    common = ("rollout.partial_rollout=true", "rollout.partial_extra_prompts=4", "actor.save_freq=1", "actor.lr=1e-4",
+              "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 64, stop_token_ids: %s}"
+              % list(range(3, 40)))
+    run_torchrun(r3_run_args(moe_dir, data, env, straight, *common, prompts=2, responses=2), nproc=1)
+    state = json.load(open(f"{straight}/step1/trainer_state.json"))
+    carried = [t for group in state["partial_rollout"]["carried"] for t in group]
+    paused = [t for t in carried if not t["done"]]
+    assert paused, "nothing was paused: the test would not test resuming"
+    for t in paused:
+        assert t["routes"]["shape"] == [len(t["token_ids"]) - 1, 2, 2], t["routes"]["shape"]
+    run_torchrun(r3_run_args(moe_dir, data, env, resumed, *common, f"trainer.load_ckpt_from={straight}/step1",
+                             prompts=2, responses=2), nproc=1)
+    steps = [json.loads(line) for line in open(f"{straight}/metrics.jsonl")]
+    again = [json.loads(line) for line in open(f"{resumed}/metrics.jsonl")]
+    assert [s["step"] for s in steps] == [1, 2] and [s["step"] for s in again] == [2]
+    assert steps[1]["partial/resumed_ratio"] > 0
+    assert steps[0]["router/mismatch"] == 0.0 and 0.0 <= steps[1]["router/mismatch"] < 0.05, steps
+    for key in ("router/mismatch", "actor/loss", "actor/grad_norm"):
+        assert again[0][key] == pytest.approx(steps[1][key], abs=1e-6), key
