@@ -439,3 +439,34 @@ def test_r3_with_partial_rollout_resumes_from_a_checkpoint_with_the_paused_traje
     assert steps[0]["router/mismatch"] == 0.0 and 0.0 <= steps[1]["router/mismatch"] < 0.05, steps
     for key in ("router/mismatch", "actor/loss", "actor/grad_norm"):
         assert again[0][key] == pytest.approx(steps[1][key], abs=1e-6), key
+
+
+@pytest.mark.xdist_group("split")
+def test_r3_under_split_placement_replays_the_rollout_ranks_routes(moe_dir, r3_data, tmp_path):
+    """1 trainer + 1 rollout rank, synchronous (max_staleness 0): the trajectories carry their routes from the
+    rollout rank to the trainer (a trainer without them stops: r3 finds no routes), and the rollout rank holds
+    the trainer's weights at every step, so no replayed decision changes (fp32)."""
+    from conftest import run_torchrun
+
+    data, env = r3_data
+    save_dir = str(tmp_path / "run")
+    run_torchrun(r3_run_args(moe_dir, data, env, save_dir, "rollout.placement=split", "rollout.ranks=1"), nproc=2)
+    steps = [json.loads(line) for line in open(f"{save_dir}/metrics.jsonl")]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["router/mismatch"] == 0.0 and s["logp_mismatch/max"] < 1e-4 for s in steps), steps
+
+
+def test_r3_with_a_lora_actor_replays_through_the_adapted_routers(moe_dir, r3_data, tmp_path):
+    """A LoRA actor (all-linear: peft adapts the routers too, and the experts' stacked weights): routing replay
+    hooks the routers inside the peft model, and the engine, given the merged weights after each update, routes
+    as the actor does: no replayed decision changes and the log-probs agree (fp32), while the adapters train."""
+    from conftest import run_torchrun
+
+    data, env = r3_data
+    save_dir = str(tmp_path / "run")
+    run_torchrun(r3_run_args(moe_dir, data, env, save_dir, "actor.lora.rank=8", "actor.lora.alpha=16",
+                             "actor.lr=1e-2"), nproc=1)
+    steps = [json.loads(line) for line in open(f"{save_dir}/metrics.jsonl")]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["router/mismatch"] == 0.0 and s["logp_mismatch/max"] < 1e-4 for s in steps), steps
+    assert steps[1]["actor/grad_norm"] > 0
