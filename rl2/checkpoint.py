@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rl2.distributed.fsdp import DTYPES, gather_full_state_dict
 from rl2.distributed.process_group import barrier, is_rank0
-from rl2.lora import base_model, is_lora, lora_scalings, merged_state_dict, save_adapter
+from rl2.lora import adapted_weights, base_model, is_lora, merged_state_dict, save_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def save_hf_model(model: nn.Module, path: str, dtype: str, tokenizer=None, merge
         if merged:
             base = base_model(model)
             base.config.dtype = torch_dtype
-            base.save_pretrained(os.path.join(path, "merged"), state_dict=merged_state_dict(state_dict, lora_scalings(model)))
+            base.save_pretrained(os.path.join(path, "merged"), state_dict=merged_state_dict(state_dict, adapted_weights(model)))
             if tokenizer is not None:
                 tokenizer.save_pretrained(os.path.join(path, "merged"))
     else:

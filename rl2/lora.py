@@ -4,6 +4,7 @@ as the same model with its adapters disabled; the merged weights W + B A · alph
 and for export; the adapter saved in peft's format."""
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 
@@ -81,17 +82,44 @@ class AdaptersOff:
             return self.policy.compute(sequences, output)
 
 
-def lora_scalings(model: nn.Module) -> dict[str, float]:
-    """Module name → alpha / r of every layer with an active LoRA adapter."""
-    from peft.tuners.lora import LoraLayer
+@dataclasses.dataclass(frozen=True)
+class Adapted:
+    """A weight that a LoRA adapter changes: the adapter's layer (`prefix`, for `adapter_keys`), its scaling
+    alpha / r, and, for a mixture-of-experts block's stacked experts weight that peft adapts per expert
+    (its `ParamWrapper`, `target_parameters`), the number of experts and whether the weight is
+    [experts, out, in] (else [experts, in, out])."""
 
-    scalings = {}
+    prefix: str
+    scaling: float
+    experts: int = 1
+    out_first: bool = False
+
+
+def adapted_weights(model: nn.Module) -> dict[str, Adapted]:
+    """State-dict key of each weight an active LoRA adapter changes → how (`Adapted`). A linear layer's is
+    `<layer>.base_layer.weight`; peft's adapters on an MoE block's parameters (a router's weight, the stacked
+    experts' `gate_up_proj` and `down_proj` under `target_modules=all-linear`) nest, one wrapper per
+    parameter, so the parameter sits under one `.base_layer` per wrapper."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import ParamWrapper
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    adapted = {}
     for name, module in model.named_modules():
-        if isinstance(module, LoraLayer):
-            adapter = module.active_adapters[0]
-            if adapter in module.lora_A:
-                scalings[name] = float(module.scaling[adapter])
-    return scalings
+        if not isinstance(module, LoraLayer):
+            continue
+        adapter = module.active_adapters[0]
+        if adapter not in module.lora_A:
+            continue
+        if isinstance(module, ParamWrapper):
+            key, inner = name, module
+            while isinstance(inner, BaseTunerLayer):
+                key, inner = f"{key}.base_layer", inner.base_layer
+            adapted[f"{key}.{module.parameter_name}"] = Adapted(name, float(module.scaling[adapter]), module.num_experts,
+                                                                bool(module._did_swap_in_out_features))
+        else:
+            adapted[f"{name}.base_layer.weight"] = Adapted(name, float(module.scaling[adapter]))
+    return adapted
 
 
 def adapter_keys(prefix: str, adapter: str = "default") -> tuple[str, str]:
@@ -99,24 +127,39 @@ def adapter_keys(prefix: str, adapter: str = "default") -> tuple[str, str]:
     return f"{prefix}.lora_A.{adapter}.weight", f"{prefix}.lora_B.{adapter}.weight"
 
 
-def merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """W + B A · scaling, computed in fp32, in `weight`'s dtype."""
-    return (weight.float() + (lora_b.float() @ lora_a.float()) * scaling).to(weight.dtype)
+def merge(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, how: Adapted) -> torch.Tensor:
+    """W + B A · scaling, computed in fp32, in `weight`'s dtype; per expert for stacked experts (as peft's
+    `ParamWrapper.get_delta_weight`: A holds each expert's rank rows in turn, B each rank's experts)."""
+    lora_a, lora_b = lora_a.float(), lora_b.float()
+    if how.experts == 1:
+        delta = lora_b @ lora_a
+    else:
+        lora_a = lora_a.reshape(how.experts, -1, lora_a.shape[-1])  # [experts, rank, in]
+        lora_b = lora_b.reshape(lora_b.shape[0], -1, how.experts)  # [out, rank, experts]
+        delta = torch.einsum("ore,eri->eoi" if how.out_first else "ore,eri->eio", lora_b, lora_a)
+    return (weight.float() + delta * how.scaling).to(weight.dtype)
 
 
-def merged_state_dict(state_dict: dict[str, torch.Tensor], scalings: dict[str, float]) -> dict[str, torch.Tensor]:
-    """A peft model's full state dict → the base model's, with every adapted weight merged (keys as
-    `save_pretrained` of the base model writes them)."""
+def base_key(key: str) -> str:
+    """A peft model's state-dict key → the base model's (the LoRA wrappers' `.base_layer`s, nested or not,
+    and a saved module's copy dropped)."""
+    key = key.replace(".modules_to_save.default.", ".")
+    while ".base_layer." in key:
+        key = key.replace(".base_layer.", ".")
+    return key.removeprefix("base_model.model.")
+
+
+def merged_state_dict(state_dict: dict[str, torch.Tensor], adapted: dict[str, Adapted]) -> dict[str, torch.Tensor]:
+    """A peft model's full state dict → the base model's, with every adapted weight (`adapted_weights`) merged
+    (keys as `save_pretrained` of the base model writes them)."""
     merged = {}
     for key, tensor in state_dict.items():
         if ".lora_" in key or ".original_module." in key:
             continue
-        prefix = key.rsplit(".base_layer.", 1)[0] if ".base_layer." in key else None
-        if prefix in scalings and key.endswith(".base_layer.weight"):
-            a, b = adapter_keys(prefix)
-            tensor = merge(tensor, state_dict[a], state_dict[b], scalings[prefix])
-        key = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-        merged[key.removeprefix("base_model.model.")] = tensor
+        if key in adapted:
+            a, b = adapter_keys(adapted[key].prefix)
+            tensor = merge(tensor, state_dict[a], state_dict[b], adapted[key])
+        merged[base_key(key)] = tensor
     return merged
 
 

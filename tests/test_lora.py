@@ -239,3 +239,36 @@ def test_grpo_roc_with_lora(tiny_model_dir, tmp_path):
     rows = read_metrics(str(save_dir / "metrics.jsonl"))
     assert [row["step"] for row in rows] == [1, 2] and all(row["trajectories"] == 16.0 for row in rows)
     assert all(row["logp_mismatch/max"] < 1e-4 for row in rows)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_the_merged_weights_of_a_mixture_of_experts_model_are_peft_merged_ones(family):
+    """all-linear on a mixture-of-experts model: peft adapts the router and the stacked experts' weights too
+    (Qwen3-MoE; gpt-oss: the attention alone), one wrapper per parameter, nested. The merged state dict (what
+    the engine and the merged export get) is peft's merge_and_unload's, every key under the base model's name,
+    and the merged model computes as the peft model does."""
+    import copy
+
+    from rl2.config import LoraConfig
+    from rl2.lora import adapted_weights, merged_state_dict
+    from rl2.testing.tiny_moe import build_tiny_moe
+
+    model = add_lora(build_tiny_moe(family).float(), LoraConfig(rank=4, alpha=8))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:  # B starts at zero: adapters that change something
+                parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(len(name))))
+    adapted = adapted_weights(model)
+    if family == "qwen3_moe":
+        assert {key.rsplit(".", 1)[-1] for key in adapted} >= {"gate_up_proj", "down_proj", "weight"}
+        assert any(".mlp.gate." in key for key in adapted)  # the router
+    merged = merged_state_dict(model.state_dict(), adapted)
+    expected = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert sorted(merged) == sorted(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-5, msg=key)
+    base = build_tiny_moe(family).float()
+    base.load_state_dict(merged)
+    ids = torch.arange(3, 20)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(base(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)

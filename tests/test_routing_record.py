@@ -2,6 +2,7 @@
 rollout carries them into `Trajectory.routes`, and a PPO step with actor.router_replay=r3 replays them. On a tiny
 Qwen3-MoE in fp32 on CPU, against plain transformers forwards over each sample."""
 
+import json
 import textwrap
 
 import pytest
@@ -329,3 +330,143 @@ def test_a_trajectory_without_routes_among_routed_ones_is_routed_live():
     assert torch.equal(second["routes"][:3], routes) and (second["routes"][3] == UNRECORDED).all()
     off = StepPlan.from_config(load_config([]), 8)
     assert all("routes" not in seq for seq in sequences_of([refused, routed], off))
+
+
+# ---- partial rollout, checkpoints, split placement, LoRA ------------------------------------------------------------
+
+
+def test_a_paused_trajectory_keeps_its_routes_and_its_continuation_appends_the_new_weights(moe_dir, tokenizer, plain,
+                                                                                          tmp_path):
+    """Partial rollout: a trajectory paused at step 1's end holds the routes of every token fed so far (those
+    of the weights that sampled them); resumed in step 2 under new weights, its prefix is prefilled again, but
+    the routes of the tokens routed before the pause are kept as recorded (their successors were sampled under
+    that routing), and the tokens after get the new weights' routes (a plain forward of the new weights over
+    the whole trajectory); the new weights would have routed some of the kept ones otherwise."""
+    from types import SimpleNamespace
+
+    from conftest import counting_prompts
+
+    from rl2.rollout.partial import PartialRollout
+
+    path = tmp_path / "env.py"
+    path.write_text("def reward_fn(messages, answer):\n    return 0.0\n")
+    engine = HFEngine(moe_dir, tokenizer, CPU, dtype="float32", seed=5, max_batch_size=8, record_routes=True)
+    service = SimpleNamespace(engine=engine, tokenizer=tokenizer, max_length=4096, tool_calling=None,
+                              rollout_config=SimpleNamespace(max_turns=1, trajectory_format="whole"),
+                              data_config=SimpleNamespace(apply_chat_template=True))
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=list(range(3, 60)))  # lengths vary
+    with Env(str(path), workers=0) as env:
+        service.env = env
+        partial = PartialRollout(service, target=1, extra=5, max_age=1, responses_per_prompt=2)
+        partial.generate(counting_prompts(tokenizer, 6), params, seed=11, version=0)
+        paused = [t for group in partial.carried for t in group if not t.done]
+        assert paused, "nothing was paused: the test would not test resuming"
+        before = {id(t): t.routes.clone() for t in paused}
+        for t in paused:  # every fed token's routes, as the old weights route them
+            assert torch.equal(t.routes, plain_routes(plain, t.token_ids)[:-1])
+        new = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, parameter in new.named_parameters():
+                if name.endswith("gate.weight"):
+                    parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)))
+        engine.update_weights(new.state_dict().items())
+        trained = partial.generate(counting_prompts(tokenizer, partial.prompts_wanted(), start=100), params, seed=12,
+                                   version=1)
+    resumed = [t for t in trained if id(t) in before]
+    assert resumed and all(t.done and 1 in t.versions for t in resumed)
+    rerouted = 0
+    for t in resumed:
+        kept = before[id(t)]
+        now = plain_routes(new, t.token_ids)[:-1]
+        assert t.routes.shape == now.shape
+        assert torch.equal(t.routes[: len(kept)], kept)  # recorded when sampled, not the re-prefill's
+        assert torch.equal(t.routes[len(kept):], now[len(kept):])
+        rerouted += int((now[: len(kept)] != kept).any())
+    assert rerouted > 0  # the new weights route the kept tokens otherwise: keeping them is a choice
+
+
+def r3_run_args(moe_dir: str, data: str, env: str, save_dir: str, *extra: str, prompts: int = 4,
+                responses: int = 4) -> list[str]:
+    """`rl2.trainer.ppo` on the tiny Qwen3-MoE with the hf engine and actor.router_replay=r3, fp32, 2 steps."""
+    return ["-m", "rl2.trainer.ppo", f"data.path={data}/train.jsonl", f"data.prompts_per_rollout={prompts}",
+            f"data.responses_per_prompt={responses}", f"actor.model_name={moe_dir}", "actor.dtype=float32", "actor.lr=1e-3",
+            "actor.gradient_checkpointing=false", f"actor.save_dir={save_dir}", f"rollout.env_path={env}",
+            "rollout.env_workers=0", "rollout.dynamic_filtering=false",
+            "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 6}", "trainer.total_steps=2",
+            "trainer.test_freq=null", "trainer.disable_wandb=true", "actor.router_replay=r3", *extra]
+
+
+@pytest.fixture(scope="module")
+def r3_data(tmp_path_factory) -> tuple[str, str]:
+    """A small successor data set and an env file whose rewards vary within groups."""
+    from conftest import run_python
+
+    folder = tmp_path_factory.mktemp("r3_data")
+    run_python(["recipes/make_demo_data.py", "--task", "successor", "--out", str(folder), "--rows", "32",
+                "--test-rows", "4"])
+    (folder / "parity.py").write_text(PARITY_ENV)
+    return str(folder), str(folder / "parity.py")
+
+
+def test_r3_with_partial_rollout_resumes_from_a_checkpoint_with_the_paused_trajectories_routes(moe_dir, r3_data,
+                                                                                              tmp_path):
+    """Partial rollout with r3 (answers long enough that trajectories are paused and carried over): the
+    checkpoint after step 1 holds each paused trajectory's routes (every token fed before the pause); step 2
+    trains the resumed trajectories with their routes replayed, router/mismatch small (the tokens sampled before
+    the pause were routed by the weights before step 1's update); resumed from step 1's checkpoint, step 2 is
+    the straight run's, router/mismatch and loss included."""
+    from conftest import run_torchrun
+
+    data, env = r3_data
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    # Answers of very different lengths, 2 groups trained of 6 in flight: the long ones are paused.
+    common = ("rollout.partial_rollout=true", "rollout.partial_extra_prompts=4", "actor.save_freq=1", "actor.lr=1e-4",
+              "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 64, stop_token_ids: %s}"
+              % list(range(3, 40)))
+    run_torchrun(r3_run_args(moe_dir, data, env, straight, *common, prompts=2, responses=2), nproc=1)
+    state = json.load(open(f"{straight}/step1/trainer_state.json"))
+    carried = [t for group in state["partial_rollout"]["carried"] for t in group]
+    paused = [t for t in carried if not t["done"]]
+    assert paused, "nothing was paused: the test would not test resuming"
+    for t in paused:
+        assert t["routes"]["shape"] == [len(t["token_ids"]) - 1, 2, 2], t["routes"]["shape"]
+    run_torchrun(r3_run_args(moe_dir, data, env, resumed, *common, f"trainer.load_ckpt_from={straight}/step1",
+                             prompts=2, responses=2), nproc=1)
+    steps = [json.loads(line) for line in open(f"{straight}/metrics.jsonl")]
+    again = [json.loads(line) for line in open(f"{resumed}/metrics.jsonl")]
+    assert [s["step"] for s in steps] == [1, 2] and [s["step"] for s in again] == [2]
+    assert steps[1]["partial/resumed_ratio"] > 0
+    assert steps[0]["router/mismatch"] == 0.0 and 0.0 <= steps[1]["router/mismatch"] < 0.05, steps
+    for key in ("router/mismatch", "actor/loss", "actor/grad_norm"):
+        assert again[0][key] == pytest.approx(steps[1][key], abs=1e-6), key
+
+
+@pytest.mark.xdist_group("split")
+def test_r3_under_split_placement_replays_the_rollout_ranks_routes(moe_dir, r3_data, tmp_path):
+    """1 trainer + 1 rollout rank, synchronous (max_staleness 0): the trajectories carry their routes from the
+    rollout rank to the trainer (a trainer without them stops: r3 finds no routes), and the rollout rank holds
+    the trainer's weights at every step, so no replayed decision changes (fp32)."""
+    from conftest import run_torchrun
+
+    data, env = r3_data
+    save_dir = str(tmp_path / "run")
+    run_torchrun(r3_run_args(moe_dir, data, env, save_dir, "rollout.placement=split", "rollout.ranks=1"), nproc=2)
+    steps = [json.loads(line) for line in open(f"{save_dir}/metrics.jsonl")]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["router/mismatch"] == 0.0 and s["logp_mismatch/max"] < 1e-4 for s in steps), steps
+
+
+def test_r3_with_a_lora_actor_replays_through_the_adapted_routers(moe_dir, r3_data, tmp_path):
+    """A LoRA actor (all-linear: peft adapts the routers too, and the experts' stacked weights): routing replay
+    hooks the routers inside the peft model, and the engine, given the merged weights after each update, routes
+    as the actor does: no replayed decision changes and the log-probs agree (fp32), while the adapters train."""
+    from conftest import run_torchrun
+
+    data, env = r3_data
+    save_dir = str(tmp_path / "run")
+    run_torchrun(r3_run_args(moe_dir, data, env, save_dir, "actor.lora.rank=8", "actor.lora.alpha=16",
+                             "actor.lr=1e-2"), nproc=1)
+    steps = [json.loads(line) for line in open(f"{save_dir}/metrics.jsonl")]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["router/mismatch"] == 0.0 and s["logp_mismatch/max"] < 1e-4 for s in steps), steps
+    assert steps[1]["actor/grad_norm"] > 0

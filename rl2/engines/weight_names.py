@@ -38,7 +38,8 @@ def engine_param_name(name: str, tied_embeddings: bool) -> str | None:
             f"weight sync: {name!r} is an unmerged LoRA adapter weight; merge the adapters into the base "
             f"weights (peft's merge_and_unload) before syncing them to the engine"
         )
-    name = name.replace(".base_layer.", ".")
+    while ".base_layer." in name:  # nested: peft's wrappers of an MoE block's parameters, one per parameter
+        name = name.replace(".base_layer.", ".")
     if tied_embeddings and name == _TIED_HEAD:
         return None
     return name

@@ -57,9 +57,16 @@ GATE_WEIGHTS: dict[str, Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.
 UNRECORDED = -1
 
 
+def router_class(module: nn.Module) -> str:
+    """The name of a module's class, as GATE_WEIGHTS knows routers: a router that peft adapts (LoRA on its
+    weight, `target_modules=all-linear`) is parametrized during each forward, its class then torch's
+    `Parametrized<Class>`."""
+    return type(module).__name__.removeprefix("Parametrized")
+
+
 def routers(model: nn.Module) -> list[nn.Module]:
     """The MoE router modules of `model` that routing replay knows, in model order."""
-    return [module for module in model.modules() if type(module).__name__ in GATE_WEIGHTS]
+    return [module for module in model.modules() if router_class(module) in GATE_WEIGHTS]
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -116,6 +123,7 @@ class RoutingReplay:
         self.top_k = self.routers[0].top_k
         self.num_experts = self.routers[0].num_experts
         self.dtype = route_dtype(self.num_experts)
+        self._gate_weights = [GATE_WEIGHTS[router_class(router)] for router in self.routers]
         self.mode = "off"
         self._live: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self._replayed: torch.Tensor | None = None
@@ -207,4 +215,4 @@ class RoutingReplay:
         # tensors, not numbers: no host sync per layer
         self._mismatched = self._mismatched + changed.sum()
         self._decisions = self._decisions + (~unrecorded).sum() * self.top_k
-        return logits, GATE_WEIGHTS[type(router).__name__](router, logits, replayed), replayed
+        return logits, self._gate_weights[layer](router, logits, replayed), replayed

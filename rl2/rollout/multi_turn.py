@@ -437,6 +437,10 @@ def grown_routes(trajectory: Trajectory, routes: torch.Tensor) -> torch.Tensor:
     """The trajectory's routes (R3) grown by a generation's (`Generation.routes`, from the start of the sequence
     it continued): the tokens routed before keep their routes, those after get the generation's, the
     trajectory's tokens the engine fed no forward (a per-turn sequence's last sampled token) UNRECORDED."""
+    # A trajectory resumed after a pause (partial rollout) has its prefix prefilled again under the new weights:
+    # the routes recorded before the pause are kept, not the re-prefill's, since the tokens after each of them
+    # were sampled under that routing (what R3 replays); the token sampled last before the pause was never fed,
+    # so it, and all after it, get the new weights' routes.
     start, old = trajectory.sequence_start, trajectory.routes
     if old is None:
         old = routes.new_full((0, *routes.shape[1:]), UNRECORDED)

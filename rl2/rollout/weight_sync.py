@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from rl2.distributed.fsdp import DTYPES
-from rl2.lora import adapter_keys, is_lora, lora_scalings, merge
+from rl2.lora import adapted_weights, adapter_keys, is_lora, merge
 
 
 def iter_full_weights(
@@ -32,17 +32,16 @@ def iter_full_weights(
     limit = bucket_mb * 2**20
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     tied -= {name for name, _ in model.named_parameters()}
-    scalings = lora_scalings(model) if is_lora(model) else {}
+    adapted = adapted_weights(model) if is_lora(model) else {}
     state_dict = model.state_dict()
     bucket: list[tuple[str, torch.Tensor, tuple | None]] = []
     size = 0
     for name, tensor in state_dict.items():
         if name in tied or ".lora_" in name:
             continue
-        prefix = name.removesuffix(".base_layer.weight")
         adapter = None
-        if prefix in scalings:
-            adapter = tuple(state_dict[key] for key in adapter_keys(prefix)) + (scalings[prefix],)
+        if name in adapted:
+            adapter = tuple(state_dict[key] for key in adapter_keys(adapted[name].prefix)) + (adapted[name],)
         elif adapted_only:
             continue
         bucket.append((name, tensor, adapter))
@@ -71,9 +70,9 @@ def _gathered(bucket: list[tuple[str, torch.Tensor, tuple | None]], dtype: torch
         elif adapter is None:
             full.append((name, _full(tensor, dtype)))
         else:  # the adapters are small: gathered in fp32, merged in fp32 into the cast base weight
-            lora_a, lora_b, scaling = adapter
+            lora_a, lora_b, how = adapter
             full.append((name, merge(_full(tensor, dtype), _full(lora_a, torch.float32), _full(lora_b, torch.float32),
-                                     scaling)))
+                                     how)))
     yield from full
 
 
