@@ -151,12 +151,17 @@ def test_lora_adapters_stay_off_the_vision_tower(vlm_dir):
     assert len(adapted) == 14 and not any(".visual." in name for name in adapted)  # 2 layers x 7 projections
 
 
-def test_the_image_keys_belong_to_sft_ppo_and_dpo():
-    for key in ("data.image_key=pics", "data.max_pixels=1000", "actor.freeze_vision=false"):
-        for command in ("sft", "ppo", "dpo"):
+@pytest.mark.parametrize("key, commands", [
+    ("data.image_key=pics", ("sft", "ppo", "dpo", "rm")), ("data.max_pixels=1000", ("sft", "ppo", "dpo", "rm")),
+    ("actor.freeze_vision=false", ("sft", "ppo", "dpo")), ("critic.freeze_vision=false", ("ppo", "rm")),
+])
+def test_the_image_keys_belong_to_the_commands_that_train_on_images(key, commands):
+    for command in ("sft", "ppo", "dpo", "rm", "filter", "search"):
+        if command in commands:
             load_config([key], command)
-        with pytest.raises(ConfigError):
-            load_config([key], "rm")
+        else:
+            with pytest.raises(ConfigError):
+                load_config([key], command)
 
 
 def test_qwen3_vl_with_its_deepstack_features_trains_beside_an_image_free_rank(colour_rows, tmp_path):
