@@ -289,7 +289,7 @@ def test_ppo_with_a_hybrid_actor_on_the_hf_engine(tiny_hybrid_dir, tmp_path):
 
 
 def test_the_moe_demo_recipe_runs_without_routing_replay_and_logs_the_expert_load(tmp_path):
-    """`make demo-moe`'s recipe, shortened (40 warm-up and 3 GRPO steps, 1 rank), with ROUTER_REPLAY=off (a word YAML
+    """`make demo-moe`'s recipe, shortened (10 warm-up and 3 GRPO steps, 1 rank), with ROUTER_REPLAY=off (a word YAML
     reads as false): it runs and logs router/load_max per layer and no router/mismatch; another ROUTER_REPLAY is
     refused."""
     import json
@@ -297,7 +297,7 @@ def test_the_moe_demo_recipe_runs_without_routing_replay_and_logs_the_expert_loa
     import subprocess
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OUT": str(tmp_path), "NPROC": "1", "SFT_STEPS": "40", "PPO_STEPS": "3", "ROUTER_REPLAY": "off",
+    env = {**os.environ, "OUT": str(tmp_path), "NPROC": "1", "SFT_STEPS": "10", "PPO_STEPS": "3", "ROUTER_REPLAY": "off",
            "PYTHONPATH": repo}
     done = subprocess.run(["bash", "recipes/ppo_moe_tiny.sh", "trainer.test_freq=null", "trainer.dump_trajectories=false"],
                           cwd=repo, env=env, capture_output=True, text=True)
