@@ -351,7 +351,8 @@ def test_an_agents_sequences_with_images_have_the_logps_of_each_sequence_alone_w
 def test_runs_rl2_cannot_train_with_images_yet_are_refused(vlm_dir, tiny_model_dir):
     base = [f"actor.model_name={vlm_dir}"]
     for extra, words in ((["adv.estimator=gae", f"critic.model_name={tiny_model_dir}"], "critic"),
-                         ([f"teacher.model_name={tiny_model_dir}", "distill.coef=1"], "text-only")):
+                         ([f"teacher.model_name={tiny_model_dir}", "distill.coef=1"], "text-only"),
+                         (["adv.estimator=gae", "critic.sp_size=2"], "critic.sp_size=1")):
         with pytest.raises(ConfigError, match=words):
             check_vision_run(load_config([*base, *extra], "ppo"))
     check_vision_run(load_config(base, "ppo"))

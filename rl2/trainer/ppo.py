@@ -254,6 +254,9 @@ def check_vision_run(config: Config) -> None:
         raise ConfigError(f"critic.model_name={critic} is a text-only model and actor.model_name={actor} a "
                           f"vision-language one: the critic must read the trajectories' images too (use a "
                           f"vision-language critic, e.g. the actor's model: leave critic.model_name unset)")
+    if config.adv.estimator == "gae" and config.critic.sp_size > 1:
+        raise ConfigError(f"critic.model_name={critic} is a vision-language model: as a critic it trains with "
+                          f"critic.sp_size=1 only (ring attention is tested for its policy); set critic.sp_size=1")
     if config.distill.coef > 0 and not is_vision_model(config.teacher.model_name):
         raise ConfigError(f"teacher.model_name={config.teacher.model_name} is a text-only model and "
                           f"actor.model_name={actor} a vision-language one: the teacher must read the trajectories' "
