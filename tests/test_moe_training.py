@@ -237,27 +237,31 @@ PARITY_ENV = """def reward_fn(messages, answer):
 """
 
 
-def test_ppo_with_r2_trains_a_tiny_moe_and_reports_the_router_metrics(tiny_moe_dir, tmp_path):
-    """`rl2.trainer.ppo` on a tiny Qwen3-MoE with the hf engine, actor.router_replay=r2 and two updates per
-    rollout: it runs, and reports actor/moe_aux_loss and router/mismatch (positive: the second minibatch's
-    routers moved after the first update)."""
+def tiny_ppo_steps(model_dir: str, tmp_path, *overrides: str) -> list[dict]:
+    """`rl2.trainer.ppo` for 2 steps on one rank with the hf engine (fp32, 4 prompts x 4 responses of the successor
+    task, a parity reward); each step's metrics."""
     import json
 
-    from conftest import run_python as _run
-
     data = str(tmp_path / "data")
-    _run(["recipes/make_demo_data.py", "--task", "successor", "--out", data, "--rows", "16", "--test-rows", "4"])
+    run_python(["recipes/make_demo_data.py", "--task", "successor", "--out", data, "--rows", "16", "--test-rows", "4"])
     env = tmp_path / "parity.py"
     env.write_text(PARITY_ENV)
     run_torchrun([
         "-m", "rl2.trainer.ppo", f"data.path={data}/train.jsonl", f"data.test_path={data}/test.jsonl",
-        "data.prompts_per_rollout=4", "data.responses_per_prompt=4", f"actor.model_name={tiny_moe_dir}",
+        "data.prompts_per_rollout=4", "data.responses_per_prompt=4", f"actor.model_name={model_dir}",
         "actor.dtype=float32", "actor.lr=1e-3", "actor.gradient_checkpointing=false", f"actor.save_dir={tmp_path / 'run'}",
         f"rollout.env_path={env}", "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 6}",
         "rollout.test_sampling_params={temperature: 0.0, max_new_tokens: 6}", "trainer.total_steps=2",
-        "trainer.test_freq=2", "trainer.disable_wandb=true", "actor.router_replay=r2", "actor.update_per_rollout=2",
+        "trainer.test_freq=2", "trainer.disable_wandb=true", *overrides,
     ], nproc=1)
-    steps = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
+    return [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
+
+
+def test_ppo_with_r2_trains_a_tiny_moe_and_reports_the_router_metrics(tiny_moe_dir, tmp_path):
+    """`rl2.trainer.ppo` on a tiny Qwen3-MoE with the hf engine, actor.router_replay=r2 and two updates per
+    rollout: it runs, and reports actor/moe_aux_loss and router/mismatch (positive: the second minibatch's
+    routers moved after the first update)."""
+    steps = tiny_ppo_steps(tiny_moe_dir, tmp_path, "actor.router_replay=r2", "actor.update_per_rollout=2")
     assert all("router/mismatch" in s and s["actor/moe_aux_loss"] > 0 for s in steps), steps
     assert all(1.0 <= s["router/load_max/layer0"] <= 8.0 and 1.0 <= s["router/load_max/layer1"] <= 8.0
                and s["router/load_max"] == (s["router/load_max/layer0"] + s["router/load_max/layer1"]) / 2
@@ -268,23 +272,7 @@ def test_ppo_with_r2_trains_a_tiny_moe_and_reports_the_router_metrics(tiny_moe_d
 def test_ppo_with_a_hybrid_actor_on_the_hf_engine(tiny_hybrid_dir, tmp_path):
     """`rl2.trainer.ppo` on a tiny Qwen3.5 (gated delta-nets) with the hf engine: the engine's log-probs of its
     samples equal the trainer's (fp32), before and after a weight push."""
-    import json
-
-    from conftest import run_python as _run
-
-    data = str(tmp_path / "data")
-    _run(["recipes/make_demo_data.py", "--task", "successor", "--out", data, "--rows", "16", "--test-rows", "4"])
-    env = tmp_path / "parity.py"
-    env.write_text(PARITY_ENV)
-    run_torchrun([
-        "-m", "rl2.trainer.ppo", f"data.path={data}/train.jsonl", f"data.test_path={data}/test.jsonl",
-        "data.prompts_per_rollout=4", "data.responses_per_prompt=4", f"actor.model_name={tiny_hybrid_dir}",
-        "actor.dtype=float32", "actor.lr=1e-3", "actor.gradient_checkpointing=false", f"actor.save_dir={tmp_path / 'run'}",
-        f"rollout.env_path={env}", "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 6}",
-        "rollout.test_sampling_params={temperature: 0.0, max_new_tokens: 6}", "trainer.total_steps=2",
-        "trainer.test_freq=2", "trainer.disable_wandb=true",
-    ], nproc=1)
-    steps = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
+    steps = tiny_ppo_steps(tiny_hybrid_dir, tmp_path)
     assert len(steps) == 2 and all(s["logp_mismatch/max"] < 1e-4 for s in steps), steps
 
 

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import tokenize_prompt
+from test_moe_training import PARITY_ENV, tiny_ppo_steps
 from rl2.engines import HFEngine, SamplingParams
 from rl2.models.routing_replay import UNRECORDED, RoutingReplay
 from rl2.rollout.env import Env
@@ -183,32 +184,11 @@ def test_a_ppo_step_with_r3_replays_the_engines_routes(moe_dir, planted):
         assert run["router_mismatch"] > 0.05, run
 
 
-PARITY_ENV = """def reward_fn(messages, answer):
-    return float(len(messages[-1]["content"]) % 2)
-"""
-
-
 def test_ppo_with_r3_runs_and_no_replayed_decision_changes_with_the_engines_weights(moe_dir, tmp_path):
     """`rl2.trainer.ppo` with the hf engine and actor.router_replay=r3, fp32, one update per rollout: the engine
     records routes (the run does not stop for want of them), and each step's forwards run with the weights the
     engine sampled with (synced after every update), so router/mismatch is 0.0 at every step."""
-    import json
-
-    from conftest import run_python, run_torchrun
-
-    data = str(tmp_path / "data")
-    run_python(["recipes/make_demo_data.py", "--task", "successor", "--out", data, "--rows", "16", "--test-rows", "4"])
-    env = tmp_path / "parity.py"
-    env.write_text(PARITY_ENV)
-    run_torchrun([
-        "-m", "rl2.trainer.ppo", f"data.path={data}/train.jsonl", f"data.test_path={data}/test.jsonl",
-        "data.prompts_per_rollout=4", "data.responses_per_prompt=4", f"actor.model_name={moe_dir}",
-        "actor.dtype=float32", "actor.lr=1e-3", "actor.gradient_checkpointing=false", f"actor.save_dir={tmp_path / 'run'}",
-        f"rollout.env_path={env}", "rollout.train_sampling_params={temperature: 1.0, max_new_tokens: 6}",
-        "rollout.test_sampling_params={temperature: 0.0, max_new_tokens: 6}", "trainer.total_steps=2",
-        "trainer.test_freq=2", "trainer.disable_wandb=true", "actor.router_replay=r3",
-    ], nproc=1)
-    steps = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
+    steps = tiny_ppo_steps(moe_dir, tmp_path, "actor.router_replay=r3")
     assert len(steps) == 2 and all(s["router/mismatch"] == 0.0 for s in steps), steps
 
 

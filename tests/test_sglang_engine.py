@@ -984,16 +984,13 @@ def test_the_real_sglang_generates_with_images_as_the_embedded_engine_and_loads_
     engine on those weights: the pushed names are the checkpoint's (SGLang's Qwen2.5-VL skips others silently, or
     fails on the tower's MLP), and with `image_embedding_cache=False` SGLang does not serve the images it has seen
     with the old tower's embeddings."""
-    from test_vision_engine import generate, picture, prompt_sample, save_vlm
+    from test_vision_engine import generate, save_vlm, three_samples
 
     api = load_sglang()
     family = VLM_FAMILY_OF_RELEASE.get(api.version, "qwen3_vl")
     vlm_dir = save_vlm(str(tmp_path / family), family, seed=0)
     tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
-    samples = [prompt_sample(vlm_dir, tokenizer, "<image> and <image>: what differs?",
-                             [picture(56, 84, 1), picture(64, 48, 2)]),
-               prompt_sample(vlm_dir, tokenizer, "what is in <image>?", [picture(70, 70, 3)]),
-               prompt_sample(vlm_dir, tokenizer, "say something without a picture", [])]
+    samples = three_samples(vlm_dir, tokenizer)
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
     engine = SGLangEngine(vlm_dir, tokenizer, dtype="float32", api=api, image_embedding_cache=False)
     try:

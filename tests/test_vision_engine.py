@@ -59,13 +59,17 @@ def prompt_sample(vlm_dir, tokenizer, text: str, images: list) -> dict:
                                add_generation_prompt=True)
 
 
-@pytest.fixture(scope="module")
-def samples(vlm_dir, tokenizer) -> list[dict]:
+def three_samples(vlm_dir: str, tokenizer) -> list[dict]:
     """Two images of different grids in one prompt, one image, and a prompt without images."""
     return [prompt_sample(vlm_dir, tokenizer, "<image> and <image>: what differs?",
                           [picture(56, 84, 1), picture(64, 48, 2)]),
             prompt_sample(vlm_dir, tokenizer, "what is in <image>?", [picture(70, 70, 3)]),
             prompt_sample(vlm_dir, tokenizer, "say something without a picture", [])]
+
+
+@pytest.fixture(scope="module")
+def samples(vlm_dir, tokenizer) -> list[dict]:
+    return three_samples(vlm_dir, tokenizer)
 
 
 def generate(engine, samples, params) -> list:

@@ -266,7 +266,7 @@ def test_images_generate_as_the_embedded_engine_and_a_pushed_tower_is_used(famil
     same images generate as a fresh engine on those weights: vLLM's kept vision embeddings are dropped with the push
     (without that, a seen image fails with "Encoder cache miss")."""
     from test_sglang_engine import _perturbed_vlm
-    from test_vision_engine import generate, picture, prompt_sample
+    from test_vision_engine import generate, three_samples
 
     from rl2.engines import HFEngine
     from rl2.testing.tiny import sharpen_weights
@@ -279,10 +279,7 @@ def test_images_generate_as_the_embedded_engine_and_a_pushed_tower_is_used(famil
                     ).save_pretrained(vlm_dir)
     tokenizer.save_pretrained(vlm_dir)
     build_tiny_image_processor(family).save_pretrained(vlm_dir)
-    samples = [prompt_sample(vlm_dir, tokenizer, "<image> and <image>: what differs?",
-                             [picture(56, 84, 1), picture(64, 48, 2)]),
-               prompt_sample(vlm_dir, tokenizer, "what is in <image>?", [picture(70, 70, 3)]),
-               prompt_sample(vlm_dir, tokenizer, "say something without a picture", [])]
+    samples = three_samples(vlm_dir, tokenizer)
     params = SamplingParams(temperature=0.0, max_new_tokens=8)
     engine = VLLMEngine(vlm_dir, tokenizer, CPU, dtype="float32", gpu_memory_utilization=0.02)
     try:
