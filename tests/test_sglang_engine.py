@@ -961,21 +961,6 @@ def test_cpu_threads_binding_gives_every_sglang_rank_of_the_node_a_share():
 VLM_FAMILY_OF_RELEASE = {"0.5.21": "qwen2_5_vl", "0.5.23": "qwen3_vl"}
 
 
-def _perturbed_vlm(model_dir: str, folder: str) -> torch.nn.Module:
-    """The VLM of `model_dir` with every weight moved (its vision tower and its text model), saved to `folder`."""
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
-    AutoImageProcessor.from_pretrained(model_dir).save_pretrained(folder)
-    return model
-
-
 @pytest.mark.xdist_group("sglang_vlm")
 @pytest.mark.skipif(not SGLANG_INSTALLED, reason=REAL_ONLY)
 def test_the_real_sglang_generates_with_images_as_the_embedded_engine_and_loads_pushed_towers(tmp_path):
@@ -984,26 +969,11 @@ def test_the_real_sglang_generates_with_images_as_the_embedded_engine_and_loads_
     engine on those weights: the pushed names are the checkpoint's (SGLang's Qwen2.5-VL skips others silently, or
     fails on the tower's MLP), and with `image_embedding_cache=False` SGLang does not serve the images it has seen
     with the old tower's embeddings."""
-    from test_vision_engine import generate, save_vlm, three_samples
+    from test_vision_engine import generates_as_the_hf_engine_before_and_after_a_push, save_vlm
 
     api = load_sglang()
     family = VLM_FAMILY_OF_RELEASE.get(api.version, "qwen3_vl")
     vlm_dir = save_vlm(str(tmp_path / family), family, seed=0)
     tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
-    samples = three_samples(vlm_dir, tokenizer)
-    params = SamplingParams(temperature=0.0, max_new_tokens=8)
     engine = SGLangEngine(vlm_dir, tokenizer, dtype="float32", api=api, image_embedding_cache=False)
-    try:
-        got = generate(engine, samples, params)
-        pushed_dir = str(tmp_path / "pushed")
-        engine.update_weights(_perturbed_vlm(vlm_dir, pushed_dir).state_dict().items())
-        pushed = generate(engine, samples, params)
-    finally:
-        engine.shutdown()
-    want = generate(HFEngine(vlm_dir, tokenizer, "cpu", dtype="float32"), samples, params)
-    assert [g.token_ids for g in got] == [g.token_ids for g in want]
-    for g, w in zip(got, want):
-        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
-    fresh = generate(HFEngine(pushed_dir, tokenizer, "cpu", dtype="float32"), samples, params)
-    assert [g.token_ids for g in pushed] == [g.token_ids for g in fresh]
-    assert all(p.token_ids != w.token_ids for p, w in zip(pushed[:2], want[:2]))
+    generates_as_the_hf_engine_before_and_after_a_push(engine, vlm_dir, tokenizer, str(tmp_path / "pushed"), 1e-5)

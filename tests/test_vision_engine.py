@@ -93,6 +93,41 @@ def full_forward_logprobs(model, sample: dict, tokens: list[int]) -> torch.Tenso
     return torch.log_softmax(logits[prompt - 1 : -1].float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
+def perturbed_vlm(model_dir: str, folder: str) -> torch.nn.Module:
+    """The VLM of `model_dir` with every weight moved (its vision tower and its text model), saved to `folder`."""
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
+    AutoImageProcessor.from_pretrained(model_dir).save_pretrained(folder)
+    return model
+
+
+def generates_as_the_hf_engine_before_and_after_a_push(engine, vlm_dir: str, tokenizer, pushed_dir: str,
+                                                       logprob_tolerance: float) -> None:
+    """`engine` (another engine's adapter on `vlm_dir`; shut down here) gives `three_samples` the greedy tokens of
+    the `hf` engine, log-probs within `logprob_tolerance`; after a push of every weight (saved to `pushed_dir`) it
+    generates as a fresh `hf` engine on those weights, the image prompts' tokens changed."""
+    samples = three_samples(vlm_dir, tokenizer)
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    try:
+        got = generate(engine, samples, params)
+        engine.update_weights(perturbed_vlm(vlm_dir, pushed_dir).state_dict().items())
+        pushed = generate(engine, samples, params)
+    finally:
+        engine.shutdown()
+    want = generate(HFEngine(vlm_dir, tokenizer, CPU, dtype="float32"), samples, params)
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]
+    for g, w in zip(got, want):
+        assert g.logprobs == pytest.approx(w.logprobs, abs=logprob_tolerance)
+    fresh = generate(HFEngine(pushed_dir, tokenizer, CPU, dtype="float32"), samples, params)
+    assert [g.token_ids for g in pushed] == [g.token_ids for g in fresh]
+    assert all(p.token_ids != w.token_ids for p, w in zip(pushed[:2], want[:2]))
+
+
 def test_greedy_tokens_and_logprobs_equal_the_models_generate_and_forward(engine, reference, samples):
     generations = generate(engine, samples, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True))
     for sample, generation in zip(samples, generations):

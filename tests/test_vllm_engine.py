@@ -265,10 +265,8 @@ def test_images_generate_as_the_embedded_engine_and_a_pushed_tower_is_used(famil
     tokens equal the `hf` engine's, log-probs within 1e-4 (fp32). After a push of every weight (the tower's too) the
     same images generate as a fresh engine on those weights: vLLM's kept vision embeddings are dropped with the push
     (without that, a seen image fails with "Encoder cache miss")."""
-    from test_sglang_engine import _perturbed_vlm
-    from test_vision_engine import generate, three_samples
+    from test_vision_engine import generates_as_the_hf_engine_before_and_after_a_push
 
-    from rl2.engines import HFEngine
     from rl2.testing.tiny import sharpen_weights
     from rl2.testing.tiny_vlm import build_tiny_image_processor, build_tiny_vlm, build_tiny_vlm_tokenizer
 
@@ -279,20 +277,5 @@ def test_images_generate_as_the_embedded_engine_and_a_pushed_tower_is_used(famil
                     ).save_pretrained(vlm_dir)
     tokenizer.save_pretrained(vlm_dir)
     build_tiny_image_processor(family).save_pretrained(vlm_dir)
-    samples = three_samples(vlm_dir, tokenizer)
-    params = SamplingParams(temperature=0.0, max_new_tokens=8)
     engine = VLLMEngine(vlm_dir, tokenizer, CPU, dtype="float32", gpu_memory_utilization=0.02)
-    try:
-        got = generate(engine, samples, params)
-        pushed_dir = str(tmp_path / "pushed")
-        engine.update_weights(_perturbed_vlm(vlm_dir, pushed_dir).state_dict().items())
-        pushed = generate(engine, samples, params)
-    finally:
-        engine.shutdown()
-    want = generate(HFEngine(vlm_dir, tokenizer, CPU, dtype="float32"), samples, params)
-    assert [g.token_ids for g in got] == [g.token_ids for g in want]
-    for g, w in zip(got, want):
-        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
-    fresh = generate(HFEngine(pushed_dir, tokenizer, CPU, dtype="float32"), samples, params)
-    assert [g.token_ids for g in pushed] == [g.token_ids for g in fresh]
-    assert all(p.token_ids != w.token_ids for p, w in zip(pushed, want))
+    generates_as_the_hf_engine_before_and_after_a_push(engine, vlm_dir, tokenizer, str(tmp_path / "pushed"), 1e-4)
