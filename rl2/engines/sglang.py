@@ -321,21 +321,6 @@ def image_data(images: ImageInputs | None) -> list[dict] | None:
 IMAGE_CACHE_MB = "SGLANG_VLM_CACHE_SIZE_MB"
 
 
-@contextmanager
-def environment(**variables: str) -> Iterator[None]:
-    """Environment variables set for the block (SGLang's processes, started in it, read them), then as before."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def check_result(result: Any, what: str) -> None:
     """Raise if an SGLang control call reports failure ((success, message), a dict or an object)."""
     if result is None:
@@ -351,18 +336,27 @@ def check_result(result: Any, what: str) -> None:
 
 
 @contextmanager
-def sglang_process_state() -> Iterator[None]:
+def sglang_process_state(settings: dict[str, str] | None = None) -> Iterator[None]:
     """Around `sglang.Engine(...)`: drop TORCHELASTIC_USE_AGENT_STORE (SGLang hangs with it under
-    torchrun), then put back the NCCL / CUDA variables, signal handlers and multiprocessing start
-    method that SGLang changes in the calling process and the trainer relies on."""
+    torchrun) and set `settings` (SGLang's environment variables, read by the processes it starts), then
+    put back those, the NCCL / CUDA variables, signal handlers and multiprocessing start method that SGLang
+    changes in the calling process and the trainer relies on."""
+    settings = settings or {}
     saved = {key: value for key, value in os.environ.items() if key.startswith(_TRAINER_ENV_PREFIXES)}
+    saved_settings = {name: os.environ.get(name) for name in settings}
     main_thread = threading.current_thread() is threading.main_thread()
     handlers = {name: signal.getsignal(getattr(signal, name)) for name in _RESTORED_SIGNALS}
     start_method = multiprocessing.get_start_method(allow_none=True)
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    os.environ.update(settings)
     try:
         yield
     finally:
+        for name, value in saved_settings.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         for key in [key for key in os.environ if key.startswith(_TRAINER_ENV_PREFIXES)]:
             if key not in saved:
                 del os.environ[key]
@@ -454,7 +448,7 @@ class SGLangEngine(Engine):
             if self.device == "cpu":  # a core share per SGLang rank of the node, indexed by its gpu id
                 engines = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), self.layout.base_gpu_id + tp_size)
                 os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_binding(engines))
-            with sglang_process_state(), environment(**({} if image_embedding_cache else {IMAGE_CACHE_MB: "0"})):
+            with sglang_process_state({} if image_embedding_cache else {IMAGE_CACHE_MB: "0"}):
                 self.engine = self.api.Engine(**engine_args(model_path, self.layout, dtype, memory_fraction, seed,
                                                             _free_port(), server_args, self.device,
                                                             return_routes=self.routes is not None))
